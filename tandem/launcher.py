@@ -1,0 +1,79 @@
+"""Start, watch and stop Tandem processes on this machine (local stack, tests, benchmarks)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServiceProcess:
+    """One `tandem <command>` child process listening on 127.0.0.1:<port>, its output in a log file."""
+
+    def __init__(self, args: list[str], port: int | None = None, name: str | None = None, env: dict | None = None):
+        self.port = port or free_port()
+        self.args = [*args, "--port", str(self.port)]
+        self.name = name or args[0]
+        self.env = {**os.environ, "PYTHONSAFEPATH": "1", **(env or {})}
+        self.log = tempfile.NamedTemporaryFile(prefix=f"tandem-{self.name}-", suffix=".log", delete=False)
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> ServiceProcess:
+        self.proc = subprocess.Popen([sys.executable, "-m", "tandem.cli", *self.args], stdout=self.log,
+                                     stderr=subprocess.STDOUT, env=self.env, start_new_session=True)
+        return self
+
+    def log_tail(self, chars: int = 4000) -> str:
+        with open(self.log.name, errors="replace") as f:
+            return f.read()[-chars:]
+
+    def wait_ready(self, timeout: float = 180.0, path: str = "/ready") -> ServiceProcess:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                if httpx.get(self.url + path, timeout=2.0).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(f"{self.name} not ready after {timeout}s:\n{self.log_tail()}")
+
+    def kill(self) -> None:
+        """SIGKILL, as a crash would: no drain, no goodbye."""
+        if self.proc and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+
+    def stop(self, timeout: float = 15.0) -> int | None:
+        if self.proc is None or self.proc.poll() is not None:
+            return None if self.proc is None else self.proc.returncode
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            return None
+
+    def __enter__(self) -> ServiceProcess:
+        return self.start().wait_ready()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

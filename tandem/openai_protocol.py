@@ -1,0 +1,170 @@
+"""OpenAI API request and response models, shared by the worker server and the router.
+
+Requests are validated strictly (a string where a number belongs is a 400, as with OpenAI) but
+unknown fields are ignored so that newer SDKs keep working.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from tandem.errors import APIError
+from tandem.protocol import SamplingParams
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+
+
+class _CommonParams(_Request):
+    model: str
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = 0.0
+    frequency_penalty: float | None = 0.0
+    user: str | None = None
+    # Extensions that vLLM users rely on.
+    top_k: int | None = Field(None, ge=-1)
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_not_empty(cls, v):
+        if isinstance(v, list) and len(v) > 4:
+            raise ValueError("at most 4 stop sequences are allowed")
+        if isinstance(v, list) and any(s == "" for s in v) or v == "":
+            raise ValueError("stop sequences must be non-empty strings")
+        return v
+
+    def _check_supported(self) -> None:
+        if self.n != 1:
+            raise APIError(400, f"n={self.n} is not supported; only n=1 is", param="n")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name) not in (None, 0.0):
+                raise APIError(400, f"{name} is not supported; leave it at 0", param=name)
+
+    def _sampling(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        self._check_supported()
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        return SamplingParams(
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=-1 if self.top_k is None else self.top_k,
+            seed=self.seed,
+            max_tokens=max_tokens,
+            stop=stop,
+            stop_token_ids=list(self.stop_token_ids or []),
+            ignore_eos=self.ignore_eos,
+            logprobs=logprobs,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+        )
+
+
+PositiveInt = Annotated[int, Field(ge=1)]
+
+
+class CompletionRequest(_CommonParams):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(16, description="tokens to generate; must be >= 1")
+    logprobs: int | None = Field(None, ge=0, le=20)
+    echo: bool = False
+
+    def single_prompt(self) -> str | list[int]:
+        """The one prompt this request carries (batched prompts are refused clearly)."""
+        p = self.prompt
+        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
+            if len(p) != 1:
+                raise APIError(400, "batched prompts are not supported; send one prompt per request",
+                               param="prompt")
+            p = p[0]
+        if len(p) == 0:
+            raise APIError(400, "prompt must not be empty", param="prompt")
+        return p
+
+    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
+        if self.echo:
+            raise APIError(400, "echo is not supported", param="echo")
+        return self._sampling(_max_tokens(self.max_tokens, default_max_tokens), self.logprobs)
+
+
+class ContentPart(_Request):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Request):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content or ""
+
+
+class ChatCompletionRequest(_CommonParams):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+
+    def template_messages(self) -> list[dict]:
+        return [{"role": m.role, "content": m.text()} for m in self.messages]
+
+    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
+        requested = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        top = (self.top_logprobs or 0) if self.logprobs else None
+        return self._sampling(_max_tokens(requested, default_max_tokens), top)
+
+
+def _max_tokens(requested: int | None, default: int) -> int:
+    if requested is None:
+        return default
+    if requested <= 0:
+        raise APIError(400, f"max_tokens must be at least 1, got {requested}", param="max_tokens")
+    return requested
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: dict | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=now)
+    owned_by: str = "tandem"
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

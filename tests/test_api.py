@@ -1,0 +1,195 @@
+"""The worker's OpenAI API, exercised over real HTTP against a real `tandem worker` process."""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from tandem.launcher import ServiceProcess
+
+MAX_BODY = 64 * 1024
+
+
+@pytest.fixture(scope="module")
+def worker():
+    proc = ServiceProcess(["worker", "--role", "both", "--model", "smollm2", "--max-body-bytes", str(MAX_BODY),
+                           "--num-kv-blocks", "256", "--max-model-len", "2048"], name="api-worker")
+    with proc:
+        yield proc
+
+
+@pytest.fixture(scope="module")
+def client(worker):
+    return openai.OpenAI(base_url=worker.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def metric(worker, name: str, labels: str = "", default: float | None = None) -> float:
+    """Sum of a metric's samples whose label set contains `labels` (e.g. 'finish_reason="abort"')."""
+    text = httpx.get(worker.url + "/metrics").text
+    values = [float(m.group(2)) for m in re.finditer(rf"^{name}(\{{[^}}]*\}})? (\S+)$", text, re.M)
+              if labels in (m.group(1) or "")]
+    if not values and default is not None:
+        return default
+    assert values, f"{name}{{{labels}}} not exported"
+    return sum(values)
+
+
+def wait_for(predicate, timeout: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_health_ready_models_metrics(worker):
+    assert httpx.get(worker.url + "/health").json() == {"status": "ok"}
+    assert httpx.get(worker.url + "/ready").status_code == 200
+    models = httpx.get(worker.url + "/v1/models").json()
+    assert [m["id"] for m in models["data"]] == ["smollm2"]
+    assert metric(worker, "tandem_kv_blocks_total") == 256
+
+
+def test_openai_sdk_completions_stream_equals_non_stream(client):
+    prompt = "The three primary colors are"
+    full = client.completions.create(model="smollm2", prompt=prompt, max_tokens=24, temperature=0)
+    assert full.object == "text_completion"
+    assert full.usage.completion_tokens == 24 and full.choices[0].finish_reason == "length"
+    pieces = [c.choices[0].text for c in client.completions.create(model="smollm2", prompt=prompt, max_tokens=24,
+                                                                   temperature=0, stream=True) if c.choices]
+    assert "".join(pieces) == full.choices[0].text
+    assert len(pieces) > 1  # really streamed, not one blob
+
+
+def test_openai_sdk_chat_stream_equals_non_stream(client):
+    messages = [{"role": "user", "content": "Name a fruit that is yellow."}]
+    full = client.chat.completions.create(model="smollm2", messages=messages, max_tokens=20, temperature=0)
+    msg = full.choices[0].message
+    assert msg.role == "assistant" and msg.content
+    stream = client.chat.completions.create(model="smollm2", messages=messages, max_tokens=20, temperature=0,
+                                            stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == msg.content
+    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+
+
+def test_token_id_prompt_and_logprobs(client):
+    out = client.completions.create(model="smollm2", prompt=[504, 3575, 282, 4649, 314], max_tokens=5,
+                                    temperature=0, logprobs=3)
+    lp = out.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5
+    for chosen, top in zip(lp.token_logprobs, lp.top_logprobs):
+        assert chosen <= 0 and len(top) <= 3 and max(top.values()) >= chosen - 1e-4  # greedy picks the top one
+    assert out.choices[0].text.startswith(" Paris")
+
+    chat = client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "Hi"}],
+                                          max_tokens=4, temperature=0, logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens
+    assert all(len(c.top_logprobs) == 2 for c in content)
+
+
+def test_seeded_sampling_and_top_k_one(client):
+    kwargs = dict(model="smollm2", prompt="Once upon a time", max_tokens=16)
+    a = client.completions.create(temperature=0.9, seed=1234, **kwargs).choices[0].text
+    b = client.completions.create(temperature=0.9, seed=1234, **kwargs).choices[0].text
+    assert a == b
+    greedy = client.completions.create(temperature=0, **kwargs).choices[0].text
+    top1 = client.completions.create(temperature=0.9, extra_body={"top_k": 1}, **kwargs).choices[0].text
+    assert top1 == greedy
+
+
+def test_stop_string_cuts_exactly(client):
+    kwargs = dict(model="smollm2", prompt="List the days of the week: Monday,", max_tokens=30, temperature=0)
+    text = client.completions.create(**kwargs).choices[0].text
+    stop = text[len(text) // 2:len(text) // 2 + 3]
+    assert stop.strip(), text
+    cut = client.completions.create(stop=[stop], **kwargs).choices[0]
+    assert cut.text == text[:text.index(stop)]
+    assert cut.finish_reason == "stop"
+
+
+BAD_INPUTS = [
+    # (name, path, raw body, status, param or message fragment)
+    ("malformed json", "/v1/completions", b'{"model": "smollm2", "prompt": ', 400, "not valid JSON"),
+    ("body not an object", "/v1/completions", b"[1, 2]", 400, "JSON object"),
+    ("prompt wrong type", "/v1/completions", {"model": "smollm2", "prompt": 12}, 400, "prompt"),
+    ("max_tokens wrong type", "/v1/completions", {"model": "smollm2", "prompt": "x", "max_tokens": "5"}, 400,
+     "max_tokens"),
+    ("missing prompt", "/v1/completions", {"model": "smollm2"}, 400, "prompt"),
+    ("missing messages", "/v1/chat/completions", {"model": "smollm2"}, 400, "messages"),
+    ("empty messages", "/v1/chat/completions", {"model": "smollm2", "messages": []}, 400, "messages"),
+    ("max_tokens zero", "/v1/completions", {"model": "smollm2", "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ("max_tokens negative", "/v1/chat/completions",
+     {"model": "smollm2", "messages": [{"role": "user", "content": "x"}], "max_tokens": -3}, 400, "max_tokens"),
+    ("over context length", "/v1/completions", {"model": "smollm2", "prompt": "x", "max_tokens": 5000}, 400,
+     "maximum context length"),
+    ("unknown model", "/v1/completions", {"model": "gpt-9", "prompt": "x"}, 404, "gpt-9"),
+    ("temperature negative", "/v1/completions", {"model": "smollm2", "prompt": "x", "temperature": -0.5}, 400,
+     "temperature"),
+    ("top_p zero", "/v1/completions", {"model": "smollm2", "prompt": "x", "top_p": 0}, 400, "top_p"),
+    ("top_p above one", "/v1/completions", {"model": "smollm2", "prompt": "x", "top_p": 1.5}, 400, "top_p"),
+    ("n unsupported", "/v1/completions", {"model": "smollm2", "prompt": "x", "n": 2}, 400, "n=2"),
+    ("token id out of vocab", "/v1/completions", {"model": "smollm2", "prompt": [1, 99999999]}, 400, "vocabulary"),
+    ("body too large", "/v1/completions", {"model": "smollm2", "prompt": "x" * (MAX_BODY + 10)}, 413, "limit"),
+]
+
+
+def _post(worker, path, body):
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return httpx.post(worker.url + path, content=content, headers={"content-type": "application/json"}, timeout=30)
+
+
+def test_bad_input_gets_openai_error_and_spares_requests_in_flight(worker, client):
+    prompt = "Write a long story about a lighthouse keeper."
+    reference = client.completions.create(model="smollm2", prompt=prompt, max_tokens=48, temperature=0,
+                                          extra_body={"ignore_eos": True}).choices[0].text
+    streamed: list[str] = []
+
+    def stream_in_flight():
+        for c in client.completions.create(model="smollm2", prompt=prompt, max_tokens=48, temperature=0,
+                                           stream=True, extra_body={"ignore_eos": True}):
+            streamed.append(c.choices[0].text if c.choices else "")
+
+    t = threading.Thread(target=stream_in_flight)
+    t.start()
+    for name, path, body, status, fragment in BAD_INPUTS:
+        r = _post(worker, path, body)
+        assert r.status_code == status, (name, r.text)
+        err = r.json()["error"]
+        assert set(err) >= {"message", "type", "param", "code"}, name
+        assert fragment in err["message"] or fragment == err["param"], (name, err)
+    t.join(120)
+    assert "".join(streamed) == reference
+    assert httpx.get(worker.url + "/health").status_code == 200
+
+
+def test_sdk_raises_typed_errors(client):
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="nope", prompt="x")
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model="smollm2", prompt="x", max_tokens=0)
+
+
+def test_disconnected_stream_frees_its_blocks(worker):
+    aborted_before = metric(worker, "tandem_requests_finished_total", 'finish_reason="abort"', default=0.0)
+    body = {"model": "smollm2", "prompt": "Count slowly: one, two,", "max_tokens": 1500, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    with httpx.Client(timeout=60) as http, http.stream("POST", worker.url + "/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        received = [next(lines) for _ in range(8)]
+        assert any(line.startswith("data: ") for line in received)
+        assert metric(worker, "tandem_kv_blocks_used") > 0
+    # The connection is closed: the request must be aborted and every block returned.
+    assert wait_for(lambda: metric(worker, "tandem_kv_blocks_used") == 0
+                    and metric(worker, "tandem_num_requests_running") == 0)
+    assert metric(worker, "tandem_requests_finished_total", 'finish_reason="abort"') == aborted_before + 1

@@ -1,0 +1,149 @@
+"""Runs the engine's step loop in its own thread and streams outputs to asyncio callers.
+
+The HTTP server lives on an asyncio event loop; a forward pass takes milliseconds to seconds.
+So the loop never calls the engine directly: it drops commands (add, abort) into a thread-safe
+inbox that the engine thread drains before every step, and the engine thread hands each
+RequestOutput back with `call_soon_threadsafe`. Torch releases the GIL in its kernels, so
+the event loop keeps serving (and streaming) while a step runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from tandem.protocol import SamplingParams
+from tandem.workers.engine.llm_engine import LLMEngine, RequestOutput
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread failed; the worker must be restarted."""
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, idle_wait_s: float = 0.05):
+        self.engine = engine
+        self._inbox: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
+        self._wakeup = threading.Event()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._streams_lock = threading.Lock()
+        self._idle_wait_s = idle_wait_s
+        self._thread = threading.Thread(target=self._run, name="tandem-engine", daemon=True)
+        self._stopping = False
+        self.error: BaseException | None = None
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stopping = True
+        self._inbox.put(None)
+        self._wakeup.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self.error is None
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._streams)
+
+    # -- requests ----------------------------------------------------------------------------
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                       arrival_time: float) -> AsyncIterator[RequestOutput]:
+        """Yields the request's outputs until it finishes. Leaving early (client gone, task
+        cancelled) aborts the request, which frees its KV blocks at the next step."""
+        if not self.alive:
+            raise EngineDeadError("the engine is not running")
+        stream: asyncio.Queue = asyncio.Queue()
+        with self._streams_lock:
+            if request_id in self._streams:
+                raise ValueError(f"request id {request_id!r} is already in flight")
+            self._streams[request_id] = (asyncio.get_running_loop(), stream)
+        self._inbox.put(_Add(request_id, prompt_token_ids, params, arrival_time))
+        self._wakeup.set()
+        finished = False
+        try:
+            while not finished:
+                item = await stream.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        with self._streams_lock:
+            self._streams.pop(request_id, None)
+        self._inbox.put(_Abort(request_id))
+        self._wakeup.set()
+
+    # -- engine thread -----------------------------------------------------------------------
+    def _deliver(self, request_id: str, item: RequestOutput | BaseException, final: bool) -> None:
+        with self._streams_lock:
+            target = self._streams.pop(request_id, None) if final else self._streams.get(request_id)
+        if target is not None:
+            loop, stream = target
+            loop.call_soon_threadsafe(stream.put_nowait, item)
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                cmd = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if cmd is None:
+                continue
+            if isinstance(cmd, _Abort):
+                self.engine.abort_request(cmd.request_id)
+                continue
+            with self._streams_lock:
+                wanted = cmd.request_id in self._streams
+            if not wanted:  # aborted before the engine ever saw it
+                continue
+            try:
+                self.engine.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params, cmd.arrival_time)
+            except ValueError as exc:
+                self._deliver(cmd.request_id, exc, final=True)
+
+    def _run(self) -> None:
+        try:
+            while not self._stopping:
+                self._drain_inbox()
+                if not self.engine.has_unfinished_requests():
+                    self._wakeup.wait(self._idle_wait_s)
+                    self._wakeup.clear()
+                    continue
+                for out in self.engine.step():
+                    self._deliver(out.request_id, out, final=out.finished)
+        except BaseException as exc:  # a bug in a step: fail every caller loudly, never hang them
+            log.exception("engine loop died")
+            self.error = exc
+            with self._streams_lock:
+                ids = list(self._streams)
+            for rid in ids:
+                self._deliver(rid, EngineDeadError(f"engine failed: {exc!r}"), final=True)

@@ -1,0 +1,47 @@
+"""ASGI middleware that refuses request bodies over a size cap with 413, before they are buffered."""
+
+from __future__ import annotations
+
+import json
+
+from tandem.errors import APIError, error_body
+
+
+class BodySizeLimit:
+    def __init__(self, app, max_bytes: int):
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None:
+            if not declared.isdigit():
+                return await _reply(send, 400, "invalid Content-Length header")
+            if int(declared) > self.max_bytes:
+                return await _reply(send, 413, self._too_large())
+        received = 0
+
+        async def counted_receive():
+            # Chunked bodies declare no length: count as they arrive. The APIError surfaces where
+            # the route reads the body and is answered by the app's APIError handler.
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    raise APIError(413, self._too_large())
+            return message
+
+        await self.app(scope, counted_receive, send)
+
+    def _too_large(self) -> str:
+        return f"request body exceeds the {self.max_bytes}-byte limit"
+
+
+async def _reply(send, status: int, message: str) -> None:
+    body = json.dumps(error_body(status, message)).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})

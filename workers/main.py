@@ -1,0 +1,71 @@
+"""Starts a worker process: load the model, start the engine thread, serve HTTP until SIGTERM."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import uvicorn
+
+from tandem.config import EngineConfig, WorkerConfig
+from tandem.metrics import EngineMetrics
+from tandem.workers.async_engine import AsyncEngine
+from tandem.workers.engine.llm_engine import LLMEngine
+from tandem.workers.models.loader import load_model
+from tandem.workers.server import ServingContext, build_app
+
+log = logging.getLogger("tandem.worker")
+
+
+class _Server(uvicorn.Server):
+    """uvicorn, plus the one line saying where we listen once the socket is really bound."""
+
+    def __init__(self, config: uvicorn.Config, banner: str):
+        super().__init__(config)
+        self.banner = banner
+
+    async def startup(self, sockets=None):
+        await super().startup(sockets)
+        if self.started:
+            host, port = self.servers[0].sockets[0].getsockname()[:2]
+            print(f"{self.banner} listening on http://{host}:{port}", flush=True)
+
+
+def resolve_device(config: EngineConfig) -> tuple[str, str]:
+    """(device, attention backend): CUDA and Triton when a GPU is present, else CPU and torch."""
+    device = config.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    backend = config.attention_backend
+    if backend == "auto":
+        backend = "triton" if device.startswith("cuda") else "torch"
+    return device, backend
+
+
+def build_worker(config: WorkerConfig) -> tuple[ServingContext, AsyncEngine]:
+    ec = config.engine
+    device, backend = resolve_device(ec)
+    loaded = load_model(ec.model, dtype=ec.dtype, device=device, backend=backend,
+                        served_name=ec.served_model_name)
+    if loaded.tokenizer is None:
+        raise SystemExit(f"{ec.model} has no tokenizer (tokenizer.json or GGUF metadata); cannot serve it")
+    served = ec.served_model_name or loaded.config.name
+    metrics = EngineMetrics(model=served, pool=config.role)
+    engine = LLMEngine(loaded, ec, metrics)
+    async_engine = AsyncEngine(engine)
+    ctx = ServingContext(async_engine, loaded.tokenizer, served, engine.max_model_len, config, metrics.registry)
+    return ctx, async_engine
+
+
+def run_worker(config: WorkerConfig, log_level: str = "info") -> int:
+    ctx, async_engine = build_worker(config)
+    async_engine.start()
+    app = build_app(ctx)
+    server = _Server(uvicorn.Config(app, host=config.host, port=config.port, log_level=log_level,
+                                    access_log=False, timeout_graceful_shutdown=5),
+                     banner=f"tandem worker (role {config.role}, model {ctx.served_name})")
+    try:
+        server.run()  # handles SIGINT/SIGTERM: stops accepting, finishes responses, returns
+    finally:
+        async_engine.stop()
+    return 0

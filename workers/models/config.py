@@ -1,0 +1,26 @@
+"""Architecture hyper-parameters of a decoder-only model, read from config.json or GGUF metadata."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class ModelConfig:
+    architecture: str  # "llama" | "qwen2" (Mistral and SmolLM2 are llama)
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    rope_scaling: dict | None = None  # HF-style dict, e.g. {"rope_type": "llama3", "factor": 8.0, ...}
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # Qwen2: bias on q/k/v projections
+    bos_token_id: int | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+    name: str = "model"  # the served name by default

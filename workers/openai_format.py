@@ -1,0 +1,131 @@
+"""Turns engine outputs into OpenAI response bodies and stream chunks.
+
+One formatter per request accumulates what it has seen, so the non-streaming body, every stream
+chunk and the usage block all come from the same state.
+"""
+
+from __future__ import annotations
+
+from tandem.workers.engine.llm_engine import RequestOutput
+from tandem.workers.tokenizer import Tokenizer
+
+
+class Formatter:
+    object_name = ""
+    chunk_object_name = ""
+
+    def __init__(self, request_id: str, model: str, created: int, tokenizer: Tokenizer, num_prompt_tokens: int):
+        self.request_id = request_id
+        self.model = model
+        self.created = created
+        self.tokenizer = tokenizer
+        self.num_prompt_tokens = num_prompt_tokens
+        self.num_cached_tokens = 0
+        self.text = ""
+        self.token_ids: list[int] = []
+        self.logprobs: list = []
+        self.wants_logprobs = False
+        self.finish_reason: str | None = None
+
+    def add(self, out: RequestOutput) -> None:
+        self.text += out.new_text
+        self.token_ids.extend(out.new_token_ids)
+        if out.new_logprobs is not None:
+            self.wants_logprobs = True
+            self.logprobs.extend(out.new_logprobs)
+        self.num_cached_tokens = out.num_cached_tokens
+        if out.finished:
+            self.finish_reason = out.finish_reason
+
+    def usage(self) -> dict:
+        n = len(self.token_ids)
+        return {"prompt_tokens": self.num_prompt_tokens, "completion_tokens": n,
+                "total_tokens": self.num_prompt_tokens + n,
+                "prompt_tokens_details": {"cached_tokens": self.num_cached_tokens}}
+
+    def envelope(self, obj: str, choices: list, usage: dict | None = None) -> dict:
+        body = {"id": self.request_id, "object": obj, "created": self.created, "model": self.model,
+                "choices": choices}
+        if usage is not None:
+            body["usage"] = usage
+        return body
+
+    def usage_chunk(self) -> dict:
+        return self.envelope(self.chunk_object_name, [], self.usage())
+
+    def first_chunk(self) -> dict | None:
+        return None
+
+    def chunks(self, out: RequestOutput) -> list[dict]:
+        raise NotImplementedError
+
+    def final(self) -> dict:
+        raise NotImplementedError
+
+    def _token_text(self, token_id: int) -> str:
+        return self.tokenizer.token_to_str(token_id)
+
+
+class CompletionFormatter(Formatter):
+    object_name = chunk_object_name = "text_completion"
+
+    def _logprobs_block(self, entries: list) -> dict | None:
+        if not self.wants_logprobs:
+            return None
+        return {
+            "tokens": [self._token_text(e.token_id) for e in entries],
+            "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{self._token_text(t): lp for t, lp in e.top_logprobs} for e in entries],
+            "text_offset": [],
+        }
+
+    def chunks(self, out: RequestOutput) -> list[dict]:
+        self.add(out)
+        if not out.new_text and not out.finished:
+            return []
+        choice = {"index": 0, "text": out.new_text, "logprobs": self._logprobs_block(out.new_logprobs or []),
+                  "finish_reason": out.finish_reason if out.finished else None}
+        return [self.envelope(self.chunk_object_name, [choice])]
+
+    def final(self) -> dict:
+        choice = {"index": 0, "text": self.text, "logprobs": self._logprobs_block(self.logprobs),
+                  "finish_reason": self.finish_reason}
+        return self.envelope(self.object_name, [choice], self.usage())
+
+
+class ChatFormatter(Formatter):
+    object_name = "chat.completion"
+    chunk_object_name = "chat.completion.chunk"
+
+    def _logprobs_block(self, entries: list) -> dict | None:
+        if not self.wants_logprobs:
+            return None
+
+        def item(token_id: int, logprob: float) -> dict:
+            text = self._token_text(token_id)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+        return {"content": [{**item(e.token_id, e.logprob),
+                             "top_logprobs": [item(t, lp) for t, lp in e.top_logprobs]} for e in entries]}
+
+    def first_chunk(self) -> dict:
+        return self.envelope(self.chunk_object_name,
+                             [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                               "finish_reason": None}])
+
+    def chunks(self, out: RequestOutput) -> list[dict]:
+        self.add(out)
+        chunks = []
+        if out.new_text:
+            chunks.append(self.envelope(self.chunk_object_name, [
+                {"index": 0, "delta": {"content": out.new_text},
+                 "logprobs": self._logprobs_block(out.new_logprobs or []), "finish_reason": None}]))
+        if out.finished:
+            chunks.append(self.envelope(self.chunk_object_name, [
+                {"index": 0, "delta": {}, "logprobs": None, "finish_reason": out.finish_reason}]))
+        return chunks
+
+    def final(self) -> dict:
+        choice = {"index": 0, "message": {"role": "assistant", "content": self.text},
+                  "logprobs": self._logprobs_block(self.logprobs), "finish_reason": self.finish_reason}
+        return self.envelope(self.object_name, [choice], self.usage())

@@ -1,0 +1,187 @@
+"""The worker's HTTP server: the OpenAI API over one engine, plus health, readiness and metrics.
+
+Requests are parsed and validated here (strict types, OpenAI-style 4xx bodies) so the engine only
+ever sees well-formed work; a bad request is answered without touching anything in flight.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel, ValidationError
+
+from tandem.config import WorkerConfig
+from tandem.errors import APIError, error_body
+from tandem.openai_protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, new_id, now
+from tandem.protocol import SamplingParams
+from tandem.workers.async_engine import AsyncEngine, EngineDeadError
+from tandem.workers.body_limit import BodySizeLimit
+from tandem.workers.engine.llm_engine import RequestOutput
+from tandem.workers.openai_format import ChatFormatter, CompletionFormatter, Formatter
+from tandem.workers.tokenizer import Tokenizer
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+class ServingContext:
+    """What the routes need: the engine, the tokenizer, the served name and the limits."""
+
+    def __init__(self, engine: AsyncEngine, tokenizer: Tokenizer, served_name: str, max_model_len: int,
+                 config: WorkerConfig, registry):
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.served_name = served_name
+        self.max_model_len = max_model_len
+        self.config = config
+        self.registry = registry
+        self.draining = False
+
+
+async def parse_body(request: Request, model: type[BaseModel]) -> BaseModel:
+    raw = await request.body()
+    try:
+        payload = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise APIError(400, f"request body is not valid JSON: {exc}") from None
+    if not isinstance(payload, dict):
+        raise APIError(400, "request body must be a JSON object")
+    try:
+        return model.model_validate(payload)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        param = ".".join(str(p) for p in first["loc"]) or None
+        raise APIError(400, f"{param}: {first['msg']}" if param else first["msg"], param=param) from None
+
+
+def build_app(ctx: ServingContext) -> FastAPI:
+    app = FastAPI(title="Tandem worker", version="0.1.0")
+    app.add_middleware(BodySizeLimit, max_bytes=ctx.config.max_body_bytes)
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError):
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(EngineDeadError)
+    async def _engine_dead(_: Request, exc: EngineDeadError):
+        return JSONResponse(error_body(503, str(exc)), status_code=503)
+
+    @app.get("/health")
+    async def health():
+        if not ctx.engine.alive:
+            return JSONResponse(error_body(503, "engine loop is not running"), status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready():
+        if not ctx.engine.alive or ctx.draining:
+            reason = "draining" if ctx.draining else "engine loop is not running"
+            return JSONResponse(error_body(503, reason), status_code=503)
+        return {"status": "ready", "role": ctx.config.role}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(generate_latest(ctx.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models():
+        return ModelList(data=[ModelCard(id=ctx.served_name, max_model_len=ctx.max_model_len)]).model_dump()
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body: CompletionRequest = await parse_body(request, CompletionRequest)
+        check_model(ctx, body.model)
+        prompt = body.single_prompt()
+        prompt_ids = ctx.tokenizer.encode(prompt) if isinstance(prompt, str) else check_token_ids(ctx, prompt)
+        params = body.sampling_params(default_max_tokens=16)
+        check_length(ctx, len(prompt_ids), params)
+        fmt = CompletionFormatter(new_id("cmpl"), ctx.served_name, now(), ctx.tokenizer, len(prompt_ids))
+        return await respond(ctx, request, fmt, prompt_ids, params, body.stream, include_usage(body))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        body: ChatCompletionRequest = await parse_body(request, ChatCompletionRequest)
+        check_model(ctx, body.model)
+        if not ctx.tokenizer.chat_template:
+            raise APIError(400, "this model has no chat template; use /v1/completions")
+        text = ctx.tokenizer.apply_chat_template(body.template_messages(), add_generation_prompt=True)
+        prompt_ids = ctx.tokenizer.encode(text, add_special_tokens=False)
+        params = body.sampling_params(default_max_tokens=max(1, ctx.max_model_len - len(prompt_ids)))
+        check_length(ctx, len(prompt_ids), params)
+        fmt = ChatFormatter(new_id("chatcmpl"), ctx.served_name, now(), ctx.tokenizer, len(prompt_ids))
+        return await respond(ctx, request, fmt, prompt_ids, params, body.stream, include_usage(body))
+
+    return app
+
+
+def include_usage(body) -> bool:
+    return bool(body.stream_options and body.stream_options.include_usage)
+
+
+def check_model(ctx: ServingContext, model: str) -> None:
+    if model != ctx.served_name:
+        raise APIError(404, f"The model '{model}' does not exist; this server serves '{ctx.served_name}'",
+                       param="model", code="model_not_found")
+
+
+def check_token_ids(ctx: ServingContext, ids: list[int]) -> list[int]:
+    vocab = ctx.tokenizer.vocab_size
+    bad = next((t for t in ids if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise APIError(400, f"token id {bad} is outside the vocabulary [0, {vocab})", param="prompt")
+    return ids
+
+
+def check_length(ctx: ServingContext, prompt_len: int, params: SamplingParams) -> None:
+    total = prompt_len + params.max_tokens
+    if total > ctx.max_model_len:
+        raise APIError(400, f"This model's maximum context length is {ctx.max_model_len} tokens. However, you "
+                            f"requested {total} tokens ({prompt_len} in the prompt, {params.max_tokens} in the "
+                            "completion). Please reduce the prompt or max_tokens.", param="max_tokens",
+                       code="context_length_exceeded")
+
+
+async def respond(ctx: ServingContext, request: Request, fmt: Formatter, prompt_ids: list[int],
+                  params: SamplingParams, stream: bool, usage_in_stream: bool):
+    outputs = ctx.engine.generate(fmt.request_id, prompt_ids, params, time.time())
+    if stream:
+        return StreamingResponse(sse_events(fmt, outputs, usage_in_stream), media_type="text/event-stream",
+                                 headers=SSE_HEADERS)
+    try:
+        async for out in outputs:
+            fmt.add(out)
+            if await request.is_disconnected():
+                break  # leaving the iterator aborts the request and frees its blocks
+    except ValueError as exc:
+        raise APIError(400, str(exc)) from None
+    finally:
+        await outputs.aclose()
+    return fmt.final()
+
+
+async def sse_events(fmt: Formatter, outputs: AsyncIterator[RequestOutput], usage: bool) -> AsyncIterator[str]:
+    """One SSE event per engine output, flushed as it comes. A client that goes away cancels this
+    generator, and closing `outputs` aborts the request in the engine."""
+    try:
+        first = fmt.first_chunk()
+        if first is not None:
+            yield sse(first)
+        async for out in outputs:
+            for chunk in fmt.chunks(out):
+                yield sse(chunk)
+        if usage:
+            yield sse(fmt.usage_chunk())
+        yield "data: [DONE]\n\n"
+    except (ValueError, EngineDeadError) as exc:
+        yield sse(error_body(503 if isinstance(exc, EngineDeadError) else 400, str(exc)))
+        yield "data: [DONE]\n\n"
+    finally:
+        await outputs.aclose()
+
+
+def sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
