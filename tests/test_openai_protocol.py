@@ -1,0 +1,54 @@
+"""Request validation and the mapping from OpenAI parameters to SamplingParams."""
+
+import pytest
+from pydantic import ValidationError
+
+from tandem.errors import APIError, error_body
+from tandem.openai_protocol import ChatCompletionRequest, CompletionRequest
+
+
+def test_defaults_map_to_sampling_params():
+    p = CompletionRequest(model="m", prompt="hi").sampling_params(default_max_tokens=16)
+    assert (p.temperature, p.top_p, p.top_k, p.max_tokens, p.stop, p.logprobs) == (1.0, 1.0, -1, 16, [], None)
+
+
+def test_chat_max_completion_tokens_wins_and_logprobs():
+    r = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "x"}], max_tokens=5,
+                              max_completion_tokens=7, logprobs=True, top_logprobs=3, stop="END")
+    p = r.sampling_params(default_max_tokens=100)
+    assert (p.max_tokens, p.logprobs, p.stop) == (7, 3, ["END"])
+
+
+def test_content_parts_are_joined():
+    r = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": [
+        {"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}])
+    assert r.template_messages() == [{"role": "user", "content": "ab"}]
+
+
+@pytest.mark.parametrize("field,value", [("max_tokens", "3"), ("temperature", "hot"), ("temperature", -1),
+                                         ("top_p", 0), ("top_p", 1.01), ("stream", "yes"), ("stop", [""])])
+def test_strict_validation(field, value):
+    with pytest.raises(ValidationError):
+        CompletionRequest(**{"model": "m", "prompt": "x", field: value})
+
+
+@pytest.mark.parametrize("kwargs,param", [({"n": 3}, "n"), ({"max_tokens": 0}, "max_tokens"),
+                                          ({"presence_penalty": 0.5}, "presence_penalty"), ({"echo": True}, "echo")])
+def test_unsupported_or_invalid_values_raise_api_errors(kwargs, param):
+    with pytest.raises(APIError) as info:
+        CompletionRequest(model="m", prompt="x", **kwargs).sampling_params(16)
+    assert info.value.status == 400 and info.value.param == param
+
+
+def test_batched_prompts_are_refused_but_singletons_accepted():
+    assert CompletionRequest(model="m", prompt=["one"]).single_prompt() == "one"
+    assert CompletionRequest(model="m", prompt=[[1, 2]]).single_prompt() == [1, 2]
+    with pytest.raises(APIError):
+        CompletionRequest(model="m", prompt=["a", "b"]).single_prompt()
+
+
+def test_error_body_shape():
+    body = error_body(404, "nope", param="model", code="model_not_found")
+    assert body == {"error": {"message": "nope", "type": "not_found_error", "param": "model",
+                              "code": "model_not_found"}}
+    assert error_body(413, "big")["error"]["code"] == "request_entity_too_large"
