@@ -25,3 +25,82 @@ class SamplingParams(BaseModel):
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+
+# -- P/D wire protocol (ARCHITECTURE.md §3): JSON over HTTP on each worker's internal port ----------
+
+
+class LayoutFingerprint(BaseModel):
+    """Everything that must match for one worker's KV blocks to be valid in another's cache."""
+
+    model: str
+    dtype: str
+    block_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    tp_rank: int = 0
+
+    def mismatches(self, local: LayoutFingerprint) -> list[str]:
+        """Human-readable differences, e.g. ['block_size: handle 16, this worker 32']."""
+        return [f"{name}: handle {getattr(self, name)!r}, this worker {getattr(local, name)!r}"
+                for name in type(self).model_fields if getattr(self, name) != getattr(local, name)]
+
+
+class KVHandle(BaseModel):
+    """Names the KV blocks a prefill worker holds for one prompt, under a lease."""
+
+    source_url: str = Field(description="the prefill worker's base URL (for /internal/kv/agent and release)")
+    agent_name: str
+    lease_id: str
+    block_ids: list[int]
+    num_tokens: int
+    layout: LayoutFingerprint
+    expires_at: float = Field(description="unix time after which the blocks may be gone")
+
+
+class TokenLogprob(BaseModel):
+    token_id: int
+    logprob: float
+    top_logprobs: list[tuple[int, float]] = Field(default_factory=list)
+
+
+class PrefillRequest(BaseModel):
+    request_id: str
+    prompt_token_ids: list[int] = Field(min_length=1)
+    sampling: SamplingParams
+
+
+class PrefillResponse(BaseModel):
+    request_id: str
+    first_token_id: int
+    first_token_logprob: TokenLogprob | None = None
+    finish_reason: str | None = Field(None, description="set when the request already ended at its first token")
+    kv_handle: KVHandle | None = Field(None, description="absent when finished (nothing left to decode)")
+    num_cached_tokens: int = 0
+
+
+class DecodeRequest(BaseModel):
+    """Continue a request on a decode worker. Without a kv_handle the worker computes the prompt
+    itself (colocated path, or resuming a migrated request from prompt + tokens so far)."""
+
+    request_id: str
+    prompt_token_ids: list[int] = Field(min_length=1)
+    first_token_id: int | None = None
+    kv_handle: KVHandle | None = None
+    sampling: SamplingParams
+
+
+class DecodeChunk(BaseModel):
+    """One SSE event of /internal/decode."""
+
+    token_ids: list[int]
+    text: str = ""
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: str | None = None
+    num_cached_tokens: int = 0
+    kv_source: str | None = Field(None, description="'pulled', 'local' or a fallback reason; on the first chunk")
+
+
+class ReleaseRequest(BaseModel):
+    lease_id: str

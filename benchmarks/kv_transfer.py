@@ -1,0 +1,109 @@
+"""KV-transfer bandwidth between two processes on one host, NIXL and TCP, against memcpy.
+
+Moves the KV cache of a 4,096-token prompt in Llama-3-8B's cache shape (32 layers, 8 KV heads,
+head dim 128, bf16: 128 KiB per token, 512 MiB in all, 256 blocks of 16 tokens) from a "prefill"
+process to this "decode" process, as the workers do: one READ per run of adjacent blocks
+(--scatter makes every block its own descriptor). The peer figure is single-threaded memcpy
+(ctypes.memmove) of the same bytes in this process, measured in the same run. Target (issue 4):
+NIXL >= 50% of memcpy on CPU loopback. Prints conditions and ratios; never asserts.
+
+    PYTHONSAFEPATH=1 .venv/bin/python benchmarks/kv_transfer.py [--tokens 4096] [--repeats 5] [--scatter]
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import multiprocessing as mp
+import platform
+import random
+import time
+
+import torch
+
+LAYERS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
+
+
+def cache_shape(num_blocks: int) -> tuple[int, ...]:
+    return (num_blocks, LAYERS, 2, BLOCK, KV_HEADS, HEAD_DIM)
+
+
+def prefill_process(backend: str, num_blocks: int, conn) -> None:
+    from tandem.workers.kv_transfer import create_kv_transfer
+
+    cache = torch.randn(cache_shape(num_blocks), dtype=torch.float32).to(torch.bfloat16)
+    transfer = create_kv_transfer(backend, cache, f"bench-prefill-{backend}")
+    conn.send((transfer.agent_info(), cache[:4].float().sum().item()))
+    conn.recv()  # wait until the decode side is done
+    transfer.close()
+
+
+def measure_memcpy(nbytes: int, repeats: int) -> float:
+    src = torch.empty(nbytes, dtype=torch.uint8).fill_(1)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        ctypes.memmove(dst.data_ptr(), src.data_ptr(), nbytes)
+        best = min(best, time.perf_counter() - t)
+    return nbytes / best
+
+
+def measure_backend(backend: str, num_blocks: int, repeats: int, scatter: bool) -> tuple[float, bool]:
+    from tandem.workers.kv_transfer import create_kv_transfer
+
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=prefill_process, args=(backend, num_blocks, child))
+    proc.start()
+    try:
+        info, checksum = parent.recv()
+        dest = torch.zeros(cache_shape(num_blocks), dtype=torch.bfloat16)
+        transfer = create_kv_transfer(backend, dest, f"bench-decode-{backend}")
+        remote = list(range(num_blocks))
+        local = list(range(num_blocks))
+        if scatter:  # no two adjacent: every block is its own descriptor
+            random.Random(0).shuffle(local)
+        best = float("inf")
+        for _ in range(repeats):
+            t = time.perf_counter()
+            moved = transfer.read_blocks(info, remote, local, timeout_s=60)
+            best = min(best, time.perf_counter() - t)
+        first_four = [local.index(b) for b in range(4)]  # where remote blocks 0..3 landed
+        ok = abs(dest[first_four].float().sum().item() - checksum) < 1e-3 * max(1.0, abs(checksum))
+        transfer.close()
+        return moved / best, ok
+    finally:
+        parent.send("done")
+        proc.join(30)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--scatter", action="store_true", help="one descriptor per block instead of coalesced runs")
+    ap.add_argument("--backends", nargs="+", default=["nixl", "tcp"])
+    args = ap.parse_args()
+    from tandem.workers.kv_transfer import nixl_available
+
+    num_blocks = args.tokens // BLOCK
+    nbytes = num_blocks * LAYERS * 2 * BLOCK * KV_HEADS * HEAD_DIM * 2
+    print("== conditions ==")
+    print(f"{args.tokens} tokens in Llama-3-8B cache shape (layers {LAYERS}, kv heads {KV_HEADS}, head dim {HEAD_DIM}, "
+          f"bf16, block {BLOCK}) = {nbytes / 2**20:.0f} MiB; two processes on one host ({platform.machine()}, "
+          f"{mp.cpu_count()} cores), host memory; best of {args.repeats}; "
+          f"{'scattered blocks' if args.scatter else 'contiguous block runs'}")
+    memcpy_bw = measure_memcpy(nbytes, args.repeats)
+    print(f"memcpy (single thread)  {memcpy_bw / 1e9:6.2f} GB/s")
+    for backend in args.backends:
+        if backend == "nixl" and not nixl_available():
+            print("nixl                    not installed (pip install nixl-cu12)")
+            continue
+        bw, ok = measure_backend(backend, num_blocks, args.repeats, args.scatter)
+        print(f"{backend:<23} {bw / 1e9:6.2f} GB/s  = {bw / memcpy_bw:5.1%} of memcpy  "
+              f"(data {'verified' if ok else 'MISMATCH'}; target NIXL >= 50%)")
+
+
+if __name__ == "__main__":
+    main()
