@@ -62,7 +62,80 @@ class EngineMetrics:
                              registry=r).labels(**labels)
         self.requests_finished = Counter("tandem_requests_finished", "Requests finished, by reason",
                                          (*ENGINE_LABELS, "finish_reason"), registry=r)
+        # KV transfer (P/D): the decode side pulls, the prefill side pins blocks under leases.
+        self.kv_transfer_bytes = Counter("tandem_kv_transfer_bytes", "KV bytes pulled from prefill workers",
+                                         ENGINE_LABELS, registry=r).labels(**labels)
+        self.kv_transfer_blocks = Counter("tandem_kv_transfer_blocks", "KV blocks pulled from prefill workers",
+                                          ENGINE_LABELS, registry=r).labels(**labels)
+        self.kv_transfer_latency = hist("tandem_kv_transfer_seconds", "Duration of one KV pull")
+        self.kv_transfer_fallbacks = Counter("tandem_kv_transfer_fallbacks",
+                                             "Requests whose KV pull failed and were recomputed locally, by reason",
+                                             (*ENGINE_LABELS, "reason"), registry=r)
+        self.kv_pinned_blocks = Gauge("tandem_kv_pinned_blocks", "Blocks held under a lease for a decode worker",
+                                      ENGINE_LABELS, registry=r).labels(**labels)
+        self.kv_lease_expirations = Counter("tandem_kv_lease_expirations", "Leases that ran out before release",
+                                            ENGINE_LABELS, registry=r).labels(**labels)
         self.labels = labels
+
+    def fallback(self, reason: str) -> None:
+        self.kv_transfer_fallbacks.labels(**self.labels, reason=reason).inc()
 
     def finished(self, reason: str) -> None:
         self.requests_finished.labels(**self.labels, finish_reason=reason).inc()
+
+
+ROUTER_LABELS = ("model", "pool")
+
+
+class RouterMetrics:
+    """The router's metrics (pool="router"). Per-SLO-class and per-worker series carry extra labels."""
+
+    def __init__(self, model: str, registry: CollectorRegistry | None = None):
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        self.labels = {"model": model, "pool": "router"}
+        by_class = (*ROUTER_LABELS, "slo_class")
+
+        def hist(name: str, doc: str) -> Histogram:
+            return Histogram(name, doc, by_class, buckets=LATENCY_BUCKETS, registry=r)
+
+        self.ttft = hist("tandem_router_time_to_first_token_seconds", "Client-seen time to first token")
+        self.itl = hist("tandem_router_inter_token_latency_seconds", "Client-seen time between tokens")
+        self.e2e = hist("tandem_router_e2e_request_latency_seconds", "Client-seen request latency")
+        self.requests = Counter("tandem_router_requests", "Requests answered, by SLO class", by_class, registry=r)
+        self.goodput = Counter("tandem_router_goodput_requests", "Requests that met their TTFT and ITL targets",
+                               by_class, registry=r)
+        self.rejections = Counter("tandem_router_rejections", "Requests refused, by reason",
+                                  (*by_class, "reason"), registry=r)
+        self.queue_depth = Gauge("tandem_router_queue_depth", "Requests admitted but not yet dispatched",
+                                 by_class, registry=r)
+        self.in_flight = Gauge("tandem_router_worker_in_flight", "Requests in flight per worker",
+                               (*ROUTER_LABELS, "worker", "role"), registry=r)
+        self.routing = Counter("tandem_router_routing_decisions", "Dispatch decisions by path",
+                               (*ROUTER_LABELS, "path"), registry=r)  # disagg | colocated | fallback | migrated
+        self.predicted_prefix_hit = Counter("tandem_router_predicted_prefix_hit_tokens",
+                                            "Prompt tokens the router expected the chosen worker to have cached",
+                                            ROUTER_LABELS, registry=r)
+        self.engine_prefix_hit = Counter("tandem_router_engine_prefix_hit_tokens",
+                                         "Prompt tokens the workers reported as prefix-cache hits",
+                                         ROUTER_LABELS, registry=r)
+        self.worker_healthy = Gauge("tandem_router_worker_healthy", "1 when the worker is in rotation",
+                                    (*ROUTER_LABELS, "worker", "role"), registry=r)
+
+    def by_class(self, metric, slo_class: str, **extra):
+        return metric.labels(**self.labels, slo_class=slo_class, **extra)
+
+    def plain(self, metric, **extra):
+        return metric.labels(**self.labels, **extra)
+
+
+def all_metric_names() -> set[str]:
+    """Every exported sample-name prefix (dashboard expressions may only use these)."""
+    registry = CollectorRegistry()
+    EngineMetrics("m", "both", registry)
+    RouterMetrics("m", registry)
+    suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"), "gauge": ("",)}
+    names: set[str] = set()
+    for family in registry.collect():  # labelled families with no child yet emit no samples: derive names
+        names.update(family.name + suffix for suffix in suffixes.get(family.type, ("",)))
+    return names
