@@ -5,9 +5,11 @@ The LLMDeployment CRD (operator issue) is generated from models in this module t
 
 from __future__ import annotations
 
-from typing import Literal
+import re
+from typing import Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic.alias_generators import to_camel
 
 from tandem.hashing import DEFAULT_BLOCK_SIZE
 
@@ -40,3 +42,261 @@ class WorkerConfig(BaseModel):
     port: int = Field(8000, ge=0, le=65535)
     max_body_bytes: int = Field(1 << 20, ge=1, description="larger request bodies get 413")
     engine: EngineConfig = Field(default_factory=EngineConfig)
+
+
+# -- LLMDeployment: the operator's custom resource -------------------------------------------------------
+# `crds/llmdeployment.yaml` is generated from the models below (`python -m tandem.crdgen`); a test fails when
+# the committed file drifts. Each cross-field rule lives twice on purpose: as a pydantic validator (what the
+# operator enforces, and what kmock-based tests exercise) and as a CEL rule with the same message (what the
+# API server enforces at `kubectl apply` time). A test checks that both give the same verdicts.
+
+CRD_GROUP = "serving.tandem.dev"
+CRD_VERSION = "v1alpha1"
+CRD_KIND = "LLMDeployment"
+CRD_PLURAL = "llmdeployments"
+CRD_SINGULAR = "llmdeployment"
+CRD_SHORT_NAMES = ("llmdep",)
+
+RATIO_PATTERN = r"^[1-9][0-9]{0,3}:[1-9][0-9]{0,3}$"
+# Kubernetes resource.Quantity, as the API server's own OpenAPI schema spells it.
+QUANTITY_PATTERN = r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"
+SERVED_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._/-]*$"
+
+
+def _cel(rule: str, message: str) -> dict:
+    return {"rule": rule, "message": message}
+
+
+def _with_defaults_from_engine(field: str, what: str) -> str:
+    return f"{what} (default: the worker's, {EngineConfig.model_fields[field].default})"
+
+
+class _CamelModel(BaseModel):
+    """Kubernetes spells fields in camelCase; Python code uses the snake_case attribute names."""
+
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid")
+
+
+class PVCModelSource(_CamelModel):
+    claim_name: str = Field(..., min_length=1, max_length=253,
+                            description="PersistentVolumeClaim in the same namespace (mounted read-only; "
+                                        "ReadOnlyMany or ReadWriteMany for more than one pod)")
+    path: str = Field(..., min_length=1, pattern=r"^[^/]",
+                      description="the model inside the claim, relative: a .gguf file or a HF checkpoint folder")
+
+
+class HostPathModelSource(_CamelModel):
+    path: str = Field(..., pattern=r"^/.", description="absolute path on every node: a .gguf file or a HF "
+                                                        "checkpoint folder (mounted read-only)")
+
+
+_ONE_SOURCE_RULE = _cel("[has(self.pvc), has(self.hostPath), has(self.uri)].filter(x, x).size() == 1",
+                        "model.source needs exactly one of pvc, hostPath or uri")
+
+
+class ModelSource(_CamelModel):
+    """Where the worker reads the model from: exactly one of the three."""
+
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [_ONE_SOURCE_RULE]})
+
+    pvc: PVCModelSource | None = None
+    host_path: HostPathModelSource | None = None
+    uri: str | None = Field(None, min_length=1, description="given to the worker's --model as is: 'smollm2' "
+                                                           "(bundled) or a path that exists inside the image")
+
+    @model_validator(mode="after")
+    def _exactly_one(self):
+        if sum(x is not None for x in (self.pvc, self.host_path, self.uri)) != 1:
+            raise ValueError(_ONE_SOURCE_RULE["message"])
+        return self
+
+
+_GGUF_SUFFIX_RULE = _cel(
+    "!has(self.source.pvc) || (self.format == 'gguf') == self.source.pvc.path.endsWith('.gguf')",
+    "model.format must match the file: a 'gguf' model is a .gguf file, an 'hf' model is a folder")
+_GGUF_SUFFIX_HOST_RULE = _cel(
+    "!has(self.source.hostPath) || (self.format == 'gguf') == self.source.hostPath.path.endsWith('.gguf')",
+    _GGUF_SUFFIX_RULE["message"])
+
+
+class ModelSpec(_CamelModel):
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [_GGUF_SUFFIX_RULE,
+                                                                              _GGUF_SUFFIX_HOST_RULE]})
+
+    name: str = Field(..., min_length=1, max_length=128, pattern=SERVED_NAME_PATTERN,
+                      description="the model name clients send in requests (the served model name)")
+    format: Literal["gguf", "hf"] = Field(..., description="'gguf': one .gguf file; 'hf': a folder with "
+                                                            "config.json, *.safetensors and a tokenizer")
+    source: ModelSource
+
+    def path_in_source(self) -> str | None:
+        if self.source.pvc is not None:
+            return self.source.pvc.path
+        if self.source.host_path is not None:
+            return self.source.host_path.path
+        return None
+
+    @model_validator(mode="after")
+    def _format_matches_file(self):
+        path = self.path_in_source()
+        if path is not None and (self.format == "gguf") != path.rstrip("/").endswith(".gguf"):
+            raise ValueError(_GGUF_SUFFIX_RULE["message"])
+        return self
+
+
+class DeploymentEngineSpec(_CamelModel):
+    """Engine settings shared by every worker; unset fields keep the worker's defaults (tandem/config.py)."""
+
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] | None = Field(
+        None, description=_with_defaults_from_engine("dtype", "weights and activations dtype"))
+    max_model_len: int | None = Field(None, ge=1, description="context length; default: the model's")
+    block_size: int | None = Field(None, ge=1, le=1024, description=_with_defaults_from_engine(
+        "block_size", "tokens per KV block (the router hashes prefixes with the same size)"))
+    max_num_seqs: int | None = Field(None, ge=1, description=_with_defaults_from_engine(
+        "max_num_seqs", "sequences per batch"))
+    max_num_batched_tokens: int | None = Field(None, ge=1, description=_with_defaults_from_engine(
+        "max_num_batched_tokens", "per-step token budget"))
+    kv_cache_memory_gb: float | None = Field(None, gt=0, description=_with_defaults_from_engine(
+        "kv_cache_memory_gb", "KV cache size in GiB per worker"))
+    enable_prefix_caching: bool | None = Field(None, description=_with_defaults_from_engine(
+        "enable_prefix_caching", "reuse cached KV blocks of shared prefixes"))
+    tensor_parallel_size: int = Field(1, ge=1, le=16, description="GPUs per worker for one model replica")
+
+
+class EnvVar(_CamelModel):
+    name: str = Field(..., min_length=1, pattern=r"^[-._a-zA-Z][-._a-zA-Z0-9]*$")
+    value: str | None = None
+    value_from: dict[str, Any] | None = Field(None, description="as in a Pod's env[].valueFrom")
+
+
+class ResourceRequirements(_CamelModel):
+    limits: dict[str, int | str] | None = Field(None, description="e.g. {cpu: 8, memory: 64Gi, nvidia.com/gpu: 1}")
+    requests: dict[str, int | str] | None = None
+
+    @field_validator("limits", "requests")
+    @classmethod
+    def _quantities(cls, value):
+        for key, quantity in (value or {}).items():
+            if isinstance(quantity, str) and not re.fullmatch(QUANTITY_PATTERN, quantity):
+                raise ValueError(f"{key}: {quantity!r} is not a Kubernetes quantity (e.g. 500m, 16Gi, 1)")
+        return value
+
+
+class PodSettings(_CamelModel):
+    """Scheduling and container settings shared by the pools and the router."""
+
+    resources: ResourceRequirements | None = None
+    node_selector: dict[str, str] | None = None
+    tolerations: list[dict[str, Any]] | None = Field(None, description="as in a Pod's spec.tolerations")
+    affinity: dict[str, Any] | None = Field(None, description="as in a Pod's spec.affinity")
+    env: list[EnvVar] | None = None
+
+
+class PoolSpec(PodSettings):
+    replicas: int | None = Field(None, ge=0, le=10000, description="workers in this pool; leave unset when "
+                                                                    "spec.ratio and spec.replicas size the pools")
+    extra_args: list[str] | None = Field(None, description="more `tandem worker` options for this pool")
+    termination_grace_period_seconds: int = Field(120, ge=0, le=3600, description="time a stopping worker "
+                                                                                 "gets to finish its requests")
+
+
+class SLOClass(_CamelModel):
+    name: str = Field(..., min_length=1, max_length=63, pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+    ttft_ms: float = Field(..., gt=0, description="time-to-first-token target in milliseconds")
+    itl_ms: float = Field(..., gt=0, description="inter-token latency target in milliseconds")
+
+
+class RouterSpec(PodSettings):
+    replicas: int = Field(1, ge=1, le=1000)
+    image: str | None = Field(None, min_length=1, description="default: spec.image")
+    service_type: Literal["ClusterIP", "LoadBalancer", "NodePort"] = "ClusterIP"
+    port: int = Field(8000, ge=1, le=65535, description="port of the router Service")
+    disagg_min_tokens: int | None = Field(None, ge=0, description="prompts shorter than this skip the prefill "
+                                                                  "pool (default: the router's)")
+    slo_classes: list[SLOClass] | None = Field(None, description="admission classes with latency targets")
+    tenants_secret: str | None = Field(None, min_length=1, max_length=253,
+                                       description="Secret with the tenants (API keys, token buckets), "
+                                                   "mounted read-only at /etc/tandem/tenants")
+
+
+class KVTransferSpec(_CamelModel):
+    backend: Literal["nixl", "tcp"] = Field("nixl", description="how decode workers pull KV blocks")
+    ucx_transports: list[str] | None = Field(None, description="UCX_TLS for NIXL, e.g. [rc, cuda_copy, "
+                                                                "cuda_ipc]; default: UCX picks")
+
+
+_SIZING_RULES = [
+    _cel("!has(self.ratio) || has(self.replicas)",
+         "spec.ratio needs spec.replicas: the total number of workers to split in that ratio"),
+    _cel("!has(self.replicas) || has(self.ratio)",
+         "spec.replicas is the total to split by spec.ratio: set spec.ratio too, or size the pools "
+         "with prefill.replicas and decode.replicas instead"),
+    _cel("!has(self.ratio) || !((has(self.prefill) && has(self.prefill.replicas)) "
+         "|| (has(self.decode) && has(self.decode.replicas)))",
+         "spec.ratio sizes the pools: do not also set prefill.replicas or decode.replicas"),
+    _cel("has(self.ratio) || (has(self.prefill) && has(self.prefill.replicas) "
+         "&& has(self.decode) && has(self.decode.replicas))",
+         "size the pools: set spec.ratio with spec.replicas, or both prefill.replicas and decode.replicas"),
+]
+
+
+class LLMDeploymentSpec(_CamelModel):
+    """What `kubectl apply` asks for: a model served by a prefill pool, a decode pool and a router."""
+
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": _SIZING_RULES})
+
+    model: ModelSpec
+    image: str = Field(..., min_length=1, description="container image with the `tandem` command (workers)")
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] | None = None
+    engine: DeploymentEngineSpec = Field(default_factory=DeploymentEngineSpec)
+    ratio: str | None = Field(None, pattern=RATIO_PATTERN, description="prefill:decode workers, e.g. '1:3'; "
+                                                                       "needs spec.replicas")
+    replicas: int | None = Field(None, ge=2, le=10000, description="prefill + decode workers, split by "
+                                                                  "spec.ratio (at least one of each)")
+    prefill: PoolSpec = Field(default_factory=PoolSpec)
+    decode: PoolSpec = Field(default_factory=PoolSpec)
+    router: RouterSpec = Field(default_factory=RouterSpec)
+    kv_transfer: KVTransferSpec = Field(default_factory=KVTransferSpec)
+
+    @model_validator(mode="after")
+    def _pools_are_sized_one_way(self):
+        checks = (
+            self.ratio is None or self.replicas is not None,
+            self.replicas is None or self.ratio is not None,
+            self.ratio is None or (self.prefill.replicas is None and self.decode.replicas is None),
+            self.ratio is not None or (self.prefill.replicas is not None and self.decode.replicas is not None),
+        )
+        for ok, rule in zip(checks, _SIZING_RULES):
+            if not ok:
+                raise ValueError(rule["message"])
+        return self
+
+
+class PoolStatus(_CamelModel):
+    desired: int = 0
+    ready: int = 0
+    updated: int = 0
+
+
+class Condition(_CamelModel):
+    type: Literal["Ready", "Progressing", "Degraded", "SpecValid"]
+    status: Literal["True", "False", "Unknown"]
+    reason: str
+    message: str = ""
+    last_transition_time: str
+    observed_generation: int | None = None
+
+
+class LLMDeploymentStatus(_CamelModel):
+    """What the operator reports back (`kubectl get llmdep`)."""
+
+    phase: Literal["Pending", "Progressing", "Ready", "Degraded", "Invalid"] | None = None
+    observed_generation: int | None = None
+    prefill: PoolStatus | None = None
+    decode: PoolStatus | None = None
+    router: PoolStatus | None = None
+    ready: str | None = Field(None, description="ready/desired pods over both pools and the router")
+    ratio: str | None = Field(None, description="effective P:D: ready prefill to ready decode workers")
+    endpoint: str | None = Field(None, description="the router's OpenAI-compatible base URL")
+    conditions: list[Condition] | None = Field(
+        None, json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]})

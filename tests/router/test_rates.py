@@ -1,0 +1,62 @@
+"""Service-rate estimates: EWMAs of measured prefill and decode throughput."""
+
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tandem.router.admission.rates import EWMARate, ServiceRates
+
+
+@settings(max_examples=50, deadline=None, derandomize=True)
+@given(rate=st.floats(1.0, 1e6), durations=st.lists(st.floats(0.001, 10.0), min_size=1, max_size=20),
+       alpha=st.floats(0.01, 1.0))
+def test_steady_rate_is_measured_exactly(rate, durations, alpha):
+    estimate = EWMARate(alpha)
+    for seconds in durations:
+        estimate.record(rate * seconds, seconds)
+    assert estimate.tokens_per_s == pytest.approx(rate, rel=1e-9)
+
+
+def test_prior_until_first_measurement_then_tracks_a_change():
+    estimate = EWMARate(alpha=0.2, initial_tps=5000.0)
+    assert estimate.tokens_per_s == 5000.0
+    estimate.record(1000, 1.0)
+    assert estimate.tokens_per_s == 1000.0  # the first measurement replaces the prior outright
+    previous = estimate.tokens_per_s
+    for _ in range(40):
+        estimate.record(3000, 1.0)  # the workers got 3x faster
+        assert previous < estimate.tokens_per_s <= 3000
+        previous = estimate.tokens_per_s
+    assert estimate.tokens_per_s == pytest.approx(3000, rel=0.01)
+    assert estimate.samples == 41
+
+
+def test_measurements_count_by_the_work_they_cover():
+    estimate = EWMARate(alpha=0.5)
+    estimate.record(4000, 1.0)  # a long prompt at 4000 tokens/s
+    estimate.record(10, 0.01)   # a tiny one dominated by fixed overhead: 1000 tokens/s
+    # (2000 + 5) / (0.5 + 0.005) ~ 3970: a per-sample EWMA of tokens/s would have said 2500.
+    assert estimate.tokens_per_s == pytest.approx(2005 / 0.505)
+    assert estimate.tokens_per_s > 3900
+
+
+def test_service_rates_keep_prefill_and_decode_apart():
+    rates = ServiceRates(initial_prefill_tps=8000.0)
+    assert rates.prefill_tps == 8000.0 and rates.decode_tps is None
+    rates.record_decode(50, 2.0)
+    rates.record_prefill(3000, 0.5)
+    assert rates.decode_tps == 25.0 and rates.prefill_tps == 6000.0
+
+
+@pytest.mark.parametrize("tokens, seconds", [(-1, 1.0), (10, 0.0), (10, -1.0), (math.nan, 1.0), (10, math.inf)])
+def test_bad_measurements(tokens, seconds):
+    with pytest.raises(ValueError):
+        EWMARate().record(tokens, seconds)
+
+
+@pytest.mark.parametrize("kwargs", [{"alpha": 0.0}, {"alpha": 1.5}, {"initial_tps": 0.0}, {"initial_tps": -3.0}])
+def test_bad_settings(kwargs):
+    with pytest.raises(ValueError):
+        EWMARate(**kwargs)
