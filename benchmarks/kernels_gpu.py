@@ -20,13 +20,17 @@ import argparse
 import sys
 
 import torch
+import torch.nn.functional as F
+
 from tandem.workers.layers.metadata import AttentionMetadata
 
 HQ, HKV, HEAD_DIM = 32, 8, 128
 DTYPE = torch.bfloat16
 
 
-def paged_setup(query_lens: list[int], seq_lens: list[int], block_size: int, num_layers: int, device) -> tuple:
+def paged_setup(
+    query_lens: list[int], seq_lens: list[int], block_size: int, num_layers: int, device
+) -> tuple:
     """Query, per-layer K/V cache views and metadata for one batch, blocks handed out in shuffled order."""
     blocks_per_seq = [-(-s // block_size) for s in seq_lens]
     num_blocks = sum(blocks_per_seq)
@@ -72,7 +76,9 @@ def copy_bandwidth(device, do_bench) -> tuple[int, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--layers", type=int, default=4, help="layers in the KV cache tensor (sets its strides)")
+    parser.add_argument(
+        "--layers", type=int, default=4, help="layers in the KV cache tensor (sets its strides)"
+    )
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--context", type=int, default=4096)
     parser.add_argument("--block-size", type=int, default=16)
@@ -81,11 +87,15 @@ def main() -> None:
     args = parser.parse_args()
 
     if not torch.cuda.is_available():
-        sys.exit("benchmarks/kernels_gpu.py needs a CUDA GPU, and torch sees none (torch.cuda.is_available() is False).")
+        sys.exit(
+            "benchmarks/kernels_gpu.py needs a CUDA GPU, and torch sees none "
+            "(torch.cuda.is_available() is False)."
+        )
 
     import triton
-    from tandem.workers.kernels import paged_attention as pa
     from triton.testing import do_bench
+
+    from tandem.workers.kernels import paged_attention as pa
 
     device = torch.device("cuda")
     props = torch.cuda.get_device_properties(device)
@@ -106,7 +116,9 @@ def main() -> None:
 
     def decode(batch: int, context: int, label: str, forced_splits: list[int | None]) -> None:
         query_lens, seq_lens = [1] * batch, [context] * batch
-        query, k_cache, v_cache, meta = paged_setup(query_lens, seq_lens, args.block_size, args.layers, device)
+        query, k_cache, v_cache, meta = paged_setup(
+            query_lens, seq_lens, args.block_size, args.layers, device
+        )
         moved = attention_bytes(query_lens, seq_lens)
         for splits in forced_splits:
             chosen = splits or pa.choose_num_splits(batch, HKV, context, device)
@@ -137,7 +149,7 @@ def main() -> None:
     v = torch.randn_like(k)
     try:
         sdpa_ms = do_bench(
-            lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),
+            lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),
             warmup=10, rep=100,
         )  # fmt: skip
         print(f"    torch SDPA, same shape, contiguous: {sdpa_ms:.3f} ms, "
