@@ -1,0 +1,154 @@
+"""Our Tokenizer against transformers' AutoTokenizer: SmolLM2 from its GGUF metadata, and a HF folder."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import jinja2
+import pytest
+from tokenizers import pre_tokenizers
+
+from tandem.workers.models.gguf_loader import open_gguf
+from tandem.workers.tokenizer import Tokenizer
+
+transformers = pytest.importorskip("transformers")
+
+TEXTS = [
+    "Hello, world!",
+    "  leading spaces and trailing   ",
+    "tabs\tand\nnewlines\n\n\nend\r\nwindows",
+    "naïve café — 東京 🤖 emoji👍🏽 ÄÖÜ ß \u00a0nbsp",
+    "def f(x):\n    return x**2  # square\n\n\tif x != 0: pass",
+    "numbers 1234567 and 3.14159, year 2024, x1y2z3",
+    "It's we've they'll I'd DON'T",
+    "<|im_start|>user\nhi<|im_end|>\n<|endoftext|>",
+    "plain <|im_start|>inline<|im_end|>specials",
+    "",
+    " ",
+]
+# Digits after a run of spaces: the SmolLM2 vocabulary was trained with each digit split off first
+# (tokenizer.json: Digits(individual_digits) + ByteLevel; llama.cpp's "smollm" pre-tokenizer is the same).
+# transformers' GGUF conversion does not know "smollm" and uses the plain GPT-2 split, which tokenizes
+# "  1" as [Ġ, Ġ, 1] instead of [ĠĠ, 1]; for these we compare with the hub's pre-tokenizer instead.
+DIGIT_RUNS = ["  1  22   333", "a  7\n  8"]
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "What is 2+2?"}],
+    [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Hi\nthere 👋"},
+        {"role": "assistant", "content": "Hello."},
+        {"role": "user", "content": "Bye"},
+    ],
+]
+
+
+@pytest.fixture(scope="module")
+def smollm2_tokenizer(smollm2) -> Tokenizer:
+    """Built from the GGUF metadata by the loader (shared with the model tests' session fixture)."""
+    return smollm2.tokenizer
+
+
+@pytest.fixture(scope="module")
+def hub_style_reference(tmp_path_factory, hf_smollm2_tokenizer):
+    """The HF tokenizer with the pre-tokenizer SmolLM2's own tokenizer.json has."""
+    folder = tmp_path_factory.mktemp("smollm2_hub_tokenizer")
+    hf_smollm2_tokenizer.save_pretrained(folder)
+    reference = transformers.AutoTokenizer.from_pretrained(folder)
+    reference.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    )
+    return reference
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_gguf_tokenizer_matches_transformers(smollm2_tokenizer, hf_smollm2_tokenizer, text):
+    expected = hf_smollm2_tokenizer(text)["input_ids"]
+    assert smollm2_tokenizer.encode(text) == expected
+    for skip in (True, False):
+        assert smollm2_tokenizer.decode(expected, skip_special_tokens=skip) == hf_smollm2_tokenizer.decode(
+            expected, skip_special_tokens=skip
+        )
+
+
+@pytest.mark.parametrize("text", DIGIT_RUNS + TEXTS)
+def test_gguf_tokenizer_matches_smollm2_hub_pre_tokenizer(smollm2_tokenizer, hub_style_reference, text):
+    assert smollm2_tokenizer.encode(text) == hub_style_reference(text)["input_ids"]
+
+
+def test_smollm2_special_tokens_and_no_bos(smollm2_tokenizer):
+    tok = smollm2_tokenizer
+    assert (tok.bos_token_id, tok.eos_token_ids, tok.vocab_size) == (1, [2], 49152)
+    assert not tok.add_bos and tok.encode("hi")[:1] != [1]  # the GGUF says add_bos_token = False
+    assert tok.encode("<|im_start|>user") == [1, *tok.encode("user")]  # a control token stays whole
+    assert tok.decode(tok.encode("<|im_end|>ok")) == "ok"
+    assert tok.token_to_str(2) == "<|im_end|>"
+    assert tok.token_to_str(tok.encode(" hello")[0]) == " hello"
+
+
+@pytest.mark.parametrize("conversation", CONVERSATIONS)
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+def test_chat_template_matches_transformers(
+    smollm2_tokenizer, hf_smollm2_tokenizer, tiny_llama_dir, conversation, add_generation_prompt
+):
+    expected = hf_smollm2_tokenizer.apply_chat_template(
+        conversation, tokenize=False, add_generation_prompt=add_generation_prompt
+    )
+    assert smollm2_tokenizer.apply_chat_template(conversation, add_generation_prompt) == expected
+    # The same template read back from a HF folder (transformers v5 saves it as chat_template.jinja).
+    assert Tokenizer.from_pretrained(tiny_llama_dir).apply_chat_template(conversation, add_generation_prompt) == expected
+
+
+def test_hf_folder_tokenizer_matches_transformers(tiny_llama_dir):
+    ours = Tokenizer.from_pretrained(tiny_llama_dir)
+    reference = transformers.AutoTokenizer.from_pretrained(tiny_llama_dir)
+    for text in TEXTS:
+        ids = reference(text)["input_ids"]
+        assert ours.encode(text) == ids
+        assert ours.decode(ids) == reference.decode(ids, skip_special_tokens=True)
+    assert ours.eos_token_ids == [reference.eos_token_id] and ours.bos_token_id == reference.bos_token_id
+
+
+def test_template_helpers_behave_like_transformers(smollm2_tokenizer):
+    template = (
+        "{% if messages|length > 1 %}{{ raise_exception('one message only') }}{% endif %}"
+        "{{ bos_token }}{{ messages[0] | tojson }}{% if tools is defined %}|tools{% endif %}"
+    )
+    tok = Tokenizer(smollm2_tokenizer.backend, bos_token="<|im_start|>", eos_token="<|im_end|>", chat_template=template)
+    assert tok.apply_chat_template([{"role": "user", "content": "é<b>"}]) == (
+        '<|im_start|>{"role": "user", "content": "é<b>"}|tools'
+    )
+    with pytest.raises(jinja2.exceptions.TemplateError, match="one message only"):
+        tok.apply_chat_template([{"role": "user", "content": "a"}] * 2)
+    with pytest.raises(jinja2.exceptions.SecurityError):
+        Tokenizer(smollm2_tokenizer.backend, chat_template="{{ ''.__class__.__mro__ }}").apply_chat_template([])
+
+
+def test_add_bos_token_from_tokenizer_config(tiny_llama_dir, tmp_path):
+    folder = tmp_path / "with_bos"
+    shutil.copytree(tiny_llama_dir, folder)
+    config_path = folder / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config.update(add_bos_token=True, bos_token={"content": "<|endoftext|>", "special": True})
+    config_path.write_text(json.dumps(config))
+    tok = Tokenizer.from_pretrained(str(folder))
+    assert tok.add_bos and tok.bos_token_id == 0
+    assert tok.encode("hi") == [0, *tok.encode("hi", add_special_tokens=False)]
+    assert tok.encode("<|endoftext|>hi")[:2] == [0, 6004]  # BOS is not doubled
+
+
+def test_missing_or_unsupported_tokenizers_are_refused(tmp_path):
+    import gguf
+
+    with pytest.raises(ValueError, match="tokenizer.json"):
+        Tokenizer.from_pretrained(str(tmp_path))
+    writer = gguf.GGUFWriter(str(tmp_path / "spm.gguf"), "llama")
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(["<unk>", "a"])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match="'llama' is not supported"):
+        Tokenizer.from_gguf(open_gguf(str(tmp_path / "spm.gguf")))

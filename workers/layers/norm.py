@@ -1,0 +1,22 @@
+"""RMSNorm, alone and fused with the residual add that precedes it in every decoder layer."""
+
+from __future__ import annotations
+
+import torch
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # Same order of operations as HF's LlamaRMSNorm (normalise in float32, cast back, then scale) so that
+    # greedy outputs match transformers bit for bit in float32 and as closely as possible in bf16.
+    input_dtype = x.dtype
+    x32 = x.to(torch.float32)
+    variance = x32.pow(2).mean(-1, keepdim=True)
+    return weight * (x32 * torch.rsqrt(variance + eps)).to(input_dtype)
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (rms_norm(x + residual), x + residual)."""
+    new_residual = x + residual
+    return rms_norm(new_residual, weight, eps), new_residual

@@ -1,0 +1,35 @@
+"""Picks the implementation of the model's non-GEMM ops: the torch reference path or the Triton kernels."""
+
+from __future__ import annotations
+
+import importlib
+from types import SimpleNamespace
+
+from tandem.workers.layers import activation, attention, norm, rotary
+
+BACKENDS = ("torch", "triton")
+
+# op name -> (torch reference module, Triton kernel module under tandem.workers.kernels)
+_OPS = {
+    "rms_norm": (norm, "rmsnorm"),
+    "fused_add_rms_norm": (norm, "rmsnorm"),
+    "apply_rotary": (rotary, "rope"),
+    "silu_and_mul": (activation, "activation"),
+    "write_kv_cache": (attention, "cache_write"),
+    "paged_attention": (attention, "paged_attention"),
+}
+
+
+def get_ops(backend: str = "torch") -> SimpleNamespace:
+    """A namespace with rms_norm, fused_add_rms_norm, apply_rotary, silu_and_mul, write_kv_cache,
+    paged_attention and compute_cos_sin_cache (always the torch one: it runs once at load time)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown ops backend {backend!r}; expected one of {BACKENDS}")
+    ops = {"compute_cos_sin_cache": rotary.compute_cos_sin_cache}
+    for name, (torch_module, kernel_module) in _OPS.items():
+        if backend == "torch":
+            ops[name] = getattr(torch_module, name)
+        else:
+            module = importlib.import_module(f"tandem.workers.kernels.{kernel_module}")
+            ops[name] = getattr(module, name)
+    return SimpleNamespace(backend=backend, **ops)

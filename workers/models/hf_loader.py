@@ -1,0 +1,107 @@
+"""Reads a HuggingFace checkpoint folder: config.json -> ModelConfig, and its safetensors tensors."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+
+import torch
+from safetensors import safe_open
+
+from tandem.workers.models.config import ModelConfig
+
+# model_type -> our architecture. Mistral and SmolLM2 are plain Llama to us.
+_ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2"}
+
+
+def _read_json(path: str) -> dict:
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def _as_id_list(value) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, list) else [int(value)]
+
+
+def _rope_settings(cfg: dict) -> tuple[float, dict | None]:
+    """(rope_theta, rope_scaling) from either transformers v4 fields (rope_theta + rope_scaling) or v5's
+    rope_parameters (which holds rope_theta and the scaling keys together)."""
+    params = cfg.get("rope_parameters") or {}
+    scaling = cfg.get("rope_scaling") or {k: v for k, v in params.items() if k != "rope_theta"} or None
+    theta = cfg.get("rope_theta", params.get("rope_theta", 10000.0))
+    if scaling is not None and scaling.get("rope_type", scaling.get("type", "default")) in (None, "default"):
+        scaling = None
+    return float(theta), scaling
+
+
+def load_hf_config(model_dir: str) -> ModelConfig:
+    """config.json (+ generation_config.json's eos ids, when present) -> ModelConfig."""
+    config_path = os.path.join(model_dir, "config.json")
+    if not os.path.isfile(config_path):
+        raise ValueError(f"{model_dir!r} has no config.json")
+    cfg = _read_json(config_path)
+    model_type = cfg.get("model_type")
+    if model_type not in _ARCHITECTURES:
+        raise ValueError(f"unsupported model_type {model_type!r} in {config_path} (supported: {sorted(_ARCHITECTURES)})")
+    architecture = _ARCHITECTURES[model_type]
+    if cfg.get("mlp_bias"):
+        raise ValueError(f"{config_path}: mlp_bias=true is not supported")
+    num_heads = cfg["num_attention_heads"]
+    rope_theta, rope_scaling = _rope_settings(cfg)
+    max_positions = cfg.get("max_position_embeddings", 4096)
+    window = cfg.get("sliding_window") if model_type == "mistral" or cfg.get("use_sliding_window") else None
+    if window:
+        # Attention here is always full: cap the context at the window, within which the two agree.
+        max_positions = min(max_positions, window)
+    eos_ids = _as_id_list(cfg.get("eos_token_id"))
+    generation_path = os.path.join(model_dir, "generation_config.json")
+    if os.path.isfile(generation_path):
+        eos_ids += [i for i in _as_id_list(_read_json(generation_path).get("eos_token_id")) if i not in eos_ids]
+    return ModelConfig(
+        architecture=architecture,
+        vocab_size=cfg["vocab_size"],
+        hidden_size=cfg["hidden_size"],
+        intermediate_size=cfg["intermediate_size"],
+        num_layers=cfg["num_hidden_layers"],
+        num_heads=num_heads,
+        num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
+        # Mistral configs carry "head_dim": null.
+        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
+        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+        rope_theta=rope_theta,
+        max_position_embeddings=max_positions,
+        rope_scaling=rope_scaling,
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        # Qwen2 always has q/k/v biases; Llama configs say so with attention_bias.
+        attention_bias=architecture == "qwen2" or bool(cfg.get("attention_bias", False)),
+        bos_token_id=cfg.get("bos_token_id"),
+        eos_token_ids=eos_ids,
+        name=os.path.basename(os.path.normpath(model_dir)),
+    )
+
+
+def safetensors_files(model_dir: str) -> list[str]:
+    """The checkpoint's shard files: those named by model.safetensors.index.json, else every *.safetensors."""
+    index_path = os.path.join(model_dir, "model.safetensors.index.json")
+    if os.path.isfile(index_path):
+        names = sorted(set(_read_json(index_path)["weight_map"].values()))
+    else:
+        names = sorted(n for n in os.listdir(model_dir) if n.endswith(".safetensors"))
+    if not names:
+        raise ValueError(f"{model_dir!r} has no *.safetensors weights")
+    paths = [os.path.join(model_dir, n) for n in names]
+    for path in paths:
+        if not os.path.isfile(path):
+            raise ValueError(f"safetensors shard {path!r} named by the index is missing")
+    return paths
+
+
+def iter_hf_tensors(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF parameter name, tensor) for every tensor of the checkpoint, one shard open at a time."""
+    for path in safetensors_files(model_dir):
+        with safe_open(path, framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)

