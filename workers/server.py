@@ -147,7 +147,7 @@ def check_length(ctx: ServingContext, prompt_len: int, params: SamplingParams) -
 
 async def respond(ctx: ServingContext, request: Request, fmt: Formatter, prompt_ids: list[int],
                   params: SamplingParams, stream: bool, usage_in_stream: bool):
-    outputs = ctx.engine.generate(fmt.request_id, prompt_ids, params, time.time())
+    outputs = ctx.engine.generate(fmt.request_id, prompt_ids, params, time.monotonic())
     if stream:
         return StreamingResponse(sse_events(fmt, outputs, usage_in_stream), media_type="text/event-stream",
                                  headers=SSE_HEADERS)

@@ -1,0 +1,118 @@
+"""Sequence-level KV block management with prefix caching (vLLM v1's KVCacheManager, small).
+
+A sequence's block table covers its tokens in order, block_size tokens per block. At
+admission the longest run of its leading full blocks already in the cache is shared instead
+of recomputed; after each step the blocks that became full and computed are registered under
+their chained hash (tandem.hashing) so later requests, and this one after a preemption, can
+find them - during prefill and decode alike.
+"""
+
+from __future__ import annotations
+
+from tandem.hashing import block_hashes
+from tandem.workers.engine.block_pool import BlockPool
+from tandem.workers.engine.sequence import Sequence
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, hash_seed: int, enable_prefix_caching: bool = True):
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.pool = BlockPool(num_blocks)
+        self.block_size = block_size
+        self.hash_seed = hash_seed
+        self.enable_prefix_caching = enable_prefix_caching
+        # Cumulative prefix-cache counters, in tokens, counted once per admission.
+        self.num_queried_tokens = 0
+        self.num_hit_tokens = 0
+
+    @property
+    def num_total_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.pool.num_used
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def find_cached_prefix(self, seq: Sequence) -> list[int]:
+        """Blocks holding the longest cached prefix of `seq`'s tokens; changes nothing.
+
+        At least one token is always left to compute, because sampling needs the logits of
+        the last one: a prompt that is entirely cached still recomputes its last block.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        self._extend_hashes(seq)
+        max_blocks = (seq.num_tokens - 1) // self.block_size
+        hits: list[int] = []
+        for block_hash in seq.block_hashes[:max_blocks]:
+            block_id = self.pool.lookup(block_hash)
+            if block_id is None:
+                break
+            hits.append(block_id)
+        return hits
+
+    def allocate_slots(self, seq: Sequence, num_new_tokens: int, prefix_blocks: list[int] | None = None) -> bool:
+        """Give `seq` room for its next `num_new_tokens` tokens; False (and no change) if the pool is short.
+
+        `prefix_blocks` is given at admission only: the result of `find_cached_prefix`, shared
+        and counted as computed. Admissions update the queried/hit counters.
+        """
+        hits = prefix_blocks or []
+        num_hit_tokens = len(hits) * self.block_size
+        num_tokens_after = seq.num_computed_tokens + num_hit_tokens + num_new_tokens
+        num_new_blocks = self.blocks_for(num_tokens_after) - len(seq.block_table) - len(hits)
+        # A hit on a free cached block takes it out of the free list as surely as an allocation.
+        num_revived = sum(1 for block_id in hits if self.pool.ref_counts[block_id] == 0)
+        if max(num_new_blocks, 0) + num_revived > self.pool.num_free:
+            return False
+        # Reference the hits before allocating, so allocation cannot evict one of them.
+        for block_id in hits:
+            self.pool.ref(block_id)
+        if prefix_blocks is not None:
+            seq.block_table.extend(hits)
+            seq.num_computed_tokens += num_hit_tokens
+            seq.num_cached_blocks = len(seq.block_table)
+            seq.num_cached_tokens = num_hit_tokens
+            self.num_queried_tokens += seq.num_tokens
+            self.num_hit_tokens += num_hit_tokens
+        for _ in range(num_new_blocks):
+            seq.block_table.append(self.pool.allocate())
+        return True
+
+    def cache_computed_blocks(self, seq: Sequence) -> None:
+        """Register the blocks of `seq` that are now full and computed (call after each step)."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = seq.num_computed_tokens // self.block_size
+        if num_full <= seq.num_cached_blocks:
+            return
+        if len(seq.block_hashes) < num_full:
+            self._extend_hashes(seq)
+        table, hashes, pool = seq.block_table, seq.block_hashes, self.pool
+        for i in range(seq.num_cached_blocks, num_full):
+            pool.cache_block(table[i], hashes[i])
+        seq.num_cached_blocks = num_full
+
+    def free(self, seq: Sequence) -> None:
+        """Release every block of `seq` at once (finish, abort, preemption).
+
+        Freed tail first: the tail is the least likely to be shared, so it is reused first
+        and the common prefix stays cached longest.
+        """
+        self.pool.free_all(reversed(seq.block_table))
+        seq.block_table = []
+        seq.num_cached_blocks = 0
+
+    def _extend_hashes(self, seq: Sequence) -> None:
+        known = seq.block_hashes
+        if len(known) < seq.num_tokens // self.block_size:
+            known.extend(block_hashes(seq.token_ids, self.block_size, self.hash_seed,
+                                      start=len(known), parent=known[-1] if known else None))

@@ -1,0 +1,117 @@
+"""Owns the paged KV cache and turns one scheduled step into one forward pass.
+
+The batch is flattened: every scheduled sequence contributes the tokens it computes this step
+(one for a decode, a chunk for a prefill), with positions, the cache slot each new K/V goes
+to, and the block tables attention reads through (see workers/layers/metadata.py). Logits
+are computed only at the last token of sequences that have no token left to compute after
+this step; a partial prefill chunk samples nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from typing import Any
+
+import torch
+
+from tandem.config import EngineConfig
+from tandem.workers.engine.sequence import Sequence
+from tandem.workers.layers.metadata import AttentionMetadata
+
+
+def _as_dtype(dtype: Any) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    resolved = getattr(torch, str(dtype), None)
+    if not isinstance(resolved, torch.dtype):
+        raise ValueError(f"unknown dtype {dtype!r}")
+    return resolved
+
+
+def kv_block_bytes(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    """Bytes of one KV block across all layers (keys and values)."""
+    return num_layers * 2 * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+class ModelRunner:
+    def __init__(self, loaded: Any, config: EngineConfig):
+        self.model = loaded.model
+        self.model_config = loaded.config
+        self.device = torch.device(loaded.device)
+        self.dtype = _as_dtype(loaded.dtype)
+        self.block_size = config.block_size
+        mc = self.model_config
+        block_bytes = kv_block_bytes(mc.num_layers, self.block_size, mc.num_kv_heads, mc.head_dim, self.dtype)
+        if config.num_kv_blocks is not None:
+            self.num_blocks = config.num_kv_blocks
+        else:
+            self.num_blocks = int(config.kv_cache_memory_gb * (1 << 30)) // block_bytes
+            if self.num_blocks < 1:
+                raise ValueError(f"kv_cache_memory_gb={config.kv_cache_memory_gb} holds no KV block "
+                                 f"({block_bytes} bytes each)")
+        self.kv_cache = torch.zeros(self.num_blocks, mc.num_layers, 2, self.block_size, mc.num_kv_heads,
+                                    mc.head_dim, dtype=self.dtype, device=self.device)
+
+    @torch.inference_mode()
+    def execute(self, seqs: Seq[Sequence], num_new_tokens: Seq[int]) -> tuple[torch.Tensor | None, list[int]]:
+        """Run one step. Returns (float32 logits [S, V], the indices into `seqs` of those S rows)."""
+        input_ids, positions, meta, logits_indices, sample_rows = self.prepare(seqs, num_new_tokens)
+        hidden = self.model.forward(input_ids, positions, self.kv_cache, meta)
+        if not sample_rows:
+            return None, sample_rows
+        if len(logits_indices) == hidden.shape[0]:
+            last_hidden = hidden
+        else:
+            last_hidden = hidden[torch.tensor(logits_indices, device=self.device)]
+        return self.model.compute_logits(last_hidden), sample_rows
+
+    def prepare(self, seqs: Seq[Sequence], num_new_tokens: Seq[int]):
+        """Flatten a step into (input_ids, positions, AttentionMetadata, logits_indices, sample_rows)."""
+        block_size = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_start_loc = [0]
+        seq_lens: list[int] = []
+        logits_indices: list[int] = []
+        sample_rows: list[int] = []
+        for row, (seq, num_new) in enumerate(zip(seqs, num_new_tokens, strict=True)):
+            start = seq.num_computed_tokens
+            end = start + num_new
+            table = seq.block_table
+            if num_new == 1:
+                input_ids.append(seq.token_ids[start])
+                positions.append(start)
+                slots.append(table[start // block_size] * block_size + start % block_size)
+            else:
+                input_ids.extend(seq.token_ids[start:end])
+                positions.extend(range(start, end))
+                pos = start
+                while pos < end:  # one contiguous run of slots per block
+                    offset = pos % block_size
+                    run = min(block_size - offset, end - pos)
+                    first = table[pos // block_size] * block_size + offset
+                    slots.extend(range(first, first + run))
+                    pos += run
+            query_start_loc.append(query_start_loc[-1] + num_new)
+            seq_lens.append(end)
+            if end == seq.num_tokens:
+                logits_indices.append(query_start_loc[-1] - 1)
+                sample_rows.append(row)
+
+        width = max(len(seq.block_table) for seq in seqs)
+        tables = [seq.block_table + [0] * (width - len(seq.block_table)) for seq in seqs]
+        device = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+            query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32, device=device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+            block_tables=torch.tensor(tables, dtype=torch.int32, device=device),
+            query_lens_list=list(num_new_tokens),
+            seq_lens_list=seq_lens,
+            max_query_len=max(num_new_tokens),
+            max_seq_len=max(seq_lens),
+        )
+        return (torch.tensor(input_ids, dtype=torch.int64, device=device),
+                torch.tensor(positions, dtype=torch.int64, device=device),
+                meta, logits_indices, sample_rows)

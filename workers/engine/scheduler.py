@@ -1,0 +1,134 @@
+"""Continuous batching: which sequences compute how many tokens in the next forward pass.
+
+Each step has a token budget (max_num_batched_tokens) and a cap on running sequences
+(max_num_seqs). The budget is spent in this order:
+  1. decodes: running sequences with one token left to compute;
+  2. continuing prefills: running sequences whose prompt (or recompute) is still partial,
+     each taking as much of the remaining budget as it needs (chunked prefill);
+  3. admissions from the waiting queue in arrival order (FCFS, no overtaking), after a
+     prefix-cache lookup so cached blocks cost no budget.
+When a running sequence cannot get a block, the latest-arrived running sequence is preempted
+by recompute: its blocks are freed, its progress reset, and it goes back to the head of the
+waiting queue. No admission happens in a step that preempted.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from tandem.workers.engine.block_manager import BlockManager
+from tandem.workers.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class SchedulerOutput:
+    seqs: list[Sequence] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)  # tokens each sequence computes this step
+    preempted: list[Sequence] = field(default_factory=list)
+    admitted: list[Sequence] = field(default_factory=list)  # first scheduled since arrival or preemption
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    def __bool__(self) -> bool:
+        return bool(self.seqs)
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+        if max_num_seqs < 1 or max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        scheduled: dict[Sequence, int] = {}  # insertion-ordered: decodes, then prefills, then admissions
+
+        decodes = [s for s in self.running if s.num_uncomputed_tokens == 1]
+        prefills = [s for s in self.running if s.num_uncomputed_tokens != 1]
+        for seq in decodes + prefills:
+            if budget == 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
+                continue
+            num_tokens = min(seq.num_uncomputed_tokens, budget)
+            while not self.block_manager.allocate_slots(seq, num_tokens):
+                victim = max(self.running, key=_arrival_order)
+                budget += scheduled.pop(victim, 0)
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                scheduled[seq] = num_tokens
+                budget -= num_tokens
+
+        if not out.preempted:
+            while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+                seq = self.waiting[0]
+                hits = self.block_manager.find_cached_prefix(seq)
+                num_tokens = min(seq.num_tokens - len(hits) * self.block_manager.block_size, budget)
+                if not self.block_manager.allocate_slots(seq, num_tokens, prefix_blocks=hits):
+                    break
+                self.waiting.popleft()
+                seq.status = SequenceStatus.RUNNING
+                self.running.append(seq)
+                scheduled[seq] = num_tokens
+                budget -= num_tokens
+                out.admitted.append(seq)
+
+        out.seqs = list(scheduled)
+        out.num_new_tokens = list(scheduled.values())
+        return out
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Retire a sequence that stopped; its blocks go back to the pool at once."""
+        self._remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+
+    def abort(self, request_id: str) -> Sequence | None:
+        """Drop a request wherever it is; returns it, or None if it is unknown or already done."""
+        for seq in self.running:
+            if seq.request_id == request_id:
+                self.finish(seq, "abort")
+                return seq
+        for seq in self.waiting:
+            if seq.request_id == request_id:
+                self.finish(seq, "abort")
+                return seq
+        return None
+
+    def _remove(self, seq: Sequence) -> None:
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.reset_for_recompute()
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+
+def _arrival_order(seq: Sequence) -> tuple[float, int]:
+    return seq.arrival_time, seq.arrival_order

@@ -1,0 +1,106 @@
+"""One request as the engine sees it: its tokens, where they sit in the KV cache and its timings.
+
+A sequence never distinguishes "prefill" from "decode" by a flag: it has `num_tokens` known
+tokens of which the first `num_computed_tokens` have their K/V in the cache. A step computes
+some of the rest; once all are computed the next token is sampled and appended. A decode is
+then just "one token left to compute", and recompute after preemption is a longer prefill
+over prompt + output, which keeps scheduler and runner free of special cases (as in vLLM v1).
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+
+import torch
+
+from tandem.protocol import SamplingParams
+
+# Breaks ties between equal arrival times so "latest arrived" is always well defined.
+_arrival_counter = itertools.count()
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    __slots__ = (
+        "request_id", "prompt_token_ids", "output_token_ids", "token_ids", "params", "status",
+        "finish_reason", "num_computed_tokens", "block_table", "block_hashes", "num_cached_blocks",
+        "num_cached_tokens", "arrival_time", "arrival_order", "first_scheduled_time",
+        "first_token_time", "last_token_time", "generator", "num_preemptions",
+    )
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 arrival_time: float | None = None, device: str | torch.device = "cpu"):
+        if not prompt_token_ids:
+            raise ValueError(f"request {request_id!r}: the prompt has no tokens")
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        # prompt + output in one list: the runner and the hasher slice it without concatenating.
+        self.token_ids: list[int] = list(prompt_token_ids)
+        self.params = params
+        self.status = SequenceStatus.WAITING
+        self.finish_reason: str | None = None
+        self.num_computed_tokens = 0
+        self.block_table: list[int] = []
+        # Chained content hashes of the full blocks of token_ids known so far; they survive
+        # preemption because the tokens do.
+        self.block_hashes: list[int] = []
+        # How many leading entries of block_table have been offered to the prefix cache.
+        self.num_cached_blocks = 0
+        # Prompt tokens found in the prefix cache at (the latest) admission.
+        self.num_cached_tokens = 0
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.arrival_order = next(_arrival_counter)
+        self.first_scheduled_time: float | None = None
+        self.first_token_time: float | None = None
+        self.last_token_time: float | None = None
+        self.num_preemptions = 0
+        # A private generator makes a seeded request reproducible whatever shares its batch.
+        self.generator: torch.Generator | None = None
+        if params.seed is not None and not params.greedy:
+            self.generator = torch.Generator(device=device)
+            self.generator.manual_seed(params.seed)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def append_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.token_ids.append(token_id)
+
+    def reset_for_recompute(self) -> None:
+        """Forget the KV state (the caller has freed the blocks); the tokens stay."""
+        self.status = SequenceStatus.WAITING
+        self.num_computed_tokens = 0
+        self.block_table = []
+        self.num_cached_blocks = 0
+        self.num_cached_tokens = 0
+        self.num_preemptions += 1
+
+    def __repr__(self) -> str:
+        return (f"Sequence({self.request_id!r}, status={self.status.value}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed_tokens}, blocks={len(self.block_table)})")
