@@ -22,6 +22,65 @@ def _worker_parser(sub, name: str, help_text: str, default_port: int) -> argpars
     return p
 
 
+def _operator_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser("operator", help="run the Kubernetes operator that reconciles LLMDeployments",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    scope = p.add_mutually_exclusive_group()
+    scope.add_argument("--namespace", default=None, help="watch only this namespace")
+    scope.add_argument("--all-namespaces", "-A", action="store_true", help="watch every namespace")
+    p.add_argument("--peering", default=None, metavar="NAME",
+                   help="kopf peering object for HA: one active replica, the others on standby")
+    p.add_argument("--priority", type=int, default=0, help="peering priority (the highest is active)")
+    p.add_argument("--liveness", default=None, metavar="URL", help="serve a liveness probe, e.g. http://0.0.0.0:8080/healthz")
+    p.add_argument("--resync-seconds", type=float, default=300.0, help="re-apply owned objects this often (0: never)")
+    p.add_argument("--kubeconfig", default=None, help="unset: in-cluster credentials, then $KUBECONFIG or ~/.kube/config")
+    p.add_argument("--context", default=None, help="kubeconfig context")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    return p
+
+
+def _bench_parser(sub) -> argparse.ArgumentParser:
+    from tandem.bench.config import BenchConfig
+
+    # Plain help formatter: add_model_options already writes each default into the help text.
+    p = sub.add_parser("bench", help="load-test an OpenAI-compatible server: latency-throughput curves")
+    add_model_options(p, BenchConfig, skip=("concurrency", "rate"))
+    sweep = p.add_mutually_exclusive_group()
+    sweep.add_argument("--concurrency", type=int, nargs="+", metavar="C",
+                       help="closed-loop sweep: requests kept in flight, one point per value (default: 1)")
+    sweep.add_argument("--rate", type=float, nargs="+", metavar="R",
+                       help="open-loop sweep: requests per second, one point per value")
+    p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    return p
+
+
+def _plan_parser(sub) -> argparse.ArgumentParser:
+    from tandem.planning.profile import WorkloadProfile
+
+    p = sub.add_parser("plan", help="size a fleet: C_max, instances, GPUs, P:D ratio, admission queue limit",
+                       epilog="Formulas: see tandem/planning/sizing.py. Disaggregation threshold = (ITL SLO - "
+                              "decode step time) x prefill tokens/s: the longest prompt a decode worker can "
+                              "prefill without breaking its batch's ITL.")
+    p.add_argument("--profile", metavar="FILE.yaml", help="workload profile; flags override its fields")
+    p.add_argument("--curve", metavar="FILE", help="measured curve: the bench.json `tandem bench` writes, or "
+                                                   "a YAML/JSON file with `points:`")
+    add_model_options(p, WorkloadProfile)
+    p.add_argument("--patch-style", choices=["pools", "ratio"], default="pools",
+                   help="size the LLMDeployment by prefill/decode replicas, or by spec.ratio + spec.replicas "
+                        "(default: pools)")
+    p.add_argument("--patch-out", metavar="FILE", help="write the LLMDeployment patch here instead of printing it")
+    p.add_argument("--format", dest="output_format", choices=["table", "json"], default="table",
+                   help="a table and the patch, or one JSON document (default: table)")
+    p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    return p
+
+
+def _options_error(exc) -> str:
+    """A pydantic ValidationError as one line per bad option, without pydantic's boilerplate."""
+    return "; ".join(f"{'.'.join(map(str, e['loc'])) or 'options'}: {e['msg'].removeprefix('Value error, ')}"
+                     for e in exc.errors())
+
+
 def _worker_config(ns: argparse.Namespace) -> WorkerConfig:
     engine = model_from_options(EngineConfig, ns)
     return model_from_options(WorkerConfig, ns, engine=engine)
@@ -32,7 +91,18 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     _worker_parser(sub, "worker", "run one engine worker (prefill | decode | both)", 8000)
     _worker_parser(sub, "serve", "run the local stack on this machine (today: one colocated worker)", 8000)
+    _operator_parser(sub)
+    _bench_parser(sub)
+    plan_parser = _plan_parser(sub)
     ns = parser.parse_args(argv)
+    if ns.command == "plan" and ns.profile:
+        from tandem.planning.profile import load_profile_file
+
+        try:
+            plan_parser.set_defaults(**load_profile_file(ns.profile))  # the file's values, under the flags
+        except ValueError as exc:
+            plan_parser.error(str(exc))
+        ns = parser.parse_args(argv)
     logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     if ns.command in ("worker", "serve"):
@@ -42,6 +112,33 @@ def main(argv: list[str] | None = None) -> int:
         if ns.command == "serve":
             config = config.model_copy(update={"role": "both"})
         return run_worker(config, log_level=ns.log_level)
+    if ns.command == "operator":
+        from tandem.operator.main import run_operator
+
+        return run_operator(ns.namespace, peering=ns.peering, priority=ns.priority, liveness=ns.liveness,
+                            kubeconfig=ns.kubeconfig, context=ns.context, resync_seconds=ns.resync_seconds or None)
+    if ns.command == "bench":
+        from pydantic import ValidationError
+
+        from tandem.bench.command import run_bench_command
+        from tandem.bench.config import BenchConfig
+
+        try:
+            config = model_from_options(BenchConfig, ns)
+        except ValidationError as exc:
+            parser.error(f"bench: {_options_error(exc)}")
+        return run_bench_command(config)
+    if ns.command == "plan":
+        from pydantic import ValidationError
+
+        from tandem.planning.command import run_plan_command
+        from tandem.planning.profile import WorkloadProfile
+
+        try:
+            profile = model_from_options(WorkloadProfile, ns)
+        except ValidationError as exc:
+            parser.error(f"plan: {_options_error(exc)}")
+        return run_plan_command(profile, ns.curve, ns.patch_style, ns.patch_out, ns.output_format)
     parser.error(f"unknown command {ns.command}")
     return 2
 

@@ -1,0 +1,299 @@
+"""Pure builders: an LLMDeployment spec -> every Kubernetes object it owns, as plain dicts.
+
+Nothing here talks to the API server, so each object can be asserted on and schema-validated directly.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import posixpath
+from dataclasses import dataclass
+from typing import Any
+
+from tandem.config import DeploymentEngineSpec, EngineConfig, LLMDeploymentSpec, PodSettings, PoolSpec
+from tandem.operator import names
+from tandem.operator.names import HTTP_PORT
+from tandem.operator.sizing import PoolSizes
+
+MODEL_MOUNT = "/models"
+CONFIG_MOUNT = "/etc/tandem/config"
+TENANTS_MOUNT = "/etc/tandem/tenants"
+RUN_AS = 10001  # the uid/gid the Dockerfiles create; any non-root id works with the emptyDir mounts below
+# Endpoint removal reaches the routers' EndpointSlice watch while the pod sleeps in preStop; only then does
+# SIGTERM arrive, and the server stops accepting and finishes the requests it has (see terminationGrace).
+DRAIN_SECONDS = 10
+ROUTER_GRACE_SECONDS = 60
+# Engine settings that map one-to-one onto `tandem worker` options (the option is the EngineConfig field).
+ENGINE_FLAG_FIELDS = ("dtype", "max_model_len", "block_size", "max_num_seqs", "max_num_batched_tokens",
+                      "kv_cache_memory_gb", "enable_prefix_caching")
+# Writable places for a read-only root filesystem: Python, Triton and HF caches all go under /tmp.
+WRITABLE_ENV = [{"name": "HOME", "value": "/tmp"}, {"name": "XDG_CACHE_HOME", "value": "/tmp/.cache"},
+                {"name": "TRITON_CACHE_DIR", "value": "/tmp/.triton"}, {"name": "PYTHONDONTWRITEBYTECODE", "value": "1"}]
+
+
+@dataclass(frozen=True)
+class Owner:
+    """The LLMDeployment the objects belong to."""
+
+    name: str
+    namespace: str
+    uid: str
+
+    def reference(self) -> dict:
+        return {"apiVersion": names.API_VERSION, "kind": names.KIND, "name": self.name, "uid": self.uid,
+                "controller": True, "blockOwnerDeletion": True}
+
+
+def _metadata(owner: Owner, name: str, component: str, annotations: dict | None = None) -> dict:
+    meta = {"name": name, "namespace": owner.namespace, "labels": names.labels(owner.name, component),
+            "ownerReferences": [owner.reference()]}
+    if annotations:
+        meta["annotations"] = annotations
+    return meta
+
+
+def short_hash(data: Any) -> str:
+    return hashlib.sha256(json.dumps(data, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:16]
+
+
+# -- model, engine and pod pieces ------------------------------------------------------------------------
+
+
+def model_location(spec: LLMDeploymentSpec) -> tuple[str, list[dict], list[dict]]:
+    """(the worker's --model argument, volumes, volume mounts) for the model source."""
+    source, fmt = spec.model.source, spec.model.format
+    if source.pvc is not None:
+        volume = {"name": "model", "persistentVolumeClaim": {"claimName": source.pvc.claim_name, "readOnly": True}}
+        mount = {"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True}
+        return posixpath.join(MODEL_MOUNT, source.pvc.path), [volume], [mount]
+    if source.host_path is not None:
+        host = source.host_path.path.rstrip("/")
+        target = posixpath.join(MODEL_MOUNT, posixpath.basename(host))
+        volume = {"name": "model", "hostPath": {"path": host, "type": "File" if fmt == "gguf" else "Directory"}}
+        return target, [volume], [{"name": "model", "mountPath": target, "readOnly": True}]
+    return source.uri, [], []
+
+
+def engine_args(engine: DeploymentEngineSpec) -> list[str]:
+    """Only the settings the spec sets: everything else keeps the worker's own defaults."""
+    args: list[str] = []
+    for field in ENGINE_FLAG_FIELDS:
+        value = getattr(engine, field)
+        if value is None:
+            continue
+        flag = field.replace("_", "-")
+        if isinstance(value, bool):
+            args.append(f"--{flag}" if value else f"--no-{flag}")
+        else:
+            args += [f"--{flag}", str(value)]
+    if engine.tensor_parallel_size > 1 and "tensor_parallel_size" in EngineConfig.model_fields:
+        args += ["--tensor-parallel-size", str(engine.tensor_parallel_size)]
+    return args
+
+
+def _env(settings: PodSettings) -> list[dict]:
+    return [e.model_dump(by_alias=True, exclude_none=True) for e in settings.env or []]
+
+
+def _resources(settings: PodSettings) -> dict:
+    return settings.resources.model_dump(by_alias=True, exclude_none=True) if settings.resources else {}
+
+
+def _probes() -> dict:
+    http = {"port": "http"}
+    return {
+        "readinessProbe": {"httpGet": {"path": "/ready", **http}, "periodSeconds": 5, "timeoutSeconds": 2,
+                           "failureThreshold": 2},
+        "livenessProbe": {"httpGet": {"path": "/health", **http}, "periodSeconds": 10, "timeoutSeconds": 5,
+                          "failureThreshold": 3},
+        # Loading a large model takes minutes; liveness only starts counting once /health answers.
+        "startupProbe": {"httpGet": {"path": "/health", **http}, "periodSeconds": 10, "timeoutSeconds": 5,
+                         "failureThreshold": 90},
+    }
+
+
+def _container(name: str, image: str, args: list[str], env: list[dict], settings: PodSettings,
+               mounts: list[dict], pull_policy: str | None) -> dict:
+    container = {
+        "name": name,
+        "image": image,
+        "command": ["tandem"],
+        "args": args,
+        "ports": [{"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"}],
+        "env": [*WRITABLE_ENV, *env],
+        "resources": _resources(settings),
+        **_probes(),
+        "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(DRAIN_SECONDS)]}}},
+        "securityContext": {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+                            "runAsNonRoot": True, "capabilities": {"drop": ["ALL"]}},
+        "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}, *mounts],
+    }
+    if pull_policy:
+        container["imagePullPolicy"] = pull_policy
+    return container
+
+
+def _pod_spec(owner: Owner, component: str, container: dict, settings: PodSettings, volumes: list[dict],
+              grace_seconds: int, service_account: str | None) -> dict:
+    spec: dict[str, Any] = {
+        "containers": [container],
+        "volumes": [{"name": "tmp", "emptyDir": {"sizeLimit": "4Gi"}}, *volumes],
+        "terminationGracePeriodSeconds": grace_seconds,
+        "enableServiceLinks": False,
+        "securityContext": {"runAsNonRoot": True, "runAsUser": RUN_AS, "runAsGroup": RUN_AS, "fsGroup": RUN_AS,
+                            "seccompProfile": {"type": "RuntimeDefault"}},
+    }
+    if service_account:
+        spec["serviceAccountName"] = service_account
+    else:  # workers never call the API server: no token in the pod
+        spec["automountServiceAccountToken"] = False
+    if settings.node_selector:
+        spec["nodeSelector"] = dict(settings.node_selector)
+    if settings.tolerations:
+        spec["tolerations"] = list(settings.tolerations)
+    # Spread replicas over nodes unless the user placed them explicitly: one node failure, one worker lost.
+    spec["affinity"] = settings.affinity or {"podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [{
+        "weight": 100, "podAffinityTerm": {"topologyKey": "kubernetes.io/hostname",
+                                           "labelSelector": {"matchLabels": names.selector_labels(owner.name, component)}}}]}}
+    return spec
+
+
+def _deployment(owner: Owner, component: str, replicas: int, pod_spec: dict, strategy: dict,
+                pod_annotations: dict) -> dict:
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _metadata(owner, names.object_name(owner.name, component), component),
+        "spec": {
+            "replicas": replicas,
+            "revisionHistoryLimit": 5,
+            "selector": {"matchLabels": names.selector_labels(owner.name, component)},
+            "strategy": strategy,
+            "template": {"metadata": {"labels": names.labels(owner.name, component), "annotations": pod_annotations},
+                         "spec": pod_spec},
+        },
+    }
+
+
+_SCRAPE_ANNOTATIONS = {"prometheus.io/scrape": "true", "prometheus.io/port": str(HTTP_PORT),
+                       "prometheus.io/path": "/metrics"}
+
+
+# -- the owned objects -----------------------------------------------------------------------------------
+
+
+def worker_deployment(owner: Owner, spec: LLMDeploymentSpec, pool: str, replicas: int) -> dict:
+    settings: PoolSpec = getattr(spec, pool)
+    model_arg, volumes, mounts = model_location(spec)
+    args = ["worker", "--role", pool, "--model", model_arg, "--served-model-name", spec.model.name,
+            "--host", "0.0.0.0", "--port", str(HTTP_PORT), "--kv-transfer", spec.kv_transfer.backend,
+            *engine_args(spec.engine), *(settings.extra_args or [])]
+    env = _env(settings)
+    if spec.kv_transfer.ucx_transports:
+        env.append({"name": "UCX_TLS", "value": ",".join(spec.kv_transfer.ucx_transports)})
+    # UCX's shared-memory transport and torch's IPC need a real /dev/shm, not the runtime's 64 MiB default.
+    volumes = [*volumes, {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": "2Gi"}}]
+    mounts = [*mounts, {"name": "shm", "mountPath": "/dev/shm"}]
+    container = _container("worker", spec.image, args, env, settings, mounts, spec.image_pull_policy)
+    pod = _pod_spec(owner, pool, container, settings, volumes, settings.termination_grace_period_seconds, None)
+    # GPUs are rarely spare: replace workers one at a time instead of surging an extra one.
+    strategy = {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}}
+    return _deployment(owner, pool, replicas, pod, strategy, dict(_SCRAPE_ANNOTATIONS))
+
+
+def router_config(spec: LLMDeploymentSpec, sizes: PoolSizes) -> dict[str, str]:
+    """The ConfigMap's files: what the router reads beside its command-line options."""
+    slo_classes = [c.model_dump(by_alias=True) for c in spec.router.slo_classes or []]
+    deployment = {"model": spec.model.name, "pools": {"prefill": sizes.prefill, "decode": sizes.decode},
+                  "ratio": sizes.ratio, "kvTransfer": spec.kv_transfer.model_dump(by_alias=True, exclude_none=True),
+                  "blockSize": spec.engine.block_size or EngineConfig.model_fields["block_size"].default}
+    return {"slo-classes.json": json.dumps(slo_classes, indent=2, sort_keys=True) + "\n",
+            "deployment.json": json.dumps(deployment, indent=2, sort_keys=True) + "\n"}
+
+
+def router_deployment(owner: Owner, spec: LLMDeploymentSpec, sizes: PoolSizes) -> dict:
+    router = spec.router
+    model_arg, volumes, mounts = model_location(spec)  # the router tokenizes prompts with the model's tokenizer
+    args = ["router", "--model", model_arg, "--host", "0.0.0.0", "--port", str(HTTP_PORT),
+            "--discovery", "kubernetes", "--namespace", owner.namespace,
+            "--prefill-selector", names.pool_selector(owner.name, "prefill"),
+            "--decode-selector", names.pool_selector(owner.name, "decode")]
+    if router.disagg_min_tokens is not None:
+        args += ["--disagg-min-tokens", str(router.disagg_min_tokens)]
+    env = [*_env(router), {"name": "TANDEM_CONFIG_DIR", "value": CONFIG_MOUNT}]
+    volumes = [*volumes, {"name": "config", "configMap": {"name": names.config_map_name(owner.name)}}]
+    mounts = [*mounts, {"name": "config", "mountPath": CONFIG_MOUNT, "readOnly": True}]
+    if router.tenants_secret:
+        env.append({"name": "TANDEM_TENANTS_DIR", "value": TENANTS_MOUNT})
+        volumes.append({"name": "tenants", "secret": {"secretName": router.tenants_secret}})
+        mounts.append({"name": "tenants", "mountPath": TENANTS_MOUNT, "readOnly": True})
+    image = router.image or spec.image
+    container = _container("router", image, args, env, router, mounts, spec.image_pull_policy)
+    pod = _pod_spec(owner, "router", container, router, volumes, ROUTER_GRACE_SECONDS,
+                    names.object_name(owner.name, "router"))
+    strategy = {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
+    # A changed ConfigMap (SLO classes) must restart the routers: its hash is part of the pod template.
+    annotations = {**_SCRAPE_ANNOTATIONS, names.CONFIG_HASH_ANNOTATION: short_hash(router_config(spec, sizes))}
+    return _deployment(owner, "router", router.replicas, pod, strategy, annotations)
+
+
+def _port(port: int) -> dict:
+    return {"name": "http", "port": port, "targetPort": "http", "protocol": "TCP"}
+
+
+def pool_service(owner: Owner, pool: str) -> dict:
+    """Headless: the router wants each worker's address (EndpointSlices), not a load-balanced VIP."""
+    return {"apiVersion": "v1", "kind": "Service", "metadata": _metadata(owner, names.object_name(owner.name, pool), pool),
+            "spec": {"clusterIP": "None", "selector": names.selector_labels(owner.name, pool),
+                     "ports": [_port(HTTP_PORT)], "publishNotReadyAddresses": False}}
+
+
+def router_service(owner: Owner, spec: LLMDeploymentSpec) -> dict:
+    return {"apiVersion": "v1", "kind": "Service",
+            "metadata": _metadata(owner, names.object_name(owner.name, "router"), "router"),
+            "spec": {"type": spec.router.service_type, "selector": names.selector_labels(owner.name, "router"),
+                     "ports": [_port(spec.router.port)]}}
+
+
+def config_map(owner: Owner, spec: LLMDeploymentSpec, sizes: PoolSizes) -> dict:
+    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": _metadata(owner, names.config_map_name(owner.name), "router"),
+            "data": router_config(spec, sizes)}
+
+
+def router_rbac(owner: Owner) -> list[dict]:
+    """The router's identity and the one permission it needs: reading its pools' EndpointSlices."""
+    account = names.object_name(owner.name, "router")
+    role = names.discovery_role_name(owner.name)
+    return [
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _metadata(owner, account, "router"),
+         "automountServiceAccountToken": True},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": _metadata(owner, role, "router"),
+         "rules": [{"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],
+                    "verbs": ["get", "list", "watch"]}]},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding", "metadata": _metadata(owner, role, "router"),
+         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": role},
+         "subjects": [{"kind": "ServiceAccount", "name": account, "namespace": owner.namespace}]},
+    ]
+
+
+def disruption_budget(owner: Owner, component: str) -> dict:
+    """Voluntary evictions (node drains, upgrades) take at most one pod of a pool at a time."""
+    return {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
+            "metadata": _metadata(owner, names.object_name(owner.name, component), component),
+            "spec": {"maxUnavailable": 1, "selector": {"matchLabels": names.selector_labels(owner.name, component)}}}
+
+
+def build_objects(owner: Owner, spec: LLMDeploymentSpec, sizes: PoolSizes) -> list[dict]:
+    """Every object the LLMDeployment owns, in the order they should be applied (dependencies first)."""
+    return [
+        *router_rbac(owner),
+        config_map(owner, spec, sizes),
+        pool_service(owner, "prefill"),
+        pool_service(owner, "decode"),
+        router_service(owner, spec),
+        worker_deployment(owner, spec, "prefill", sizes.prefill),
+        worker_deployment(owner, spec, "decode", sizes.decode),
+        router_deployment(owner, spec, sizes),
+        *(disruption_budget(owner, component) for component in names.COMPONENTS),
+    ]

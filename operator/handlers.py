@@ -1,0 +1,96 @@
+"""Thin kopf handlers: each one calls `reconcile` / `StatusKeeper` and reports what it did as an event."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import kopf
+import kubernetes.client
+
+from tandem.config import CRD_GROUP, CRD_PLURAL, CRD_VERSION
+from tandem.operator import names
+from tandem.operator.kube import Kube, KubeError, Outcome
+from tandem.operator.reconcile import StatusKeeper, reconcile
+from tandem.operator.validation import SpecError
+
+RESOURCE = (CRD_GROUP, CRD_VERSION, CRD_PLURAL)
+OWNED = {"app.kubernetes.io/managed-by": names.MANAGER, names.OWNER_LABEL: kopf.PRESENT}
+EVENT_REASONS: dict[Outcome, str] = {"created": "Created", "updated": "Updated"}
+RETRY_SECONDS = 10  # API hiccups (409/429/5xx)
+SLOW_RETRY_SECONDS = 120  # other API refusals (RBAC, admission): retried, but never in a storm
+
+
+def connection_info(config: kubernetes.client.Configuration) -> kopf.ConnectionInfo:
+    """kopf's own API client authenticates exactly as the operator's kubernetes client does."""
+    header = config.get_api_key_with_prefix("BearerToken") or config.get_api_key_with_prefix("authorization")
+    parts = header.split(" ", 1) if header else []
+    scheme, token = (None, None) if not parts else (None, parts[0]) if len(parts) == 1 else (parts[0], parts[1])
+    return kopf.ConnectionInfo(
+        server=config.host, ca_path=config.ssl_ca_cert, insecure=not config.verify_ssl,
+        username=config.username or None, password=config.password or None, scheme=scheme, token=token,
+        certificate_path=config.cert_file, private_key_path=config.key_file)
+
+
+def _report(body: Mapping[str, Any], outcomes: list[tuple[Outcome, dict]], reasons=EVENT_REASONS) -> None:
+    for outcome, obj in outcomes:
+        if outcome in reasons:
+            kopf.event(dict(body), type="Normal", reason=reasons[outcome],
+                       message=f"{obj['kind']} {obj['metadata']['name']}")
+
+
+def _apply(kube: Kube, body: Mapping[str, Any], force: bool = False) -> list[tuple[Outcome, dict]]:
+    try:
+        return reconcile(kube, body, force=force)
+    except KubeError as exc:
+        kopf.warn(dict(body), reason="ApplyFailed", message=str(exc))
+        raise kopf.TemporaryError(str(exc), delay=RETRY_SECONDS if exc.retriable else SLOW_RETRY_SECONDS) from None
+
+
+def build_registry(kube: Kube, keeper: StatusKeeper, resync_seconds: float | None = 300.0) -> kopf.OperatorRegistry:
+    registry = kopf.OperatorRegistry()
+
+    @kopf.on.login(registry=registry)
+    def login(**_):
+        return connection_info(kube.api.configuration)
+
+    @kopf.on.resume(*RESOURCE, registry=registry)
+    @kopf.on.create(*RESOURCE, registry=registry)
+    @kopf.on.update(*RESOURCE, registry=registry)
+    def spec_changed(body, meta, name, namespace, **_):
+        try:
+            outcomes = _apply(kube, body)
+        except SpecError as exc:
+            # Nothing is created; the reason goes to the status and an event, and kopf does not retry
+            # until the spec changes again.
+            keeper.refresh(namespace, name, generation=meta.get("generation"))
+            kopf.warn(dict(body), reason="InvalidSpec", message=str(exc))
+            raise kopf.PermanentError(f"invalid spec: {exc}") from None
+        _report(body, outcomes)
+        keeper.refresh(namespace, name, generation=meta.get("generation"))
+
+    def owned_object_changed(type, body, namespace, **_):
+        owner = body["metadata"]["labels"][names.OWNER_LABEL]
+        if type == "DELETED":  # someone removed an object we own: put it back
+            parent = kube.get(names.API_VERSION, names.KIND, namespace, owner)
+            if parent is not None and not parent["metadata"].get("deletionTimestamp"):
+                try:
+                    _report(parent, _apply(kube, parent))
+                except SpecError:
+                    pass  # the status already says why; nothing to restore from a bad spec
+        keeper.refresh(namespace, owner)
+
+    kopf.on.event("apps", "v1", "deployments", labels=OWNED, registry=registry)(owned_object_changed)
+    kopf.on.event("", "v1", "services", labels=OWNED, registry=registry)(owned_object_changed)
+
+    if resync_seconds:
+        @kopf.timer(*RESOURCE, interval=resync_seconds, initial_delay=resync_seconds, registry=registry)
+        def resync(body, name, namespace, **_):
+            """Undo manual edits of owned objects (server-side apply with force is a no-op otherwise)."""
+            try:
+                _report(body, _apply(kube, body, force=True), {"created": "Created", "updated": "DriftCorrected"})
+            except SpecError:
+                pass
+            keeper.refresh(namespace, name)
+
+    return registry

@@ -1,0 +1,74 @@
+"""`tandem operator`: run the kopf operator that reconciles LLMDeployments.
+
+High availability: start several replicas with `--peering NAME` (the Helm chart does this when
+`operator.replicas > 1`). Kopf peering makes exactly one replica active; the others stand by and take
+over when its heartbeat stops. Without `--peering` the operator runs standalone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import kopf
+import kubernetes.client
+import kubernetes.config
+
+from tandem.config import CRD_GROUP
+from tandem.operator import names
+from tandem.operator.handlers import build_registry
+from tandem.operator.kube import Kube, load_api_client
+from tandem.operator.reconcile import StatusKeeper
+
+log = logging.getLogger("tandem.operator")
+
+
+def operator_settings(peering: str | None = None) -> kopf.OperatorSettings:
+    settings = kopf.OperatorSettings()
+    # The resources are known in advance: no CRD or namespace scanning, hence no cluster-wide RBAC for it.
+    settings.scanning.disabled = True
+    # kopf's bookkeeping goes to annotations under our group: status stays ours and schema-valid.
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=CRD_GROUP)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=CRD_GROUP, key="last-handled-configuration")
+    settings.persistence.finalizer = f"{CRD_GROUP}/finalizer"
+    settings.posting.reporting_component = names.MANAGER
+    # kopf would post an Event for each of its own info lines (every handler run, every Deployment status
+    # change); only its warnings and errors go out, and the operator posts one Event per action itself.
+    settings.posting.level = logging.WARNING
+    settings.execution.max_workers = 8
+    settings.networking.request_timeout = 60
+    if peering:
+        settings.peering.mandatory = True
+    return settings
+
+
+async def operate(namespace: str | None, *, api_client: kubernetes.client.ApiClient,
+                  peering: str | None = None, priority: int = 0, liveness: str | None = None,
+                  resync_seconds: float | None = 300.0, stop_flag: asyncio.Event | None = None,
+                  ready_flag: asyncio.Event | None = None) -> None:
+    """The operator as a coroutine (tests run it next to an emulated API server in one event loop)."""
+    kube = Kube(api_client)
+    registry = build_registry(kube, StatusKeeper(kube), resync_seconds)
+    scope = f"namespace {namespace}" if namespace else "all namespaces"
+    log.info("tandem operator reconciling LLMDeployments in %s via %s (%s%s)", scope, api_client.configuration.host,
+             f"peering {peering!r}, priority {priority}" if peering else "standalone",
+             f", liveness at {liveness}" if liveness else "")
+    await kopf.operator(
+        registry=registry, settings=operator_settings(peering), clusterwide=namespace is None,
+        namespaces=[namespace] if namespace else (), standalone=peering is None, peering_name=peering,
+        priority=priority, liveness_endpoint=liveness, stop_flag=stop_flag, ready_flag=ready_flag)
+
+
+def run_operator(namespace: str | None, *, peering: str | None = None, priority: int = 0,
+                 liveness: str | None = None, kubeconfig: str | None = None, context: str | None = None,
+                 resync_seconds: float | None = 300.0) -> int:
+    """Run until SIGINT/SIGTERM (kopf stops its watches and lets running handlers finish)."""
+    try:
+        api_client = load_api_client(kubeconfig, context)
+    except kubernetes.config.ConfigException as exc:
+        raise SystemExit(f"tandem operator: no cluster credentials (not in a pod, and the kubeconfig "
+                         f"{kubeconfig or '$KUBECONFIG or ~/.kube/config'} gave none): {exc}") from None
+    asyncio.run(operate(namespace, api_client=api_client, peering=peering, priority=priority, liveness=liveness,
+                        resync_seconds=resync_seconds))
+    return 0

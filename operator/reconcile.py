@@ -1,0 +1,71 @@
+"""One reconcile pass and one status refresh: what the kopf handlers call (no kopf in here)."""
+
+from __future__ import annotations
+
+import datetime
+import threading
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from tandem.operator import names
+from tandem.operator.builders import Owner, build_objects
+from tandem.operator.kube import Kube, Outcome
+from tandem.operator.status import compute_status, same_status
+from tandem.operator.validation import validate_spec
+
+
+def owner_of(body: Mapping[str, Any]) -> Owner:
+    meta = body["metadata"]
+    return Owner(name=meta["name"], namespace=meta["namespace"], uid=meta["uid"])
+
+
+def reconcile(kube: Kube, body: Mapping[str, Any], force: bool = False) -> list[tuple[Outcome, dict]]:
+    """Bring every owned object in line with the spec; raises SpecError (creating nothing) on a bad spec."""
+    owner = owner_of(body)
+    spec, sizes = validate_spec(body.get("spec"), owner.name)
+    return [(kube.ensure(obj, force=force), obj) for obj in build_objects(owner, spec, sizes)]
+
+
+def observe(kube: Kube, namespace: str, name: str) -> tuple[dict[str, dict], dict | None]:
+    """The owned Deployments by component, and the router Service (None when absent)."""
+    deployments = {}
+    for item in kube.list("apps/v1", "Deployment", namespace, {names.OWNER_LABEL: name}):
+        component = (item["metadata"].get("labels") or {}).get("app.kubernetes.io/component")
+        if component in names.COMPONENTS:
+            deployments[component] = item
+    service = kube.get("v1", "Service", namespace, names.object_name(name, "router"))
+    return deployments, service
+
+
+def utc_now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0).isoformat().replace("+00:00", "Z")
+
+
+class StatusKeeper:
+    """Writes an LLMDeployment's status from what is observed, one writer per object at a time.
+
+    Both the reconcile handler and the Deployment watch refresh the status; serialising them per object and
+    reading the cluster inside the lock means the last write always reflects the newest observation.
+    """
+
+    def __init__(self, kube: Kube, clock: Callable[[], str] = utc_now):
+        self.kube = kube
+        self.clock = clock
+        self._locks: dict[tuple[str, str], threading.Lock] = {}
+        self._guard = threading.Lock()
+
+    def _lock(self, namespace: str, name: str) -> threading.Lock:
+        with self._guard:
+            return self._locks.setdefault((namespace, name), threading.Lock())
+
+    def refresh(self, namespace: str, name: str, generation: int | None = None) -> dict | None:
+        """Recompute and write the status; returns it, or None when the LLMDeployment is gone."""
+        with self._lock(namespace, name):
+            body = self.kube.get(names.API_VERSION, names.KIND, namespace, name)
+            if body is None or body["metadata"].get("deletionTimestamp"):
+                return None
+            deployments, service = observe(self.kube, namespace, name)
+            status = compute_status(body, deployments, service, self.clock(), generation)
+            if not same_status(body.get("status"), status):
+                self.kube.patch_status(names.API_VERSION, names.KIND, namespace, name, status)
+            return status

@@ -1,0 +1,168 @@
+"""Status of an LLMDeployment, computed from its spec and the objects observed in the cluster (pure)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from tandem.config import LLMDeploymentStatus
+from tandem.operator import names
+from tandem.operator.validation import SpecError, validate_spec
+
+
+@dataclass(frozen=True)
+class ComponentState:
+    """What one owned Deployment says about its rollout."""
+
+    desired: int
+    ready: int
+    updated: int
+    exists: bool
+    rolling_out: bool  # new pods are still being brought up (a normal, temporary shortfall)
+    stalled: str | None  # why the Deployment controller gave up, if it did
+
+    @property
+    def degraded(self) -> bool:
+        return self.stalled is not None or (self.exists and not self.rolling_out and self.ready < self.desired)
+
+
+# The Deployment controller's Progressing reason once the newest ReplicaSet is fully available.
+ROLLOUT_COMPLETE = "NewReplicaSetAvailable"
+
+
+def component_state(deployment: Mapping[str, Any] | None, desired: int) -> ComponentState:
+    """Rollout state of one Deployment, read the way `kubectl rollout status` reads it.
+
+    A shortfall of ready pods is "rolling out" while the controller still works on the newest ReplicaSet
+    (models take minutes to load) and "degraded" once it called the rollout complete or gave up.
+    """
+    if deployment is None:
+        return ComponentState(desired, 0, 0, exists=False, rolling_out=False, stalled=None)
+    meta, status = deployment.get("metadata", {}), deployment.get("status") or {}
+    ready = status.get("readyReplicas") or 0
+    updated = status.get("updatedReplicas") or 0
+    available = status.get("availableReplicas") or 0
+    total = status.get("replicas") or 0
+    generation, observed = meta.get("generation"), status.get("observedGeneration")
+    seen = generation is None or (observed is not None and observed >= generation)
+    spec_replicas = deployment.get("spec", {}).get("replicas", desired)
+    complete = seen and spec_replicas == desired and updated >= desired and available >= desired and total <= desired
+    conditions = {c.get("type"): c for c in status.get("conditions") or []}
+    progressing, failure = conditions.get("Progressing"), conditions.get("ReplicaFailure")
+    stalled = None
+    if progressing is not None and progressing.get("status") == "False":
+        stalled = progressing.get("reason") or "ProgressDeadlineExceeded"
+    elif failure is not None and failure.get("status") == "True":
+        stalled = failure.get("reason") or "ReplicaFailure"
+    if progressing is not None and seen and spec_replicas == desired:
+        rolling_out = stalled is None and progressing.get("reason") != ROLLOUT_COMPLETE
+    else:  # no word from the controller yet (or a spec it has not seen): judge by the counts
+        rolling_out = stalled is None and not complete
+    return ComponentState(desired, ready, updated, exists=True, rolling_out=rolling_out, stalled=stalled)
+
+
+def router_endpoint(service: Mapping[str, Any] | None) -> str | None:
+    """The router's base URL: the load balancer's address once it has one, else the cluster DNS name."""
+    if service is None:
+        return None
+    meta, spec = service["metadata"], service.get("spec", {})
+    port = (spec.get("ports") or [{}])[0].get("port", names.HTTP_PORT)
+    ingress = ((service.get("status") or {}).get("loadBalancer") or {}).get("ingress") or []
+    if spec.get("type") == "LoadBalancer" and ingress:
+        host = ingress[0].get("ip") or ingress[0].get("hostname")
+        if host:
+            return f"http://{host}:{port}"
+    return f"http://{meta['name']}.{meta['namespace']}.svc:{port}"
+
+
+def _condition(kind: str, ok: bool, reason: str, message: str, now: str, previous: Mapping[str, dict],
+               generation: int | None) -> dict:
+    status = "True" if ok else "False"
+    before = previous.get(kind)
+    # lastTransitionTime moves only when the status flips, as Kubernetes conventions ask.
+    since = before["lastTransitionTime"] if before and before.get("status") == status else now
+    return {"type": kind, "status": status, "reason": reason, "message": message, "lastTransitionTime": since,
+            "observedGeneration": generation}
+
+
+def compute_status(resource: Mapping[str, Any], deployments: Mapping[str, Mapping[str, Any]],
+                   router_svc: Mapping[str, Any] | None, now: str, generation: int | None = None) -> dict:
+    """status for `resource` (the LLMDeployment body).
+
+    `deployments` maps a component (prefill, decode, router) to its observed Deployment; `generation` is
+    the spec generation just reconciled (None keeps the status' observedGeneration as it was).
+    """
+    meta = resource.get("metadata", {})
+    old = resource.get("status") or {}
+    previous = {c.get("type"): c for c in old.get("conditions") or []}
+    observed_generation = generation if generation is not None else old.get("observedGeneration")
+    try:
+        spec, sizes = validate_spec(resource.get("spec"), meta.get("name", ""))
+        desired = {"prefill": sizes.prefill, "decode": sizes.decode, "router": spec.router.replicas}
+        spec_error = None
+    except SpecError as exc:
+        spec_error = str(exc)
+        desired = {c: (deployments.get(c) or {}).get("spec", {}).get("replicas", 0) for c in names.COMPONENTS}
+    states = {c: component_state(deployments.get(c), desired[c]) for c in names.COMPONENTS}
+
+    summary = ", ".join(f"{c} {s.ready}/{s.desired}" for c, s in states.items())
+    ready = spec_error is None and all(s.exists and not s.rolling_out and s.ready >= s.desired
+                                       for s in states.values())
+    stalled = [f"{c}: {s.stalled}" for c, s in states.items() if s.stalled]
+    short = [c for c, s in states.items() if s.degraded and not s.stalled]
+    degraded = bool(stalled or short)
+    progressing = spec_error is None and any(s.exists and s.rolling_out for s in states.values())
+
+    conditions = [
+        _condition("SpecValid", spec_error is None, "Valid" if spec_error is None else "InvalidSpec",
+                   spec_error or "the spec is valid", now, previous, observed_generation),
+        _condition("Ready", ready, "AllReplicasReady" if ready else "ReplicasNotReady", f"ready: {summary}",
+                   now, previous, observed_generation),
+        _condition("Progressing", progressing, "RollingOut" if progressing else "Idle",
+                   f"rolling out: {summary}" if progressing else "no rollout in progress", now, previous,
+                   observed_generation),
+        _condition("Degraded", degraded, "RolloutStalled" if stalled else "ReplicasUnavailable" if short else "AsExpected",
+                   "; ".join(stalled) or (f"missing ready replicas in {', '.join(short)}" if short else "all is well"),
+                   now, previous, observed_generation),
+    ]
+    if spec_error is not None:
+        phase = "Invalid"
+    elif ready:
+        phase = "Ready"
+    elif degraded:
+        phase = "Degraded"
+    elif progressing:
+        phase = "Progressing"
+    else:
+        phase = "Pending"
+    workers_and_router = sum(s.ready for s in states.values()), sum(s.desired for s in states.values())
+    status = LLMDeploymentStatus(
+        phase=phase,
+        observed_generation=observed_generation,
+        prefill={"desired": states["prefill"].desired, "ready": states["prefill"].ready,
+                 "updated": states["prefill"].updated},
+        decode={"desired": states["decode"].desired, "ready": states["decode"].ready,
+                "updated": states["decode"].updated},
+        router={"desired": states["router"].desired, "ready": states["router"].ready,
+                "updated": states["router"].updated},
+        ready=f"{workers_and_router[0]}/{workers_and_router[1]}",
+        ratio=f"{states['prefill'].ready}:{states['decode'].ready}",
+        endpoint=router_endpoint(router_svc),
+        conditions=conditions,
+    )
+    # Every field is written, None included: a merge patch then removes what no longer applies.
+    return status.model_dump(by_alias=True, mode="json")
+
+
+def same_status(a: Mapping[str, Any] | None, b: Mapping[str, Any] | None) -> bool:
+    """Equal up to what a merge patch would not change (missing keys vs explicit nulls)."""
+
+    def strip(value):
+        if isinstance(value, Mapping):
+            return {k: strip(v) for k, v in value.items() if v is not None}
+        if isinstance(value, list):
+            return [strip(v) for v in value]
+        return value
+
+    return strip(a or {}) == strip(b or {})

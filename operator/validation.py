@@ -1,0 +1,82 @@
+"""Spec validation with reasons a user can act on (they end up in status.conditions and in an event)."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from pydantic import ValidationError
+
+from tandem.config import EngineConfig, LLMDeploymentSpec
+from tandem.operator.names import MAX_NAME_LENGTH
+from tandem.operator.sizing import PoolSizes, resolve_pool_sizes
+
+DNS_1035_LABEL = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
+GPU_RESOURCE = "nvidia.com/gpu"
+
+
+class SpecError(ValueError):
+    """An LLMDeployment that cannot be reconciled; `reasons` lists every problem found."""
+
+    def __init__(self, reasons: list[str]):
+        self.reasons = reasons
+        super().__init__("; ".join(reasons))
+
+
+def _pydantic_reasons(exc: ValidationError) -> list[str]:
+    reasons = []
+    for error in exc.errors():
+        where = ".".join(["spec", *(str(part) for part in error["loc"])])
+        message = error["msg"].removeprefix("Value error, ")
+        reasons.append(f"{where}: {message}")
+    return reasons
+
+
+def _gpus(resources) -> int | None:
+    for bucket in (resources.limits, resources.requests) if resources is not None else ():
+        if bucket and GPU_RESOURCE in bucket:
+            return int(bucket[GPU_RESOURCE])
+    return None
+
+
+def _semantic_reasons(spec: LLMDeploymentSpec, sizes: PoolSizes) -> list[str]:
+    reasons = []
+    if sizes.decode < 1:
+        reasons.append("spec.decode.replicas: must be at least 1: decode workers generate every response")
+    tp = spec.engine.tensor_parallel_size
+    if tp > 1 and "tensor_parallel_size" not in EngineConfig.model_fields:
+        reasons.append(f"spec.engine.tensorParallelSize: {tp} is not supported by this worker version, "
+                       "which runs one GPU per worker; use 1")
+    for pool in ("prefill", "decode"):
+        gpus = _gpus(getattr(spec, pool).resources)
+        if gpus is not None and 0 < gpus < tp:
+            reasons.append(f"spec.{pool}.resources: {gpus} {GPU_RESOURCE} cannot hold tensorParallelSize {tp}")
+    return reasons
+
+
+def validate_name(name: str) -> list[str]:
+    if len(name) > MAX_NAME_LENGTH:
+        return [f"metadata.name: {name!r} is {len(name)} characters; at most {MAX_NAME_LENGTH} leave room "
+                "for the '-prefill' suffix of the Services it gets"]
+    if not re.fullmatch(DNS_1035_LABEL, name):
+        return [f"metadata.name: {name!r} must be a DNS-1035 label (lower-case letters, digits and '-', "
+                "starting with a letter) because the Services take their names from it"]
+    return []
+
+
+def validate_spec(raw_spec: Mapping[str, Any] | None, name: str) -> tuple[LLMDeploymentSpec, PoolSizes]:
+    """The parsed spec and its pool sizes, or SpecError naming every problem."""
+    reasons = validate_name(name)
+    try:
+        spec = LLMDeploymentSpec.model_validate(dict(raw_spec or {}))
+    except ValidationError as exc:
+        raise SpecError(reasons + _pydantic_reasons(exc)) from None
+    try:
+        sizes = resolve_pool_sizes(spec)
+    except ValueError as exc:
+        raise SpecError([*reasons, f"spec: {exc}"]) from None
+    reasons += _semantic_reasons(spec, sizes)
+    if reasons:
+        raise SpecError(reasons)
+    return spec, sizes

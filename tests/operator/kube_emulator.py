@@ -1,0 +1,141 @@
+"""An emulated Kubernetes API server (kmock) and a test's view of it (fixtures are in conftest.py).
+
+kmock's KubernetesEmulator stores objects and streams watch events; `ApiServerEmulator` adds the few things
+a real API server does on every write that kopf and the operator rely on: names from generateName (kopf's
+events), uid, resourceVersion (kopf's consistency checks), metadata.generation bumped on spec changes
+(status.observedGeneration) and creationTimestamp.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import datetime
+import itertools
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+import attrs
+import kmock
+import yaml
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "llmdeployment.yaml"
+CR = "serving.tandem.dev/v1alpha1/llmdeployments"
+RESOURCES = {  # resource -> (kind, namespaced, subresources)
+    CR: ("LLMDeployment", True, {"status"}),
+    "apps/v1/deployments": ("Deployment", True, {"status", "scale"}),
+    "v1/services": ("Service", True, {"status"}),
+    "v1/configmaps": ("ConfigMap", True, set()),
+    "v1/serviceaccounts": ("ServiceAccount", True, set()),
+    "v1/events": ("Event", True, set()),
+    "v1/namespaces": ("Namespace", False, set()),
+    "rbac.authorization.k8s.io/v1/roles": ("Role", True, set()),
+    "rbac.authorization.k8s.io/v1/rolebindings": ("RoleBinding", True, set()),
+    "policy/v1/poddisruptionbudgets": ("PodDisruptionBudget", True, {"status"}),
+    "apiextensions.k8s.io/v1/customresourcedefinitions": ("CustomResourceDefinition", False, set()),
+}
+VERBS = {"get", "list", "watch", "create", "patch", "update", "delete"}
+
+
+def merge_patch(target: dict, patch: dict) -> dict:
+    """RFC 7386 JSON merge patch (what a PATCH does to the spec, for deciding whether it changed)."""
+    merged = dict(target)
+    for key, value in patch.items():
+        if value is None:
+            merged.pop(key, None)
+        elif isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = merge_patch(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+@attrs.define(kw_only=True)
+class ApiServerEmulator(kmock.KubernetesEmulator):
+    _versions: itertools.count = attrs.field(factory=lambda: itertools.count(1), init=False)
+
+    async def _handle(self, request):
+        data = request.data
+        if request.resource is not None and isinstance(data, dict):
+            meta = data.setdefault("metadata", {})
+            if request.action == kmock.action.CREATE:
+                if not meta.get("name") and meta.get("generateName"):
+                    meta["name"] = meta["generateName"] + uuid.uuid4().hex[:6]
+                if request.namespace:
+                    meta.setdefault("namespace", request.namespace)
+                meta.setdefault("uid", str(uuid.uuid4()))
+                meta.setdefault("generation", 1)
+                meta.setdefault("creationTimestamp", datetime.datetime.now(datetime.UTC).isoformat())
+                meta["resourceVersion"] = str(next(self._versions))
+            elif request.action == kmock.action.UPDATE:
+                key = (request.resource, request.namespace, request.name)
+                if key in self.objects and not self.objects[key].deleted:
+                    current = copy.deepcopy(dict(self.objects[key].raw))
+                    if request.subresource is None and "spec" in data:
+                        new_spec = merge_patch(current.get("spec", {}), data["spec"])
+                        if new_spec != current.get("spec", {}):
+                            meta["generation"] = current.get("metadata", {}).get("generation", 1) + 1
+                    meta["resourceVersion"] = str(next(self._versions))
+        return await super()._handle(request)
+
+
+class Cluster:
+    """The emulated cluster as a test sees it: apply, patch, read, and wait (always with a deadline)."""
+
+    def __init__(self, emulator: ApiServerEmulator, namespace: str):
+        self.emulator = emulator
+        self.namespace = namespace
+
+    def path(self, resource: str, name: str | None = None, subresource: str | None = None) -> str:
+        group_version, plural = resource.rsplit("/", 1)
+        prefix = "/api/v1" if group_version == "v1" else f"/apis/{group_version}"
+        path = f"{prefix}/namespaces/{self.namespace}/{plural}"
+        return path + (f"/{name}" if name else "") + (f"/{subresource}" if subresource else "")
+
+    async def create(self, resource: str, body: dict) -> dict:
+        response = await self.emulator.post(self.path(resource), json=body)
+        assert response.status in (200, 201), await response.text()
+        return await response.json()
+
+    async def patch(self, resource: str, name: str, body: dict, subresource: str | None = None) -> dict:
+        response = await self.emulator.patch(self.path(resource, name, subresource), json=body)
+        assert response.status == 200, await response.text()
+        return await response.json()
+
+    async def delete(self, resource: str, name: str) -> None:
+        response = await self.emulator.delete(self.path(resource, name))
+        assert response.status == 200, await response.text()
+
+    def get(self, resource: str, name: str) -> dict | None:
+        key = (kmock.resource(resource), self.namespace, name)
+        if key not in self.emulator.objects or self.emulator.objects[key].deleted:
+            return None
+        return copy.deepcopy(dict(self.emulator.objects[key].raw))
+
+    def all(self, resource: str) -> dict[str, dict]:
+        found = {}
+        for (res, namespace, name), obj in list(self.emulator.objects.items()):
+            if res == kmock.resource(resource) and namespace == self.namespace and not obj.deleted:
+                found[name] = copy.deepcopy(dict(obj.raw))
+        return found
+
+    def events(self, reason: str | None = None) -> list[dict]:
+        return [e for e in self.all("v1/events").values() if reason is None or e.get("reason") == reason]
+
+    async def wait_for(self, what: str, check: Callable[[], object], timeout: float = 10.0) -> object:
+        """Poll `check` until it returns something truthy; fail with `what` after `timeout` seconds."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            result = check()
+            if result:
+                return result
+            await asyncio.sleep(0.05)
+        raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+    async def apply_example(self, **spec_changes) -> dict:
+        body = yaml.safe_load(EXAMPLE.read_text())
+        body["metadata"]["namespace"] = self.namespace
+        body["spec"].update(spec_changes)
+        return await self.create(CR, body)

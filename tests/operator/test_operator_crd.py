@@ -1,0 +1,139 @@
+"""The CRD: generated from tandem/config.py, committed unchanged, structural, and its CEL rules agree with
+the pydantic validators the operator runs."""
+
+from __future__ import annotations
+
+import cel
+import kubernetes_validate
+import pytest
+import yaml
+from kube_emulator import EXAMPLE
+from pydantic import ValidationError
+
+from tandem.config import LLMDeploymentSpec
+from tandem.crdgen import CRD_FILES, crd_manifest, main, render_crd
+
+# Free-form on purpose (Pod API types we pass through); anything else must be fully typed.
+PRESERVED = {"spec.prefill.affinity", "spec.decode.affinity", "spec.router.affinity",
+             "spec.prefill.tolerations[]", "spec.decode.tolerations[]", "spec.router.tolerations[]",
+             "spec.prefill.env[].valueFrom", "spec.decode.env[].valueFrom", "spec.router.env[].valueFrom"}
+
+
+def _schema() -> dict:
+    return crd_manifest()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+
+
+def test_committed_crd_files_equal_the_generated_one():
+    text = render_crd()
+    for path in CRD_FILES:
+        assert path.read_text() == text, f"{path} is stale: run `python -m tandem.crdgen`"
+    assert main(["--check"]) == 0
+
+
+def _walk(node: dict, where: str):
+    yield where, node
+    for name, sub in (node.get("properties") or {}).items():
+        yield from _walk(sub, f"{where}.{name}" if where else name)
+    if "items" in node:
+        yield from _walk(node["items"], f"{where}[]")
+    if isinstance(node.get("additionalProperties"), dict):
+        yield from _walk(node["additionalProperties"], f"{where}.*")
+
+
+def test_schema_is_structural():
+    preserved = set()
+    for where, node in _walk(_schema(), ""):
+        assert not {"$ref", "anyOf", "allOf", "oneOf", "$defs", "title"} & set(node), where
+        if node.get("x-kubernetes-preserve-unknown-fields"):
+            preserved.add(where)
+        elif not node.get("x-kubernetes-int-or-string"):
+            assert node.get("type") in {"object", "array", "string", "integer", "number", "boolean"}, where
+        if node.get("exclusiveMinimum") is not None:
+            assert node["exclusiveMinimum"] is True and "minimum" in node, where
+    assert preserved == PRESERVED
+
+
+def test_crd_identity_printer_columns_and_status_subresource():
+    crd = crd_manifest()
+    kubernetes_validate.validate(crd, "1.30", strict=True)
+    spec = crd["spec"]
+    assert (spec["group"], spec["scope"], spec["names"]["kind"], spec["names"]["shortNames"]) == (
+        "serving.tandem.dev", "Namespaced", "LLMDeployment", ["llmdep"])
+    version = spec["versions"][0]
+    assert version["name"] == "v1alpha1" and version["subresources"] == {"status": {}}
+    columns = {c["name"]: c["jsonPath"] for c in version["additionalPrinterColumns"]}
+    assert columns == {"Ready": ".status.ready", "P:D": ".status.ratio", "Endpoint": ".status.endpoint",
+                       "Phase": ".status.phase", "Age": ".metadata.creationTimestamp"}
+    conditions = version["schema"]["openAPIV3Schema"]["properties"]["status"]["properties"]["conditions"]
+    assert conditions["x-kubernetes-list-type"] == "map"
+
+
+def _rules(schema: dict, where: str) -> list[dict]:
+    node = schema
+    for part in where.split(".") if where else []:
+        node = node["properties"][part]
+    return node.get("x-kubernetes-validations", [])
+
+
+def _cel_errors(spec: dict) -> list[str]:
+    """The messages the API server would return for `spec` (only the nodes present are checked, as there)."""
+    schema = _schema()["properties"]["spec"]
+    errors = []
+    for where, value in (("", spec), ("model", spec.get("model")), ("model.source", (spec.get("model") or {}).get("source"))):
+        if value is None:
+            continue
+        for rule in _rules(schema, where):
+            if not cel.evaluate(rule["rule"], {"self": value}):
+                errors.append(rule["message"])
+    return errors
+
+
+def _pydantic_errors(spec: dict) -> list[str]:
+    try:
+        LLMDeploymentSpec.model_validate(spec)
+    except ValidationError as exc:
+        return [e["msg"].removeprefix("Value error, ") for e in exc.errors() if e["type"] == "value_error"]
+    return []
+
+
+def _example(**changes) -> dict:
+    spec = yaml.safe_load(EXAMPLE.read_text())["spec"]
+    for key, value in changes.items():
+        if value is None:
+            spec.pop(key, None)
+        else:
+            spec[key] = value
+    return spec
+
+
+CASES = {
+    "example": (_example(), None),
+    "explicit pools": (_example(ratio=None, replicas=None, prefill={"replicas": 1}, decode={"replicas": 2}), None),
+    "ratio without replicas": (_example(replicas=None), "spec.ratio needs spec.replicas"),
+    "replicas without ratio": (_example(ratio=None, prefill={"replicas": 1}, decode={"replicas": 1}),
+                               "spec.replicas is the total to split by spec.ratio"),
+    "ratio and pool replicas": (_example(prefill={"replicas": 2}), "spec.ratio sizes the pools"),
+    "no sizing": (_example(ratio=None, replicas=None), "size the pools"),
+    "two sources": (_example(model={"name": "m", "format": "gguf",
+                                    "source": {"uri": "smollm2", "hostPath": {"path": "/m.gguf"}}}),
+                    "model.source needs exactly one of pvc, hostPath or uri"),
+    "no source": (_example(model={"name": "m", "format": "gguf", "source": {}}), "model.source needs exactly one"),
+    "gguf format on a folder": (_example(model={"name": "m", "format": "gguf",
+                                                "source": {"pvc": {"claimName": "c", "path": "llama"}}}),
+                                "model.format must match the file"),
+    "hf format on a gguf file": (_example(model={"name": "m", "format": "hf",
+                                                 "source": {"hostPath": {"path": "/x/m.gguf"}}}),
+                                 "model.format must match the file"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_cel_rules_and_pydantic_validators_agree(case):
+    spec, expected = CASES[case]
+    cel_errors, py_errors = _cel_errors(spec), _pydantic_errors(spec)
+    if expected is None:
+        assert cel_errors == [] and py_errors == []
+    else:
+        assert any(expected in m for m in cel_errors), cel_errors
+        assert any(expected in m for m in py_errors), py_errors
+        assert set(cel_errors) == set(py_errors)

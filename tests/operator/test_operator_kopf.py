@@ -1,0 +1,250 @@
+"""The real kopf operator against kmock's emulated API server: what `kubectl apply` of the example does."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+
+import yaml
+from kube_emulator import CR, EXAMPLE, Cluster
+
+from tandem.operator.builders import Owner, build_objects
+from tandem.operator.kube import with_desired_hash
+from tandem.operator.validation import validate_spec
+
+DEPLOYMENTS = "apps/v1/deployments"
+OWNED = {
+    "apps/v1/deployments": {"smollm2-prefill", "smollm2-decode", "smollm2-router"},
+    "v1/services": {"smollm2-prefill", "smollm2-decode", "smollm2-router"},
+    "v1/configmaps": {"smollm2-config"},
+    "v1/serviceaccounts": {"smollm2-router"},
+    "rbac.authorization.k8s.io/v1/roles": {"smollm2-router-discovery"},
+    "rbac.authorization.k8s.io/v1/rolebindings": {"smollm2-router-discovery"},
+    "policy/v1/poddisruptionbudgets": {"smollm2-prefill", "smollm2-decode", "smollm2-router"},
+}
+
+
+def _args(deployment: dict) -> list[str]:
+    return deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+
+
+def _flag(args: list[str], flag: str) -> str:
+    return args[args.index(flag) + 1]
+
+
+async def _all_owned(cluster) -> None:
+    await cluster.wait_for("every owned object", lambda: all(
+        set(cluster.all(resource)) >= expected for resource, expected in OWNED.items()))
+
+
+async def test_example_creates_pools_router_services_config_and_rbac(cluster):
+    cr = await cluster.apply_example()
+    await _all_owned(cluster)
+    uid = cr["metadata"]["uid"]
+    deployments = cluster.all(DEPLOYMENTS)
+
+    # 4 workers at 1:3 -> 1 prefill, 3 decode; 2 routers, as examples/llmdeployment.yaml asks.
+    assert {n: d["spec"]["replicas"] for n, d in deployments.items()} == {
+        "smollm2-prefill": 1, "smollm2-decode": 3, "smollm2-router": 2}
+    for pool in ("prefill", "decode"):
+        container = deployments[f"smollm2-{pool}"]["spec"]["template"]["spec"]["containers"][0]
+        assert container["image"] == "tandem/worker:0.1.0"
+        assert container["command"] == ["tandem"]
+        args = container["args"]
+        assert args[0] == "worker" and _flag(args, "--role") == pool
+        assert _flag(args, "--model") == "smollm2"
+        assert _flag(args, "--served-model-name") == "smollm2-135m-instruct"
+        assert (_flag(args, "--dtype"), _flag(args, "--max-model-len"), _flag(args, "--block-size")) == (
+            "bfloat16", "8192", "16")
+        assert _flag(args, "--kv-transfer") == "nixl"
+        assert {"name": "UCX_TLS", "value": "rc,cuda_copy,cuda_ipc,tcp"} in container["env"]
+        assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
+        assert container["readinessProbe"]["httpGet"]["path"] == "/ready"
+        assert container["livenessProbe"]["httpGet"]["path"] == "/health"
+        assert container["lifecycle"]["preStop"]["exec"]["command"][0] == "sleep"
+        assert container["securityContext"]["readOnlyRootFilesystem"] is True
+
+    router = deployments["smollm2-router"]["spec"]["template"]["spec"]
+    args = router["containers"][0]["args"]
+    assert router["containers"][0]["image"] == "tandem/slim:0.1.0"
+    assert args[0] == "router" and _flag(args, "--discovery") == "kubernetes"
+    assert _flag(args, "--namespace") == "ns1"
+    assert _flag(args, "--prefill-selector") == "kubernetes.io/service-name=smollm2-prefill"
+    assert _flag(args, "--decode-selector") == "kubernetes.io/service-name=smollm2-decode"
+    assert _flag(args, "--disagg-min-tokens") == "256"
+    assert router["serviceAccountName"] == "smollm2-router"
+
+    services = cluster.all("v1/services")
+    assert services["smollm2-router"]["spec"]["type"] == "ClusterIP"
+    assert services["smollm2-router"]["spec"]["ports"][0]["port"] == 8000
+    assert services["smollm2-prefill"]["spec"]["clusterIP"] == "None"
+    assert services["smollm2-decode"]["spec"]["clusterIP"] == "None"
+    config = cluster.get("v1/configmaps", "smollm2-config")
+    assert '"interactive"' in config["data"]["slo-classes.json"]
+    role = cluster.get("rbac.authorization.k8s.io/v1/roles", "smollm2-router-discovery")
+    assert role["rules"] == [{"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],
+                              "verbs": ["get", "list", "watch"]}]
+    binding = cluster.get("rbac.authorization.k8s.io/v1/rolebindings", "smollm2-router-discovery")
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "smollm2-router", "namespace": "ns1"}]
+
+    # Everything is owned by the LLMDeployment (garbage-collected with it) and is exactly what the
+    # builders produce for this spec.
+    spec, sizes = validate_spec(yaml.safe_load(EXAMPLE.read_text())["spec"], "smollm2")
+    for expected in build_objects(Owner("smollm2", "ns1", uid), spec, sizes):
+        resource = next(r for r in OWNED if r.endswith("/" + expected["kind"].lower() + "s")
+                        or (expected["kind"] == "PodDisruptionBudget" and r.endswith("poddisruptionbudgets")))
+        stored = cluster.get(resource, expected["metadata"]["name"])
+        assert stored["metadata"]["ownerReferences"] == [{
+            "apiVersion": "serving.tandem.dev/v1alpha1", "kind": "LLMDeployment", "name": "smollm2", "uid": uid,
+            "controller": True, "blockOwnerDeletion": True}]
+        for key, value in with_desired_hash(expected).items():
+            if key != "metadata":
+                assert stored[key] == value, f"{expected['kind']} {key}"
+        assert stored["metadata"]["annotations"] == with_desired_hash(expected)["metadata"]["annotations"]
+
+    created = await cluster.wait_for("13 Created events", lambda: len(cluster.events("Created")) >= 13
+                                     and cluster.events("Created"))
+    assert len(created) == 13
+    assert {e["involvedObject"]["name"] for e in created} == {"smollm2"}
+    status = await cluster.wait_for("a status", lambda: (cluster.get(CR, "smollm2") or {}).get("status"))
+    assert status["observedGeneration"] == 1
+    assert status["phase"] == "Progressing"
+    assert {c["type"]: c["status"] for c in status["conditions"]} == {
+        "SpecValid": "True", "Ready": "False", "Progressing": "True", "Degraded": "False"}
+    assert status["endpoint"] == "http://smollm2-router.ns1.svc:8000"
+
+
+async def test_changing_the_ratio_patches_replicas(cluster):
+    await cluster.apply_example()
+    await _all_owned(cluster)
+    await cluster.patch(CR, "smollm2", {"spec": {"ratio": "1:2", "replicas": 6}})
+
+    def resized():
+        replicas = {n: d["spec"]["replicas"] for n, d in cluster.all(DEPLOYMENTS).items()}
+        return replicas if replicas == {"smollm2-prefill": 2, "smollm2-decode": 4, "smollm2-router": 2} else None
+
+    await cluster.wait_for("2 prefill : 4 decode", resized)
+    await cluster.wait_for("status of generation 2",
+                           lambda: cluster.get(CR, "smollm2")["status"]["observedGeneration"] == 2)
+    assert cluster.get(CR, "smollm2")["status"]["prefill"]["desired"] == 2
+    # Only what the ratio touches changes: the two pools and the ConfigMap (plus the router it rolls).
+    touched = {"Deployment smollm2-prefill", "Deployment smollm2-decode", "ConfigMap smollm2-config",
+               "Deployment smollm2-router"}
+    await cluster.wait_for("Updated events", lambda: {e["message"] for e in cluster.events("Updated")} >= touched)
+    await asyncio.sleep(0.3)
+    assert {e["message"] for e in cluster.events("Updated")} == touched
+
+    # An engine change rolls the workers: a new pod template.
+    await cluster.patch(CR, "smollm2", {"spec": {"engine": {"maxNumSeqs": 32}}})
+    await cluster.wait_for("--max-num-seqs 32 in the decode pod template", lambda: _flag(
+        _args(cluster.get(DEPLOYMENTS, "smollm2-decode")), "--max-num-seqs") == "32")
+
+
+def _deployment_status(replicas: int, ready: int, progressing: str = "NewReplicaSetAvailable",
+                       progressing_status: str = "True") -> dict:
+    """What the Deployment controller writes: every pod on the new template, `ready` of them ready."""
+    return {"status": {"observedGeneration": 1, "replicas": replicas, "updatedReplicas": replicas,
+                       "readyReplicas": ready, "availableReplicas": ready,
+                       "conditions": [{"type": "Progressing", "status": progressing_status, "reason": progressing}]}}
+
+
+async def test_deployment_statuses_move_the_resource_to_ready(cluster):
+    await cluster.apply_example()
+    await _all_owned(cluster)
+
+    def status_with(**expected):
+        status = (cluster.get(CR, "smollm2") or {}).get("status") or {}
+        return status if all(status.get(k) == v for k, v in expected.items()) else None
+
+    # Starting up: pods exist, models still loading.
+    await cluster.patch(DEPLOYMENTS, "smollm2-prefill", _deployment_status(1, 1), subresource="status")
+    await cluster.patch(DEPLOYMENTS, "smollm2-decode", _deployment_status(3, 2, "ReplicaSetUpdated"),
+                        subresource="status")
+    status = await cluster.wait_for("2 of 3 decode workers up", lambda: status_with(ready="3/6", ratio="1:2"))
+    assert status["decode"] == {"desired": 3, "ready": 2, "updated": 3}
+    assert status["phase"] == "Progressing"
+
+    await cluster.patch(DEPLOYMENTS, "smollm2-decode", _deployment_status(3, 3), subresource="status")
+    await cluster.patch(DEPLOYMENTS, "smollm2-router", _deployment_status(2, 2), subresource="status")
+    status = await cluster.wait_for("Ready", lambda: status_with(phase="Ready"))
+    assert (status["ready"], status["ratio"]) == ("6/6", "1:3")
+    assert status["prefill"] == {"desired": 1, "ready": 1, "updated": 1}
+    assert status["router"] == {"desired": 2, "ready": 2, "updated": 2}
+    assert {c["type"]: c["status"] for c in status["conditions"]} == {
+        "SpecValid": "True", "Ready": "True", "Progressing": "False", "Degraded": "False"}
+    assert status["endpoint"] == "http://smollm2-router.ns1.svc:8000"
+
+    # A decode pod dies after the rollout finished: serving, but degraded.
+    await cluster.patch(DEPLOYMENTS, "smollm2-decode", _deployment_status(3, 2), subresource="status")
+    status = await cluster.wait_for("Degraded", lambda: status_with(phase="Degraded", ratio="1:2"))
+    degraded = next(c for c in status["conditions"] if c["type"] == "Degraded")
+    assert (degraded["status"], degraded["reason"]) == ("True", "ReplicasUnavailable")
+
+    # The controller gives up on a rollout: degraded with its reason.
+    await cluster.patch(DEPLOYMENTS, "smollm2-decode",
+                        _deployment_status(3, 1, "ProgressDeadlineExceeded", progressing_status="False"),
+                        subresource="status")
+    status = await cluster.wait_for("RolloutStalled", lambda: status_with(phase="Degraded", ratio="1:1"))
+    degraded = next(c for c in status["conditions"] if c["type"] == "Degraded")
+    assert degraded["reason"] == "RolloutStalled" and "decode: ProgressDeadlineExceeded" in degraded["message"]
+
+
+async def test_invalid_spec_sets_spec_valid_false_posts_an_event_and_creates_nothing(cluster):
+    await cluster.apply_example(prefill={"replicas": 2})  # a ratio and an explicit pool size at once
+    status = await cluster.wait_for("SpecValid=False", lambda: (cluster.get(CR, "smollm2") or {}).get("status"))
+    spec_valid = next(c for c in status["conditions"] if c["type"] == "SpecValid")
+    assert spec_valid["status"] == "False" and spec_valid["reason"] == "InvalidSpec"
+    assert "spec.ratio sizes the pools: do not also set prefill.replicas" in spec_valid["message"]
+    assert status["phase"] == "Invalid"
+    events = await cluster.wait_for("an InvalidSpec event", lambda: cluster.events("InvalidSpec"))
+    assert events[0]["type"] == "Warning" and "spec.ratio sizes the pools" in events[0]["message"]
+
+    await asyncio.sleep(1.5)  # a retry storm would show up as more attempts within this window
+    assert len(cluster.events("InvalidSpec")) == 1
+    for resource in OWNED:
+        assert cluster.all(resource) == {}, resource
+
+    # Fixing the spec reconciles it: no restart, no manual retry.
+    await cluster.patch(CR, "smollm2", {"spec": {"prefill": {"replicas": None}}})
+    await _all_owned(cluster)
+    await cluster.wait_for("SpecValid=True", lambda: {c["type"]: c["status"] for c in cluster.get(
+        CR, "smollm2")["status"]["conditions"]}["SpecValid"] == "True")
+
+
+async def test_a_deleted_deployment_is_recreated(cluster):
+    await cluster.apply_example()
+    await _all_owned(cluster)
+    await cluster.delete(DEPLOYMENTS, "smollm2-router")
+    await cluster.wait_for("the router Deployment back", lambda: cluster.get(DEPLOYMENTS, "smollm2-router"))
+
+
+async def test_tandem_operator_command_reconciles_and_exits_cleanly_on_sigterm(emulator, tmp_path):
+    server = str(emulator.url).rstrip("/")
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "current-context": "emulator",
+        "clusters": [{"name": "emulator", "cluster": {"server": server}}],
+        "users": [{"name": "nobody", "user": {}}],
+        "contexts": [{"name": "emulator", "context": {"cluster": "emulator", "user": "nobody"}}]}))
+    log = tmp_path / "operator.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "tandem.cli", "operator", "--namespace", "ns1",
+                                 "--kubeconfig", str(kubeconfig), "--resync-seconds", "0"],
+                                stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONSAFEPATH": "1"})
+    cluster = Cluster(emulator, "ns1")
+    try:
+        await cluster.apply_example()
+        await cluster.wait_for("the Deployments from the `tandem operator` process", lambda: len(
+            cluster.all(DEPLOYMENTS)) == 3, timeout=30)
+        proc.send_signal(signal.SIGTERM)
+        code = await asyncio.to_thread(proc.wait, 20)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    output = log.read_text()
+    assert code == 0, output[-3000:]
+    assert f"tandem operator reconciling LLMDeployments in namespace ns1 via {server}" in output

@@ -1,0 +1,116 @@
+"""P:D sizing, spec validation messages and the status computed from observed Deployments (pure functions)."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+from kube_emulator import EXAMPLE
+
+from tandem.operator.sizing import PoolSizes, parse_ratio, split_by_ratio
+from tandem.operator.status import compute_status, router_endpoint
+from tandem.operator.validation import SpecError, validate_spec
+
+
+@pytest.mark.parametrize(("total", "ratio", "expected"), [
+    (4, "1:3", (1, 3)), (8, "1:3", (2, 6)), (10, "1:3", (3, 7)), (6, "1:1", (3, 3)), (6, "1:2", (2, 4)),
+    (2, "1:9", (1, 1)), (3, "9:1", (2, 1)), (100, "2:3", (40, 60)), (7, "3:4", (3, 4)),
+])
+def test_split_by_ratio(total, ratio, expected):
+    sizes = split_by_ratio(total, ratio)
+    assert (sizes.prefill, sizes.decode) == expected
+    assert sizes.prefill + sizes.decode == total
+
+
+@pytest.mark.parametrize("bad", ["1", "0:1", "1:0", "a:b", "1:2:3", " 1:2", "-1:2", ""])
+def test_bad_ratios_say_what_a_ratio_looks_like(bad):
+    with pytest.raises(ValueError, match="must look like 'P:D'"):
+        parse_ratio(bad)
+
+
+def test_too_few_replicas_for_two_pools():
+    with pytest.raises(ValueError, match="at least 2"):
+        split_by_ratio(1, "1:1")
+
+
+def _spec(**changes) -> dict:
+    spec = yaml.safe_load(EXAMPLE.read_text())["spec"]
+    spec.update(changes)
+    return spec
+
+
+@pytest.mark.parametrize(("name", "spec", "reason"), [
+    ("smollm2", _spec(replicas=1), "spec.replicas: Input should be greater than or equal to 2"),
+    ("smollm2", _spec(ratio="1:three"), "spec.ratio: String should match pattern"),
+    ("smollm2", _spec(image=""), "spec.image: String should have at least 1 character"),
+    ("smollm2", _spec(bogus=1), "spec.bogus: Extra inputs are not permitted"),
+    ("smollm2", _spec(ratio=None, replicas=None, prefill={"replicas": 1}, decode={"replicas": 0}),
+     "spec.decode.replicas: must be at least 1"),
+    ("smollm2", _spec(engine={"tensorParallelSize": 2}), "spec.engine.tensorParallelSize: 2 is not supported"),
+    ("smollm2", _spec(prefill={"resources": {"limits": {"memory": "lots"}}}),
+     "'lots' is not a Kubernetes quantity"),
+    ("Bad_Name", _spec(), "metadata.name: 'Bad_Name' must be a DNS-1035 label"),
+    ("x" * 60, _spec(), "is 60 characters; at most 55"),
+])
+def test_invalid_specs_give_reasons_naming_the_field(name, spec, reason):
+    with pytest.raises(SpecError) as info:
+        validate_spec(spec, name)
+    assert any(reason in r for r in info.value.reasons), info.value.reasons
+
+
+def test_valid_example_resolves_sizes():
+    spec, sizes = validate_spec(_spec(), "smollm2")
+    assert sizes == PoolSizes(prefill=1, decode=3)
+    assert spec.router.replicas == 2 and spec.kv_transfer.ucx_transports == ["rc", "cuda_copy", "cuda_ipc", "tcp"]
+
+
+def _resource(**status) -> dict:
+    return {"metadata": {"name": "smollm2", "namespace": "llm", "generation": 3}, "spec": _spec(), "status": status}
+
+
+def _deployment(replicas: int, ready: int, reason: str = "NewReplicaSetAvailable", generation: int = 1,
+                observed: int = 1) -> dict:
+    return {"metadata": {"generation": generation}, "spec": {"replicas": replicas},
+            "status": {"observedGeneration": observed, "replicas": replicas, "updatedReplicas": replicas,
+                       "readyReplicas": ready, "availableReplicas": ready,
+                       "conditions": [{"type": "Progressing", "status": "True", "reason": reason}]}}
+
+
+def test_status_before_anything_exists_is_pending():
+    status = compute_status(_resource(), {}, None, "2026-01-01T00:00:00Z", generation=3)
+    assert (status["phase"], status["ready"], status["ratio"], status["endpoint"]) == ("Pending", "0/6", "0:0", None)
+    assert status["observedGeneration"] == 3
+
+
+def test_status_ready_and_transition_times_only_move_on_flips():
+    deployments = {"prefill": _deployment(1, 1), "decode": _deployment(3, 3), "router": _deployment(2, 2)}
+    first = compute_status(_resource(), deployments, None, "t1", generation=3)
+    assert first["phase"] == "Ready"
+    later = compute_status(_resource(**first), deployments, None, "t2")
+    assert later == first  # nothing flipped: same times, same observedGeneration
+    deployments["decode"] = _deployment(3, 2)
+    degraded = compute_status(_resource(**later), deployments, None, "t3")
+    times = {c["type"]: c["lastTransitionTime"] for c in degraded["conditions"]}
+    assert times == {"SpecValid": "t1", "Ready": "t3", "Progressing": "t1", "Degraded": "t3"}
+
+
+def test_status_a_deployment_behind_its_generation_is_progressing():
+    deployments = {"prefill": _deployment(1, 1, generation=2, observed=1), "decode": _deployment(3, 3),
+                   "router": _deployment(2, 2)}
+    assert compute_status(_resource(), deployments, None, "t")["phase"] == "Progressing"
+
+
+def test_status_of_an_invalid_spec():
+    resource = _resource()
+    resource["spec"]["replicas"] = None
+    status = compute_status(resource, {}, None, "t", generation=4)
+    assert status["phase"] == "Invalid"
+    spec_valid = next(c for c in status["conditions"] if c["type"] == "SpecValid")
+    assert spec_valid["status"] == "False" and "spec.ratio needs spec.replicas" in spec_valid["message"]
+
+
+def test_router_endpoint_prefers_the_load_balancer_address():
+    service = {"metadata": {"name": "smollm2-router", "namespace": "llm"},
+               "spec": {"type": "LoadBalancer", "ports": [{"port": 80}]}}
+    assert router_endpoint(service) == "http://smollm2-router.llm.svc:80"
+    service["status"] = {"loadBalancer": {"ingress": [{"ip": "203.0.113.7"}]}}
+    assert router_endpoint(service) == "http://203.0.113.7:80"
