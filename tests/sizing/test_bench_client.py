@@ -1,0 +1,107 @@
+"""The bench client's stream parsing and timing, against scripted in-process servers (no model)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import pytest
+
+from tandem.bench.client import RequestRecord, request_body, send_streaming
+
+
+def sse(*events) -> list[bytes]:
+    return [f"data: {json.dumps(e) if isinstance(e, dict) else e}\n\n".encode() for e in events]
+
+
+class SlowStream(httpx.AsyncByteStream):
+    """Yields SSE events with a pause before each, like a server producing tokens."""
+
+    def __init__(self, chunks: list[bytes], pause_s: float):
+        self.chunks, self.pause_s = chunks, pause_s
+
+    async def __aiter__(self):
+        for chunk in self.chunks:
+            await asyncio.sleep(self.pause_s)
+            yield chunk
+
+
+def run(handler, endpoint, body) -> RequestRecord:
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+            record = RequestRecord(point=0, index=0, warmup=False, input_tokens=4, output_tokens=3)
+            return await send_streaming(client, "http://test", endpoint, body, record, time.perf_counter())
+
+    return asyncio.run(go())
+
+
+def chat_chunk(content=None, role=None, finish=None):
+    delta = {k: v for k, v in (("role", role), ("content", content)) if v is not None}
+    return {"choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+
+
+def test_chat_stream_timings_skip_the_role_chunk_and_read_usage():
+    seen = {}
+
+    def handler(request: httpx.Request):
+        seen["path"], seen["body"] = request.url.path, json.loads(request.content)
+        events = [chat_chunk("", role="assistant"), chat_chunk("Hi"), chat_chunk(" there"), chat_chunk("!"),
+                  chat_chunk(finish="length"),
+                  {"choices": [], "usage": {"prompt_tokens": 31, "completion_tokens": 3}}, "[DONE]"]
+        return httpx.Response(200, stream=SlowStream(sse(*events), 0.02))
+
+    body = request_body("chat", "m", "hello there you", 3, ignore_eos=True)
+    r = run(handler, "chat", body)
+    assert seen["path"] == "/v1/chat/completions"
+    assert seen["body"]["messages"] == [{"role": "user", "content": "hello there you"}]
+    assert seen["body"]["ignore_eos"] is True and seen["body"]["stream_options"] == {"include_usage": True}
+    assert r.ok and r.error is None
+    assert (r.prompt_tokens, r.completion_tokens) == (31, 3)
+    assert len(r.itl_s) == 2  # three text chunks, two gaps; the role-only chunk is not a token
+    assert r.ttft_s >= 0.035  # the role chunk came at ~20 ms, the first text at ~40 ms
+    assert all(g >= 0.015 for g in r.itl_s)
+    assert r.tpot_s == pytest.approx((r.e2e_s - r.ttft_s) / 2)
+    assert r.finished_s >= r.start_s + r.e2e_s - 1e-6
+
+
+def test_completions_without_usage_count_chunks():
+    def handler(request):
+        events = [{"choices": [{"text": t}]} for t in ("a", "b", "c", "d")] + ["[DONE]"]
+        return httpx.Response(200, stream=SlowStream(sse(*events), 0.0))
+
+    r = run(handler, "completions", request_body("completions", "m", [1, 2, 3], 4, ignore_eos=False))
+    assert r.ok and r.completion_tokens == 4 and len(r.itl_s) == 3
+
+
+def test_errors_are_recorded_not_raised():
+    def refuse(request):
+        return httpx.Response(429, json={"error": {"message": "queue full"}})
+
+    r = run(refuse, "completions", request_body("completions", "m", [1], 2, False))
+    assert not r.ok and r.status == 429 and "HTTP 429" in r.error and "queue full" in r.error
+
+    def broken(request):
+        return httpx.Response(200, stream=SlowStream(sse({"error": {"message": "engine died"}}, "[DONE]"), 0))
+
+    r = run(broken, "completions", request_body("completions", "m", [1], 2, False))
+    assert not r.ok and "engine died" in r.error
+
+    def empty(request):
+        return httpx.Response(200, stream=SlowStream(sse("[DONE]"), 0))
+
+    r = run(empty, "completions", request_body("completions", "m", [1], 2, False))
+    assert not r.ok and r.error == "the stream carried no text"
+
+    def unreachable(request):
+        raise httpx.ConnectError("connection refused")
+
+    r = run(unreachable, "completions", request_body("completions", "m", [1], 2, False))
+    assert not r.ok and "ConnectError" in r.error and r.finished_s is not None
+
+
+def test_chat_refuses_token_id_prompts():
+    with pytest.raises(ValueError, match="text prompt"):
+        request_body("chat", "m", [1, 2, 3], 4, ignore_eos=False)
+    assert "ignore_eos" not in request_body("completions", "m", [1], 4, ignore_eos=False)
