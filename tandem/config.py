@@ -32,6 +32,11 @@ class EngineConfig(BaseModel):
     enable_prefix_caching: bool = True
     attention_backend: Literal["auto", "torch", "triton"] = "auto"
     seed: int = 0
+    # P/D disaggregation: how KV blocks move between workers, and how long a prefill worker
+    # keeps a finished prompt's blocks pinned for the decode worker that will pull them.
+    kv_transfer: Literal["auto", "nixl", "tcp"] = Field("auto", description="KV transfer backend; auto = NIXL when it imports")
+    kv_lease_ttl_s: float = Field(30.0, gt=0, description="a prefill's pinned blocks are freed after this long")
+    kv_pull_timeout_s: float = Field(10.0, gt=0, description="a KV pull slower than this falls back to recompute")
 
 
 class WorkerConfig(BaseModel):
@@ -41,6 +46,7 @@ class WorkerConfig(BaseModel):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
     max_body_bytes: int = Field(1 << 20, ge=1, description="larger request bodies get 413")
+    advertise_url: str | None = Field(None, description="URL peers use to reach this worker (default http://host:port)")
     engine: EngineConfig = Field(default_factory=EngineConfig)
 
 

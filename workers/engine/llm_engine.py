@@ -17,16 +17,18 @@ import torch
 from tandem.config import EngineConfig
 from tandem.hashing import model_seed
 from tandem.metrics import EngineMetrics
-from tandem.protocol import SamplingParams
+from tandem.protocol import LayoutFingerprint, SamplingParams
 from tandem.workers.engine.block_manager import BlockManager
 from tandem.workers.engine.detokenizer import IncrementalDetokenizer
+from tandem.workers.engine.kv_leases import KVLease, LeaseTable
 from tandem.workers.engine.model_runner import ModelRunner
 from tandem.workers.engine.sampler import Sampler, TokenLogprobs
 from tandem.workers.engine.scheduler import Scheduler
 from tandem.workers.engine.sequence import Sequence
+from tandem.workers.kv_transfer import KVTransfer, KVTransferError
 from tandem.workers.models.loader import load_model
 
-FINISH_REASONS = ("stop", "length", "abort")
+FINISH_REASONS = ("stop", "length", "abort", "prefill_done")
 
 
 @dataclass
@@ -41,6 +43,17 @@ class RequestOutput:
     finish_reason: str | None  # "stop" | "length" | "abort" once finished
     num_prompt_tokens: int
     num_cached_tokens: int
+    kv_lease: KVLease | None = None  # prefill-only requests: the blocks now pinned for a decode worker
+    kv_status: str | None = None  # requests with a kv_source, first output: "pulled" or the fallback reason
+
+
+@dataclass
+class RemoteKV:
+    """Where a decode request's prompt KV lives: a prefill worker's agent and its blocks."""
+
+    agent_info: dict
+    block_ids: list[int]
+    expires_at: float  # unix time
 
 
 @dataclass
@@ -56,12 +69,13 @@ class GenerationResult:
 
 
 class _Request:
-    __slots__ = ("seq", "detokenizer", "stop_token_ids")
+    __slots__ = ("seq", "detokenizer", "stop_token_ids", "kv_status")
 
     def __init__(self, seq: Sequence, detokenizer: IncrementalDetokenizer | None, stop_token_ids: frozenset[int]):
         self.seq = seq
         self.detokenizer = detokenizer
         self.stop_token_ids = stop_token_ids
+        self.kv_status: str | None = None  # reported once, on the first output
 
 
 class LLMEngine:
@@ -81,6 +95,13 @@ class LLMEngine:
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, self.hash_seed,
                                           config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.leases = LeaseTable(self.block_manager.pool, config.kv_lease_ttl_s)
+        # Set by the worker when it serves P/D (prefill workers publish it, decode workers pull with it).
+        self.kv_transfer: KVTransfer | None = None
+        mc = loaded.config
+        self.layout = LayoutFingerprint(model=self.model_name, dtype=str(self.runner.kv_cache.dtype).removeprefix("torch."),
+                                        block_size=config.block_size, num_layers=mc.num_layers,
+                                        num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim)
         self.sampler = Sampler(config.seed, device=self.runner.device)
         self.metrics = metrics
         eos = set(loaded.config.eos_token_ids or [])
@@ -116,7 +137,15 @@ class LLMEngine:
     # ----------------------------------------------------------------- requests
 
     def add_request(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams,
-                    arrival_time: float | None = None) -> None:
+                    arrival_time: float | None = None, *, prefill_only: bool = False,
+                    first_token_id: int | None = None, kv_source: RemoteKV | None = None) -> None:
+        """Queue a request.
+
+        P/D: `prefill_only` stops after the first token and leases the prompt's blocks (the
+        output carries the lease). `first_token_id` continues a request whose first token a
+        prefill worker already sampled; with `kv_source` the prompt's KV is pulled from that
+        worker instead of computed (falling back to computing it if the pull fails).
+        """
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         if not prompt_token_ids:
@@ -133,6 +162,13 @@ class LLMEngine:
                              f"({self.block_manager.num_total_blocks} blocks of {self.config.block_size})")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer, and this model was loaded without one")
+        if first_token_id is not None:
+            if not 0 <= first_token_id < vocab:
+                raise ValueError(f"request {request_id!r}: first_token_id must lie in [0, {vocab})")
+            if params.max_tokens < 2:
+                raise ValueError(f"request {request_id!r}: nothing left to decode after the first token")
+        if kv_source is not None and first_token_id is None:
+            raise ValueError(f"request {request_id!r}: a kv_source needs the first token it was prefilled with")
 
         seq = Sequence(request_id, list(prompt_token_ids), params, arrival_time, device=self.runner.device)
         detokenizer = None
@@ -142,6 +178,15 @@ class LLMEngine:
         stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
             stop_ids |= self.eos_token_ids
+        seq.prefill_only = prefill_only
+        if first_token_id is not None:
+            # The prefill worker already sampled (and streamed) it: it is output, not prompt, and its
+            # text was already sent, so the detokenizer consumes it silently to keep its state in step.
+            seq.append_token(first_token_id)
+            seq.first_token_time = seq.last_token_time = seq.arrival_time
+            if detokenizer is not None:
+                detokenizer.add_token(first_token_id)
+            seq.kv_source = kv_source
         self._requests[request_id] = _Request(seq, detokenizer, frozenset(stop_ids))
         self.scheduler.add(seq)
         self.num_prompt_tokens += seq.num_prompt_tokens
@@ -169,6 +214,8 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         outputs, self._abort_outputs = self._abort_outputs, []
+        self.expire_leases()
+        self._import_remote_kv()
         scheduled = self.scheduler.schedule()
         now = time.monotonic()
         for seq in scheduled.admitted:
@@ -229,6 +276,62 @@ class LLMEngine:
                     pending.discard(out.request_id)
         return list(results.values())
 
+    # ----------------------------------------------------------------- P/D
+
+    def release_lease(self, lease_id: str) -> bool:
+        """A decode worker is done with a prefill's blocks; False if unknown, released or expired."""
+        released = self.leases.release(lease_id)
+        self._update_gauges()
+        return released
+
+    def expire_leases(self) -> int:
+        expired = self.leases.expire()
+        if expired:
+            if self.metrics is not None:
+                self.metrics.kv_lease_expirations.inc(expired)
+            self._update_gauges()
+        return expired
+
+    def _import_remote_kv(self) -> None:
+        """Pull the prompt KV of waiting P/D requests, so they join the batch as plain decodes."""
+        for seq in list(self.scheduler.waiting):
+            source = seq.kv_source
+            if source is None:
+                continue
+            status = self._pull(seq, source)
+            if status is None:
+                continue  # no room in the cache yet: try again next step
+            seq.kv_source = None
+            self._requests[seq.request_id].kv_status = status
+            if status != "pulled" and self.metrics is not None:
+                self.metrics.fallback(status)
+
+    def _pull(self, seq: Sequence, source: RemoteKV) -> str | None:
+        """'pulled', a fallback reason (the prompt is then computed here), or None to retry later."""
+        if self.kv_transfer is None:
+            return "no_transfer_backend"
+        if source.expires_at <= time.time():
+            return "lease_expired"
+        bm, num_prompt = self.block_manager, seq.num_prompt_tokens
+        # Blocks already in our own prefix cache are not pulled again.
+        hits = bm.find_cached_prefix(seq)
+        if not bm.allocate_slots(seq, num_prompt - len(hits) * bm.block_size, prefix_blocks=hits):
+            return None
+        num_blocks = bm.blocks_for(num_prompt)
+        local, remote = seq.block_table[len(hits):num_blocks], source.block_ids[len(hits):num_blocks]
+        started = time.monotonic()
+        try:
+            moved = self.kv_transfer.read_blocks(source.agent_info, remote, local, self.config.kv_pull_timeout_s)
+        except KVTransferError:
+            return "transfer_failed"  # the blocks stay allocated; the scheduler computes the prompt into them
+        seq.num_computed_tokens = num_prompt
+        bm.cache_computed_blocks(seq)
+        if self.metrics is not None:
+            self.metrics.kv_transfer_latency.observe(time.monotonic() - started)
+            self.metrics.kv_transfer_bytes.inc(moved)
+            self.metrics.kv_transfer_blocks.inc(len(local))
+        return "pulled"
+
     # ----------------------------------------------------------------- stats
 
     @property
@@ -286,12 +389,21 @@ class LLMEngine:
             if reason is None and (seq.num_output_tokens >= seq.params.max_tokens
                                    or seq.num_tokens >= self.max_model_len):
                 reason = "length"
-        if reason is not None:
+        lease = None
+        if reason is None and seq.prefill_only:
+            # P/D: pin the prompt's blocks for the decode worker, then retire the sequence (its own
+            # references drop, the lease's stay).
+            lease = self.leases.pin(seq.request_id, seq.block_table[:self.block_manager.blocks_for(seq.num_prompt_tokens)],
+                                    seq.num_prompt_tokens)
+            self._finish(seq, "prefill_done", now)
+        elif reason is not None:
             if detokenizer is not None:
                 text += detokenizer.flush()
             self._finish(seq, reason, now)
+        kv_status, request.kv_status = request.kv_status, None
         return RequestOutput(seq.request_id, [token_id], text, None if logprobs is None else [logprobs],
-                             reason is not None, reason, seq.num_prompt_tokens, seq.num_cached_tokens)
+                             reason is not None or lease is not None, reason, seq.num_prompt_tokens,
+                             seq.num_cached_tokens, kv_lease=lease, kv_status=kv_status)
 
     def _finish(self, seq: Sequence, reason: str, now: float) -> None:
         self.scheduler.finish(seq, reason)
@@ -313,6 +425,7 @@ class LLMEngine:
         metrics.running.set(len(self.scheduler.running))
         metrics.waiting.set(len(self.scheduler.waiting))
         metrics.kv_blocks_used.set(bm.num_used_blocks)
+        metrics.kv_pinned_blocks.set(self.leases.num_pinned_blocks)
         if bm.num_queried_tokens != self._reported_queried:
             metrics.prefix_queried.inc(bm.num_queried_tokens - self._reported_queried)
             self._reported_queried = bm.num_queried_tokens

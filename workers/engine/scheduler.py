@@ -82,9 +82,16 @@ class Scheduler:
         if not out.preempted:
             while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
                 seq = self.waiting[0]
-                hits = self.block_manager.find_cached_prefix(seq)
-                num_tokens = min(seq.num_tokens - len(hits) * self.block_manager.block_size, budget)
-                if not self.block_manager.allocate_slots(seq, num_tokens, prefix_blocks=hits):
+                if seq.block_table:
+                    # Its prompt's KV was imported from a prefill worker while it waited: the
+                    # prefix lookup is done, only the rest needs room.
+                    num_tokens = min(seq.num_uncomputed_tokens, budget)
+                    admitted = self.block_manager.allocate_slots(seq, num_tokens)
+                else:
+                    hits = self.block_manager.find_cached_prefix(seq)
+                    num_tokens = min(seq.num_tokens - len(hits) * self.block_manager.block_size, budget)
+                    admitted = self.block_manager.allocate_slots(seq, num_tokens, prefix_blocks=hits)
+                if not admitted:
                     break
                 self.waiting.popleft()
                 seq.status = SequenceStatus.RUNNING

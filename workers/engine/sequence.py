@@ -32,7 +32,7 @@ class Sequence:
         "request_id", "prompt_token_ids", "output_token_ids", "token_ids", "params", "status",
         "finish_reason", "num_computed_tokens", "block_table", "block_hashes", "num_cached_blocks",
         "num_cached_tokens", "arrival_time", "arrival_order", "first_scheduled_time",
-        "first_token_time", "last_token_time", "generator", "num_preemptions",
+        "first_token_time", "last_token_time", "generator", "num_preemptions", "prefill_only", "kv_source",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -62,6 +62,10 @@ class Sequence:
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None
         self.num_preemptions = 0
+        # P/D: a prefill-only request stops after its first token and leaves its blocks leased;
+        # a request with a kv_source pulls its prompt's KV from a prefill worker before running.
+        self.prefill_only = False
+        self.kv_source = None
         # A private generator makes a seeded request reproducible whatever shares its batch.
         self.generator: torch.Generator | None = None
         if params.seed is not None and not params.greedy:

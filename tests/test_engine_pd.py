@@ -1,0 +1,158 @@
+"""P/D inside the engine: a prefill engine leases its blocks, a decode engine pulls them (real
+NIXL / TCP transfers between two engines in one process), and the tokens equal colocated ones."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from tandem.config import EngineConfig
+from tandem.metrics import EngineMetrics
+from tandem.protocol import SamplingParams
+from tandem.workers.engine.llm_engine import LLMEngine, RemoteKV
+from tandem.workers.kv_transfer import create_kv_transfer, nixl_available
+from tandem.workers.models.loader import load_model
+
+BACKENDS = ["tcp", pytest.param("nixl", marks=pytest.mark.skipif(not nixl_available(), reason="nixl missing"))]
+GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_llama_dir):
+    return load_model(tiny_llama_dir, dtype="float32")
+
+
+def engine(loaded, role: str, **overrides) -> LLMEngine:
+    settings = dict(num_kv_blocks=96, block_size=16, max_num_batched_tokens=64, max_num_seqs=16)
+    settings.update(overrides)
+    return LLMEngine(loaded, EngineConfig(**settings), EngineMetrics(loaded.config.name, role))
+
+
+def run(eng: LLMEngine, request_id: str, prompt: list[int], params=GREEDY, **kwargs) -> tuple[list[int], list]:
+    eng.add_request(request_id, prompt, params, **kwargs)
+    tokens, outputs = [], []
+    for _ in range(500):
+        for out in eng.step():
+            if out.request_id == request_id:
+                tokens += out.new_token_ids
+                outputs.append(out)
+                if out.finished:
+                    return tokens, outputs
+    raise AssertionError("request did not finish")
+
+
+def disaggregated(prefill: LLMEngine, decode: LLMEngine, request_id: str, prompt: list[int], params=GREEDY,
+                  expires_at: float | None = None) -> tuple[list[int], str]:
+    first, outs = run(prefill, request_id, prompt, params, prefill_only=True)
+    lease = outs[-1].kv_lease
+    assert lease is not None and outs[-1].finished and len(first) == 1
+    source = RemoteKV(prefill.kv_transfer.agent_info(), lease.block_ids,
+                      lease.expires_at if expires_at is None else expires_at)
+    rest, outs = run(decode, request_id, prompt, params, first_token_id=first[0], kv_source=source)
+    prefill.release_lease(lease.lease_id)
+    return first + rest, outs[0].kv_status
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def pd_pair(request, tiny):
+    prefill, decode = engine(tiny, "prefill"), engine(tiny, "decode")
+    prefill.kv_transfer = create_kv_transfer(request.param, prefill.runner.kv_cache, f"p-{request.param}")
+    decode.kv_transfer = create_kv_transfer(request.param, decode.runner.kv_cache, f"d-{request.param}")
+    yield prefill, decode
+    prefill.kv_transfer.close()
+    decode.kv_transfer.close()
+
+
+@pytest.fixture(scope="module")
+def colocated(tiny):
+    return engine(tiny, "both")
+
+
+def prompt_of(length: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(5, 1000) for _ in range(length)]
+
+
+@pytest.mark.parametrize("length", [1, 15, 16, 17, 33, 100, 250])
+def test_pd_tokens_equal_colocated_and_decode_computes_no_prompt(pd_pair, colocated, length):
+    prefill, decode = pd_pair
+    prompt = prompt_of(length, seed=length)
+    reference, _ = run(colocated, f"c{length}-{id(prefill)}", prompt)
+    computed_before = decode.num_computed_prompt_tokens
+    tokens, status = disaggregated(prefill, decode, f"pd{length}", prompt)
+    assert status == "pulled"
+    assert tokens == reference
+    assert decode.num_computed_prompt_tokens == computed_before  # every prompt token came over the wire
+    assert prefill.leases.num_pinned_blocks == 0
+    assert prefill.num_kv_blocks_used == 0 and decode.num_kv_blocks_used == 0
+
+
+def test_decode_reuses_its_own_prefix_cache(pd_pair, colocated):
+    prefill, decode = pd_pair
+    shared = prompt_of(64, seed=7)
+    run(decode, "warm", shared + prompt_of(5, seed=8))  # the decode worker now caches 64 tokens of prefix
+    prompt = shared + prompt_of(40, seed=9)
+    blocks_before = decode.metrics.kv_transfer_blocks._value.get()
+    tokens, status = disaggregated(prefill, decode, "reuse", prompt)
+    assert status == "pulled"
+    pulled = decode.metrics.kv_transfer_blocks._value.get() - blocks_before
+    assert pulled == decode.block_manager.blocks_for(len(prompt)) - 4  # the 4 shared blocks stayed local
+    assert tokens == run(colocated, "reuse-ref", prompt)[0]
+
+
+def test_expired_lease_falls_back_to_recompute(pd_pair, colocated):
+    prefill, decode = pd_pair
+    prompt = prompt_of(50, seed=11)
+    tokens, status = disaggregated(prefill, decode, "expired", prompt, expires_at=0.0)
+    assert status == "lease_expired"
+    assert tokens == run(colocated, "expired-ref", prompt)[0]
+    assert decode.num_kv_blocks_used == 0
+
+
+def test_lease_ttl_frees_blocks_and_is_counted(tiny):
+    prefill = engine(tiny, "prefill", kv_lease_ttl_s=5.0)
+    clock = [1000.0]
+    prefill.leases.clock = lambda: clock[0]
+    _, outs = run(prefill, "ttl", prompt_of(40, seed=3), prefill_only=True)
+    lease = outs[-1].kv_lease
+    assert prefill.leases.num_pinned_blocks == 3 and prefill.num_kv_blocks_used == 3
+    clock[0] += 4.0
+    assert prefill.expire_leases() == 0
+    clock[0] += 2.0
+    assert prefill.expire_leases() == 1
+    assert prefill.num_kv_blocks_used == 0 and prefill.leases.num_pinned_blocks == 0
+    assert prefill.metrics.kv_lease_expirations._value.get() == 1
+    assert not prefill.release_lease(lease.lease_id)  # an expired handle is refused
+
+
+def test_failed_pull_falls_back_with_identical_tokens(tiny, colocated):
+    prefill, decode = engine(tiny, "prefill"), engine(tiny, "decode")
+    prefill.kv_transfer = create_kv_transfer("tcp", prefill.runner.kv_cache, "p-dead")
+    decode.kv_transfer = create_kv_transfer("tcp", decode.runner.kv_cache, "d-dead")
+    prompt = prompt_of(70, seed=5)
+    first, outs = run(prefill, "dead", prompt, prefill_only=True)
+    lease = outs[-1].kv_lease
+    info = prefill.kv_transfer.agent_info()
+    prefill.kv_transfer.close()  # the prefill worker is gone after answering
+    rest, outs = run(decode, "dead", prompt, first_token_id=first[0],
+                     kv_source=RemoteKV(info, lease.block_ids, lease.expires_at))
+    assert outs[0].kv_status == "transfer_failed"
+    assert first + rest == run(colocated, "dead-ref", prompt)[0]
+    assert decode.num_kv_blocks_used == 0
+    assert 'reason="transfer_failed"' in _exposition(decode)
+    decode.kv_transfer.close()
+
+
+def test_prefill_that_finishes_at_its_first_token_leases_nothing(pd_pair):
+    prefill, _ = pd_pair
+    _, outs = run(prefill, "one", prompt_of(20, seed=1), SamplingParams(temperature=0, max_tokens=1),
+                  prefill_only=True)
+    assert outs[-1].finish_reason == "length" and outs[-1].kv_lease is None
+    assert prefill.num_kv_blocks_used == 0
+
+
+def _exposition(eng: LLMEngine) -> str:
+    from prometheus_client import generate_latest
+
+    return generate_latest(eng.metrics.registry).decode()
