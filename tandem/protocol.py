@@ -74,6 +74,7 @@ class PrefillRequest(BaseModel):
 class PrefillResponse(BaseModel):
     request_id: str
     first_token_id: int
+    first_token_text: str = ""
     first_token_logprob: TokenLogprob | None = None
     finish_reason: str | None = Field(None, description="set when the request already ended at its first token")
     kv_handle: KVHandle | None = Field(None, description="absent when finished (nothing left to decode)")

@@ -10,11 +10,12 @@ the event loop keeps serving (and streaming) while a step runs.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
 
 from tandem.protocol import SamplingParams
 from tandem.workers.engine.llm_engine import LLMEngine, RequestOutput
@@ -28,11 +29,18 @@ class _Add:
     prompt_token_ids: list[int]
     params: SamplingParams
     arrival_time: float
+    options: dict = field(default_factory=dict)  # P/D: prefill_only, first_token_id, kv_source
 
 
 @dataclass
 class _Abort:
     request_id: str
+
+
+@dataclass
+class _Call:
+    fn: Callable[[LLMEngine], object]
+    future: concurrent.futures.Future
 
 
 class EngineDeadError(RuntimeError):
@@ -42,7 +50,7 @@ class EngineDeadError(RuntimeError):
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, idle_wait_s: float = 0.05):
         self.engine = engine
-        self._inbox: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[_Add | _Abort | _Call | None] = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._streams_lock = threading.Lock()
@@ -72,7 +80,7 @@ class AsyncEngine:
 
     # -- requests ----------------------------------------------------------------------------
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       arrival_time: float) -> AsyncIterator[RequestOutput]:
+                       arrival_time: float, **options) -> AsyncIterator[RequestOutput]:
         """Yields the request's outputs until it finishes. Leaving early (client gone, task
         cancelled) aborts the request, which frees its KV blocks at the next step."""
         if not self.alive:
@@ -82,7 +90,7 @@ class AsyncEngine:
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already in flight")
             self._streams[request_id] = (asyncio.get_running_loop(), stream)
-        self._inbox.put(_Add(request_id, prompt_token_ids, params, arrival_time))
+        self._inbox.put(_Add(request_id, prompt_token_ids, params, arrival_time, options))
         self._wakeup.set()
         finished = False
         try:
@@ -95,6 +103,13 @@ class AsyncEngine:
         finally:
             if not finished:
                 self.abort(request_id)
+
+    async def call(self, fn: Callable[[LLMEngine], object]):
+        """Run `fn(engine)` on the engine thread between steps and return its result."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._inbox.put(_Call(fn, future))
+        self._wakeup.set()
+        return await asyncio.wrap_future(future)
 
     def abort(self, request_id: str) -> None:
         with self._streams_lock:
@@ -121,12 +136,19 @@ class AsyncEngine:
             if isinstance(cmd, _Abort):
                 self.engine.abort_request(cmd.request_id)
                 continue
+            if isinstance(cmd, _Call):
+                try:
+                    cmd.future.set_result(cmd.fn(self.engine))
+                except Exception as exc:  # the caller gets the error; the engine goes on
+                    cmd.future.set_exception(exc)
+                continue
             with self._streams_lock:
                 wanted = cmd.request_id in self._streams
             if not wanted:  # aborted before the engine ever saw it
                 continue
             try:
-                self.engine.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params, cmd.arrival_time)
+                self.engine.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params, cmd.arrival_time,
+                                        **cmd.options)
             except ValueError as exc:
                 self._deliver(cmd.request_id, exc, final=True)
 
@@ -135,6 +157,7 @@ class AsyncEngine:
             while not self._stopping:
                 self._drain_inbox()
                 if not self.engine.has_unfinished_requests():
+                    self.engine.expire_leases()  # leases run out even when no step runs
                     self._wakeup.wait(self._idle_wait_s)
                     self._wakeup.clear()
                     continue

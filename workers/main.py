@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import uuid
 
 import torch
 import uvicorn
@@ -11,6 +12,7 @@ from tandem.config import EngineConfig, WorkerConfig
 from tandem.metrics import EngineMetrics
 from tandem.workers.async_engine import AsyncEngine
 from tandem.workers.engine.llm_engine import LLMEngine
+from tandem.workers.kv_transfer import create_kv_transfer
 from tandem.workers.models.loader import load_model
 from tandem.workers.server import ServingContext, build_app
 
@@ -52,8 +54,13 @@ def build_worker(config: WorkerConfig) -> tuple[ServingContext, AsyncEngine]:
     served = ec.served_model_name or loaded.config.name
     metrics = EngineMetrics(model=served, pool=config.role)
     engine = LLMEngine(loaded, ec, metrics)
+    # Every role gets a transfer agent: prefill workers are read from, decode workers read, and a
+    # "both" worker can be either. Its name is unique per process, so a restarted peer is noticed.
+    engine.kv_transfer = create_kv_transfer(ec.kv_transfer, engine.runner.kv_cache,
+                                            f"tandem-{config.role}-{uuid.uuid4().hex[:8]}", host=config.host)
     async_engine = AsyncEngine(engine)
-    ctx = ServingContext(async_engine, loaded.tokenizer, served, engine.max_model_len, config, metrics.registry)
+    ctx = ServingContext(async_engine, loaded.tokenizer, served, engine.max_model_len, config, metrics,
+                         engine.layout, engine.kv_transfer)
     return ctx, async_engine
 
 
@@ -68,4 +75,6 @@ def run_worker(config: WorkerConfig, log_level: str = "info") -> int:
         server.run()  # handles SIGINT/SIGTERM: stops accepting, finishes responses, returns
     finally:
         async_engine.stop()
+        if ctx.kv_transfer is not None:
+            ctx.kv_transfer.close()
     return 0

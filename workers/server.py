@@ -6,23 +6,27 @@ ever sees well-formed work; a bad request is answered without touching anything 
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import AsyncIterator
 
+import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import BaseModel, ValidationError
 
 from tandem.config import WorkerConfig
 from tandem.errors import APIError, error_body
+from tandem.metrics import EngineMetrics
 from tandem.openai_protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, new_id, now
-from tandem.protocol import SamplingParams
+from tandem.protocol import LayoutFingerprint, SamplingParams
+from tandem.sse import DONE, sse_event
 from tandem.workers.async_engine import AsyncEngine, EngineDeadError
 from tandem.workers.body_limit import BodySizeLimit
 from tandem.workers.engine.llm_engine import RequestOutput
+from tandem.workers.internal_api import AgentDirectory, add_internal_routes
+from tandem.workers.kv_transfer import KVTransfer
 from tandem.workers.openai_format import ChatFormatter, CompletionFormatter, Formatter
+from tandem.workers.request_checks import check_length, check_token_ids, parse_body
 from tandem.workers.tokenizer import Tokenizer
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -32,30 +36,22 @@ class ServingContext:
     """What the routes need: the engine, the tokenizer, the served name and the limits."""
 
     def __init__(self, engine: AsyncEngine, tokenizer: Tokenizer, served_name: str, max_model_len: int,
-                 config: WorkerConfig, registry):
+                 config: WorkerConfig, metrics: EngineMetrics, layout: LayoutFingerprint,
+                 kv_transfer: KVTransfer | None = None):
         self.engine = engine
         self.tokenizer = tokenizer
         self.served_name = served_name
         self.max_model_len = max_model_len
         self.config = config
-        self.registry = registry
+        self.metrics = metrics
+        self.registry = metrics.registry
         self.draining = False
-
-
-async def parse_body(request: Request, model: type[BaseModel]) -> BaseModel:
-    raw = await request.body()
-    try:
-        payload = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise APIError(400, f"request body is not valid JSON: {exc}") from None
-    if not isinstance(payload, dict):
-        raise APIError(400, "request body must be a JSON object")
-    try:
-        return model.model_validate(payload)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        param = ".".join(str(p) for p in first["loc"]) or None
-        raise APIError(400, f"{param}: {first['msg']}" if param else first["msg"], param=param) from None
+        # P/D
+        self.layout = layout
+        self.kv_transfer = kv_transfer
+        self.advertise_url = config.advertise_url or f"http://{config.host}:{config.port}"
+        self.http = httpx.AsyncClient()
+        self.agents = AgentDirectory(self.http)
 
 
 def build_app(ctx: ServingContext) -> FastAPI:
@@ -96,9 +92,9 @@ def build_app(ctx: ServingContext) -> FastAPI:
         body: CompletionRequest = await parse_body(request, CompletionRequest)
         check_model(ctx, body.model)
         prompt = body.single_prompt()
-        prompt_ids = ctx.tokenizer.encode(prompt) if isinstance(prompt, str) else check_token_ids(ctx, prompt)
+        prompt_ids = ctx.tokenizer.encode(prompt) if isinstance(prompt, str) else check_token_ids(ctx.tokenizer.vocab_size, prompt)
         params = body.sampling_params(default_max_tokens=16)
-        check_length(ctx, len(prompt_ids), params)
+        check_length(ctx.max_model_len, len(prompt_ids), params)
         fmt = CompletionFormatter(new_id("cmpl"), ctx.served_name, now(), ctx.tokenizer, len(prompt_ids))
         return await respond(ctx, request, fmt, prompt_ids, params, body.stream, include_usage(body))
 
@@ -111,10 +107,11 @@ def build_app(ctx: ServingContext) -> FastAPI:
         text = ctx.tokenizer.apply_chat_template(body.template_messages(), add_generation_prompt=True)
         prompt_ids = ctx.tokenizer.encode(text, add_special_tokens=False)
         params = body.sampling_params(default_max_tokens=max(1, ctx.max_model_len - len(prompt_ids)))
-        check_length(ctx, len(prompt_ids), params)
+        check_length(ctx.max_model_len, len(prompt_ids), params)
         fmt = ChatFormatter(new_id("chatcmpl"), ctx.served_name, now(), ctx.tokenizer, len(prompt_ids))
         return await respond(ctx, request, fmt, prompt_ids, params, body.stream, include_usage(body))
 
+    add_internal_routes(app, ctx)
     return app
 
 
@@ -126,23 +123,6 @@ def check_model(ctx: ServingContext, model: str) -> None:
     if model != ctx.served_name:
         raise APIError(404, f"The model '{model}' does not exist; this server serves '{ctx.served_name}'",
                        param="model", code="model_not_found")
-
-
-def check_token_ids(ctx: ServingContext, ids: list[int]) -> list[int]:
-    vocab = ctx.tokenizer.vocab_size
-    bad = next((t for t in ids if not 0 <= t < vocab), None)
-    if bad is not None:
-        raise APIError(400, f"token id {bad} is outside the vocabulary [0, {vocab})", param="prompt")
-    return ids
-
-
-def check_length(ctx: ServingContext, prompt_len: int, params: SamplingParams) -> None:
-    total = prompt_len + params.max_tokens
-    if total > ctx.max_model_len:
-        raise APIError(400, f"This model's maximum context length is {ctx.max_model_len} tokens. However, you "
-                            f"requested {total} tokens ({prompt_len} in the prompt, {params.max_tokens} in the "
-                            "completion). Please reduce the prompt or max_tokens.", param="max_tokens",
-                       code="context_length_exceeded")
 
 
 async def respond(ctx: ServingContext, request: Request, fmt: Formatter, prompt_ids: list[int],
@@ -169,19 +149,17 @@ async def sse_events(fmt: Formatter, outputs: AsyncIterator[RequestOutput], usag
     try:
         first = fmt.first_chunk()
         if first is not None:
-            yield sse(first)
+            yield sse_event(first)
         async for out in outputs:
             for chunk in fmt.chunks(out):
-                yield sse(chunk)
+                yield sse_event(chunk)
         if usage:
-            yield sse(fmt.usage_chunk())
-        yield "data: [DONE]\n\n"
+            yield sse_event(fmt.usage_chunk())
+        yield DONE
     except (ValueError, EngineDeadError) as exc:
-        yield sse(error_body(503 if isinstance(exc, EngineDeadError) else 400, str(exc)))
-        yield "data: [DONE]\n\n"
+        yield sse_event(error_body(503 if isinstance(exc, EngineDeadError) else 400, str(exc)))
+        yield DONE
     finally:
         await outputs.aclose()
 
 
-def sse(payload: dict) -> str:
-    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"

@@ -1,0 +1,188 @@
+"""The P/D wire protocol on a worker (ARCHITECTURE.md §3): prefill, decode, KV agent, lease release.
+
+The router (or a test) drives it: POST /internal/prefill returns the first token and a kv handle;
+POST /internal/decode with that handle pulls the blocks and streams the rest. A decode worker
+refuses a handle whose layout differs from its own, and falls back to computing the prompt
+itself whenever the pull cannot happen; the client never sees a transfer failure.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import StreamingResponse
+
+from tandem.errors import APIError, error_body
+from tandem.protocol import (
+    DecodeChunk,
+    DecodeRequest,
+    KVHandle,
+    PrefillRequest,
+    PrefillResponse,
+    ReleaseRequest,
+    TokenLogprob,
+)
+from tandem.sse import DONE, sse_event
+from tandem.workers.async_engine import EngineDeadError
+from tandem.workers.engine.llm_engine import RemoteKV, RequestOutput
+from tandem.workers.request_checks import check_length, check_token_ids, parse_body
+
+log = logging.getLogger(__name__)
+
+
+class AgentDirectory:
+    """Caches peers' KV agent descriptions (GET /internal/kv/agent), keyed by the agent name in the
+    handle: a prefill worker that restarted has a new name and is looked up afresh."""
+
+    def __init__(self, client: httpx.AsyncClient, timeout_s: float = 2.0):
+        self.client = client
+        self.timeout_s = timeout_s
+        self._agents: dict[str, dict] = {}
+
+    async def get(self, handle: KVHandle) -> dict | None:
+        if handle.agent_name in self._agents:
+            return self._agents[handle.agent_name]
+        try:
+            r = await self.client.get(f"{handle.source_url}/internal/kv/agent", timeout=self.timeout_s)
+            agent = r.json()["agent"] if r.status_code == 200 else None
+        except (httpx.HTTPError, ValueError, KeyError):
+            agent = None
+        if agent is None or agent.get("agent_name") != handle.agent_name:
+            return None
+        self._agents[handle.agent_name] = agent
+        return agent
+
+
+def logprob_entry(entry) -> TokenLogprob:
+    return TokenLogprob(token_id=entry.token_id, logprob=entry.logprob, top_logprobs=list(entry.top_logprobs))
+
+
+def add_internal_routes(app: FastAPI, ctx) -> None:
+    def require_role(wanted: str) -> None:
+        if ctx.config.role not in (wanted, "both"):
+            raise APIError(400, f"this is a {ctx.config.role} worker; /internal/{wanted} is served by "
+                                f"{wanted} and both workers", code="wrong_role")
+
+    @app.get("/internal/kv/agent")
+    async def kv_agent():
+        if ctx.kv_transfer is None:
+            raise APIError(503, "this worker has no KV transfer backend")
+        return {"agent": ctx.kv_transfer.agent_info(), "layout": ctx.layout.model_dump()}
+
+    @app.post("/internal/kv/release")
+    async def kv_release(request: Request):
+        body: ReleaseRequest = await parse_body(request, ReleaseRequest)
+        if not await ctx.engine.call(lambda engine: engine.release_lease(body.lease_id)):
+            raise APIError(404, f"lease {body.lease_id} is unknown, already released or expired",
+                           param="lease_id", code="lease_not_found")
+        return {"released": True}
+
+    @app.post("/internal/prefill")
+    async def prefill(request: Request):
+        require_role("prefill")
+        body: PrefillRequest = await parse_body(request, PrefillRequest)
+        check_token_ids(ctx.tokenizer.vocab_size, body.prompt_token_ids)
+        check_length(ctx.max_model_len, len(body.prompt_token_ids), body.sampling)
+        if ctx.kv_transfer is None:
+            raise APIError(503, "this worker has no KV transfer backend; it cannot serve prefills")
+        outputs = ctx.engine.generate(body.request_id, body.prompt_token_ids, body.sampling, time.monotonic(),
+                                      prefill_only=True)
+        last: RequestOutput | None = None
+        try:
+            async for out in outputs:
+                last = out
+        except ValueError as exc:
+            raise APIError(400, str(exc)) from None
+        finally:
+            await outputs.aclose()
+        if last is None or not last.new_token_ids:
+            raise APIError(503, "the prefill was aborted")
+        handle = None
+        if last.kv_lease is not None:
+            lease = last.kv_lease
+            handle = KVHandle(source_url=ctx.advertise_url, agent_name=ctx.kv_transfer.agent_name,
+                              lease_id=lease.lease_id, block_ids=lease.block_ids, num_tokens=lease.num_tokens,
+                              layout=ctx.layout, expires_at=lease.expires_at)
+        return PrefillResponse(
+            request_id=body.request_id, first_token_id=last.new_token_ids[0], first_token_text=last.new_text,
+            first_token_logprob=logprob_entry(last.new_logprobs[0]) if last.new_logprobs else None,
+            finish_reason=last.finish_reason, kv_handle=handle, num_cached_tokens=last.num_cached_tokens,
+        ).model_dump()
+
+    @app.post("/internal/decode")
+    async def decode(request: Request):
+        require_role("decode")
+        body: DecodeRequest = await parse_body(request, DecodeRequest)
+        check_token_ids(ctx.tokenizer.vocab_size, body.prompt_token_ids)
+        check_length(ctx.max_model_len, len(body.prompt_token_ids), body.sampling)
+        handle = body.kv_handle
+        kv_source, fallback = None, None
+        if handle is not None:
+            check_handle(ctx, body, handle)
+            agent = await ctx.agents.get(handle)
+            if agent is None:
+                fallback = "agent_unreachable"
+                ctx.metrics.fallback(fallback)
+            else:
+                kv_source = RemoteKV(agent, handle.block_ids, handle.expires_at)
+        options = {"first_token_id": body.first_token_id, "kv_source": kv_source}
+        outputs = ctx.engine.generate(body.request_id, body.prompt_token_ids, body.sampling, time.monotonic(),
+                                      **options)
+        return StreamingResponse(decode_events(ctx, outputs, handle, fallback), media_type="text/event-stream")
+
+
+def check_handle(ctx, body: DecodeRequest, handle: KVHandle) -> None:
+    mismatches = handle.layout.mismatches(ctx.layout)
+    if mismatches:
+        raise APIError(400, "incompatible KV layout: " + "; ".join(mismatches), param="kv_handle.layout",
+                       code="kv_layout_mismatch")
+    if body.first_token_id is None:
+        raise APIError(400, "a kv_handle needs the first_token_id the prefill sampled", param="first_token_id")
+    if handle.num_tokens != len(body.prompt_token_ids):
+        raise APIError(400, f"the kv_handle covers {handle.num_tokens} tokens but the prompt has "
+                            f"{len(body.prompt_token_ids)}", param="kv_handle.num_tokens")
+    block_size = ctx.layout.block_size
+    if len(handle.block_ids) != -(-handle.num_tokens // block_size):
+        raise APIError(400, f"the kv_handle lists {len(handle.block_ids)} blocks for {handle.num_tokens} tokens "
+                            f"of block size {block_size}", param="kv_handle.block_ids")
+
+
+async def release_lease(ctx, handle: KVHandle) -> None:
+    """Tell the prefill worker it may free the blocks. Best effort: its lease TTL covers failures."""
+    try:
+        await ctx.http.post(f"{handle.source_url}/internal/kv/release", json={"lease_id": handle.lease_id},
+                            timeout=2.0)
+    except httpx.HTTPError as exc:
+        log.info("could not release lease %s at %s: %s", handle.lease_id, handle.source_url, exc)
+
+
+async def decode_events(ctx, outputs: AsyncIterator[RequestOutput], handle: KVHandle | None,
+                        fallback: str | None) -> AsyncIterator[str]:
+    released = handle is None
+    first = True
+    try:
+        async for out in outputs:
+            if not released:  # the pull is over (done or failed) once the engine reports anything
+                released = True
+                asyncio.get_running_loop().create_task(release_lease(ctx, handle))
+            chunk = DecodeChunk(token_ids=out.new_token_ids, text=out.new_text,
+                                logprobs=[logprob_entry(e) for e in out.new_logprobs] if out.new_logprobs else None,
+                                finish_reason=out.finish_reason if out.finished else None,
+                                num_cached_tokens=out.num_cached_tokens,
+                                kv_source=(out.kv_status or fallback or ("local" if handle is None else None))
+                                if first else None)
+            first = False
+            yield sse_event(chunk.model_dump(exclude_none=True))
+        yield DONE
+    except (ValueError, EngineDeadError) as exc:
+        yield sse_event(error_body(503 if isinstance(exc, EngineDeadError) else 400, str(exc)))
+        yield DONE
+    finally:
+        await outputs.aclose()
+        if not released:
+            asyncio.get_running_loop().create_task(release_lease(ctx, handle))
