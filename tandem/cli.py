@@ -1,4 +1,4 @@
-"""`tandem` command line: serve, worker (router, operator, bench and plan come with their issues).
+"""`tandem` command line: serve, worker, router, operator, bench, plan.
 
 Components are imported inside their commands: the core package imports none of them.
 """
@@ -10,7 +10,7 @@ import logging
 import sys
 
 from tandem.cli_args import add_model_options, model_from_options
-from tandem.config import EngineConfig, WorkerConfig
+from tandem.config import EngineConfig, RouterConfig, WorkerConfig
 
 
 def _worker_parser(sub, name: str, help_text: str, default_port: int) -> argparse.ArgumentParser:
@@ -18,6 +18,29 @@ def _worker_parser(sub, name: str, help_text: str, default_port: int) -> argpars
     add_model_options(p, WorkerConfig, skip=("port",))
     p.add_argument("--port", type=int, default=default_port, help="port to listen on (0 picks a free one)")
     add_model_options(p, EngineConfig)
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    return p
+
+
+def _serve_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser("serve", help="run the local stack: a router before prefill and decode workers",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000, help="the router's port")
+    p.add_argument("--prefill", type=int, default=1, help="prefill workers")
+    p.add_argument("--decode", type=int, default=1, help="decode workers")
+    p.add_argument("--colocated", action="store_true", help="no prefill pool: --decode workers do everything")
+    p.add_argument("--disagg-min-tokens", type=int, default=RouterConfig.model_fields["disagg_min_tokens"].default,
+                   help="prompts shorter than this skip the prefill pool")
+    add_model_options(p, EngineConfig)
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    return p
+
+
+def _router_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser("router", help="run the OpenAI front door before prefill and decode pools",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_model_options(p, RouterConfig)
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p
 
@@ -90,7 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tandem", description="Disaggregated prefill/decode LLM serving")
     sub = parser.add_subparsers(dest="command", required=True)
     _worker_parser(sub, "worker", "run one engine worker (prefill | decode | both)", 8000)
-    _worker_parser(sub, "serve", "run the local stack on this machine (today: one colocated worker)", 8000)
+    _serve_parser(sub)
+    _router_parser(sub)
     _operator_parser(sub)
     _bench_parser(sub)
     plan_parser = _plan_parser(sub)
@@ -105,13 +129,22 @@ def main(argv: list[str] | None = None) -> int:
         ns = parser.parse_args(argv)
     logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
-    if ns.command in ("worker", "serve"):
+    if ns.command == "worker":
         from tandem.workers.main import run_worker
 
-        config = _worker_config(ns)
-        if ns.command == "serve":
-            config = config.model_copy(update={"role": "both"})
-        return run_worker(config, log_level=ns.log_level)
+        return run_worker(_worker_config(ns), log_level=ns.log_level)
+    if ns.command == "serve":
+        from tandem.local_stack import run_local_stack
+
+        if ns.decode < 1 or ns.prefill < 0:
+            parser.error("serve: needs --decode >= 1 and --prefill >= 0")
+        return run_local_stack(model_from_options(EngineConfig, ns), prefill=ns.prefill, decode=ns.decode,
+                               colocated=ns.colocated or ns.prefill == 0, disagg_min_tokens=ns.disagg_min_tokens,
+                               host=ns.host, port=ns.port)
+    if ns.command == "router":
+        from tandem.router.main import run_router
+
+        return run_router(model_from_options(RouterConfig, ns), log_level=ns.log_level)
     if ns.command == "operator":
         from tandem.operator.main import run_operator
 

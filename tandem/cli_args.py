@@ -13,6 +13,8 @@ from pydantic import BaseModel
 def _scalar_type(annotation):
     """(python type, choices) for an annotation like `int | None` or `Literal["a", "b"]`."""
     origin = get_origin(annotation)
+    if origin is list:
+        return _scalar_type(get_args(annotation)[0])
     if origin in (typing.Union, types.UnionType):
         inner = [a for a in get_args(annotation) if a is not type(None)]
         return _scalar_type(inner[0]) if len(inner) == 1 else (str, None)
@@ -33,7 +35,9 @@ def add_model_options(parser: argparse.ArgumentParser, model: type[BaseModel], s
         flag = "--" + name.replace("_", "-")
         default = field.get_default(call_default_factory=True)
         help_text = f"{field.description or ''} (default: {default})".strip()
-        if py_type is bool:
+        if get_origin(field.annotation) is list:
+            parser.add_argument(flag, dest=name, type=py_type, nargs="*", default=default, help=help_text)
+        elif py_type is bool:
             parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=default,
                                 help=help_text)
         else:
@@ -44,3 +48,21 @@ def model_from_options(model: type[BaseModel], ns: argparse.Namespace, **extra) 
     values = {name: getattr(ns, name) for name in model.model_fields if hasattr(ns, name)}
     values.update(extra)
     return model(**values)
+
+
+def options_to_args(instance: BaseModel) -> list[str]:
+    """The command-line options that reproduce `instance`'s non-default scalar fields (to pass a
+    config on to a child process)."""
+    args: list[str] = []
+    for name, field in type(instance).model_fields.items():
+        value = getattr(instance, name)
+        if isinstance(value, BaseModel) or value == field.get_default(call_default_factory=True):
+            continue
+        flag = "--" + name.replace("_", "-")
+        if isinstance(value, bool):
+            args.append(flag if value else "--no-" + name.replace("_", "-"))
+        elif isinstance(value, list):
+            args += [flag, *map(str, value)]
+        elif value is not None:
+            args += [flag, str(value)]
+    return args

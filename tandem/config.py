@@ -39,6 +39,34 @@ class EngineConfig(BaseModel):
     kv_pull_timeout_s: float = Field(10.0, gt=0, description="a KV pull slower than this falls back to recompute")
 
 
+class RouterConfig(BaseModel):
+    """Settings of the router: the OpenAI front door before the prefill and decode pools."""
+
+    model: str = Field("smollm2", description="model source, for the tokenizer and chat template")
+    served_model_name: str | None = Field(None, description="name clients use; defaults to the model's")
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    prefill: list[str] = Field(default_factory=list, description="prefill worker URLs (static discovery)")
+    decode: list[str] = Field(default_factory=list, description="decode worker URLs (static discovery)")
+    discovery: Literal["static", "kubernetes"] = "static"
+    namespace: str | None = Field(None, description="kubernetes discovery: namespace of the EndpointSlices")
+    prefill_selector: str | None = Field(None, description="kubernetes discovery: label selector of prefill pods")
+    decode_selector: str | None = Field(None, description="kubernetes discovery: label selector of decode pods")
+    disagg_min_tokens: int = Field(512, ge=0, description="shorter prompts are served by a decode worker alone")
+    block_size: int = Field(DEFAULT_BLOCK_SIZE, ge=1, description="must match the workers' block size")
+    routing_blocks: int = Field(4, ge=1, description="full blocks of the prompt that form the routing key")
+    balance_eps: float = Field(0.25, ge=0, description="bounded loads: no worker above (1+eps) x mean load")
+    max_input_tokens: int | None = Field(None, ge=1, description="longer prompts get 400")
+    max_output_tokens: int | None = Field(None, ge=1, description="larger max_tokens get 400")
+    max_body_bytes: int = Field(1 << 20, ge=1, description="larger request bodies get 413")
+    max_in_flight: int = Field(512, ge=1, description="requests dispatched at once; more wait in the EDF queue")
+    max_queue: int = Field(1024, ge=1, description="admitted requests waiting for dispatch")
+    initial_prefill_tps: float | None = Field(None, gt=0, description="prefill tokens/s per worker before measuring")
+    health_interval_s: float = Field(1.0, gt=0, description="how often workers' /ready and load are polled")
+    eject_after_failures: int = Field(3, ge=1, description="consecutive failures that take a worker out")
+    seed: int = 0
+
+
 class WorkerConfig(BaseModel):
     """Settings of the worker HTTP server around an engine."""
 

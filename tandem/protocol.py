@@ -105,3 +105,7 @@ class DecodeChunk(BaseModel):
 
 class ReleaseRequest(BaseModel):
     lease_id: str
+
+
+class AbortRequest(BaseModel):
+    request_id: str

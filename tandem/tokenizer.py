@@ -282,3 +282,16 @@ def _bytes_to_unicode() -> dict[int, str]:
             table[b] = chr(256 + extra)
             extra += 1
     return table
+
+
+def load_tokenizer(source: str) -> Tokenizer | None:
+    """The tokenizer of a model source ('smollm2', a .gguf file or a HF folder), without its weights."""
+    import gguf
+
+    from tandem.model_source import resolve_model_source
+
+    path = resolve_model_source(source)
+    if os.path.isdir(path):
+        return Tokenizer.from_pretrained(path) if os.path.isfile(os.path.join(path, "tokenizer.json")) else None
+    reader = gguf.GGUFReader(path)
+    return Tokenizer.from_gguf(reader) if "tokenizer.ggml.model" in reader.fields else None

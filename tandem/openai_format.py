@@ -1,13 +1,30 @@
-"""Turns engine outputs into OpenAI response bodies and stream chunks.
+"""Turns generation deltas into OpenAI response bodies and stream chunks (worker and router alike).
 
 One formatter per request accumulates what it has seen, so the non-streaming body, every stream
-chunk and the usage block all come from the same state.
+chunk and the usage block all come from the same state. A delta is anything with the fields of
+`Delta` (the engine's RequestOutput has them).
 """
 
 from __future__ import annotations
 
-from tandem.workers.engine.llm_engine import RequestOutput
-from tandem.workers.tokenizer import Tokenizer
+from dataclasses import dataclass
+
+from tandem.tokenizer import Tokenizer
+
+
+@dataclass
+class Delta:
+    """What one step added to a request, as the formatters read it."""
+
+    new_token_ids: list[int]
+    new_text: str
+    new_logprobs: list | None  # entries with token_id, logprob, top_logprobs [(id, logprob)]
+    finished: bool
+    finish_reason: str | None
+    num_cached_tokens: int = 0
+
+
+RequestOutput = Delta  # the engine's RequestOutput is read through the same fields
 
 
 class Formatter:

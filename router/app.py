@@ -1,0 +1,243 @@
+"""The router's OpenAI front door: validate, tokenize once, admit by SLO, dispatch, stream back.
+
+Request bodies are declared as pydantic models so /openapi.json documents them; validation
+failures become OpenAI-style 400s. Admission refuses early (429 + Retry-After) rather than let a
+request miss its TTFT target in a queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from tandem.body_limit import BodySizeLimit
+from tandem.errors import APIError, error_body
+from tandem.openai_format import ChatFormatter, CompletionFormatter, Formatter
+from tandem.openai_protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, new_id, now
+from tandem.protocol import SamplingParams
+from tandem.router.admission import AdmissionRequest, Reject, RejectReason
+from tandem.router.orchestrator import Trace
+from tandem.sse import DONE, sse_event
+
+SLO_HEADER = "x-tandem-slo-class"
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def build_app(router) -> FastAPI:
+    """`router` is a tandem.router.main.Router: config, tokenizer, pools, admission, orchestrator."""
+    app = FastAPI(title="Tandem router", version="0.1.0",
+                  description="OpenAI-compatible front door of a Tandem prefill/decode deployment")
+    app.add_middleware(BodySizeLimit, max_bytes=router.config.max_body_bytes)
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError):
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError):
+        first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
+        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        param = ".".join(loc) or None
+        message = first.get("msg", "invalid request")
+        if first.get("type") == "json_invalid":
+            message = f"request body is not valid JSON: {message}"
+        return JSONResponse(error_body(400, f"{param}: {message}" if param else message, param), status_code=400)
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready():
+        if not router.decode.healthy():
+            return JSONResponse(error_body(503, "no decode worker is ready"), status_code=503)
+        return {"status": "ready", "prefill": len(router.prefill.healthy()), "decode": len(router.decode.healthy())}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(generate_latest(router.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models():
+        return ModelList(data=[ModelCard(id=router.served_name)]).model_dump()
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        check_model(router, body.model)
+        prompt = body.single_prompt()
+        ids = router.tokenizer.encode(prompt) if isinstance(prompt, str) else check_ids(router, prompt)
+        params = body.sampling_params(default_max_tokens=16)
+        fmt = CompletionFormatter(new_id("cmpl"), router.served_name, now(), router.tokenizer, len(ids))
+        return await serve(router, request, fmt, ids, params, body.stream, include_usage(body))
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatCompletionRequest, request: Request):
+        check_model(router, body.model)
+        if not router.tokenizer.chat_template:
+            raise APIError(400, "this model has no chat template; use /v1/completions")
+        text = router.tokenizer.apply_chat_template(body.template_messages(), add_generation_prompt=True)
+        ids = router.tokenizer.encode(text, add_special_tokens=False)
+        params = body.sampling_params(default_max_tokens=max(1, router.max_model_len - len(ids)))
+        fmt = ChatFormatter(new_id("chatcmpl"), router.served_name, now(), router.tokenizer, len(ids))
+        return await serve(router, request, fmt, ids, params, body.stream, include_usage(body))
+
+    return app
+
+
+def include_usage(body) -> bool:
+    return bool(body.stream_options and body.stream_options.include_usage)
+
+
+def check_model(router, model: str) -> None:
+    if model != router.served_name:
+        raise APIError(404, f"The model '{model}' does not exist; this server serves '{router.served_name}'",
+                       param="model", code="model_not_found")
+
+
+def check_ids(router, ids: list[int]) -> list[int]:
+    vocab = router.tokenizer.vocab_size
+    bad = next((t for t in ids if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise APIError(400, f"token id {bad} is outside the vocabulary [0, {vocab})", param="prompt")
+    return ids
+
+
+def api_key(request: Request) -> str | None:
+    auth = request.headers.get("authorization", "")
+    return auth[7:].strip() or None if auth.lower().startswith("bearer ") else None
+
+
+async def serve(router, request: Request, fmt: Formatter, ids: list[int], params: SamplingParams, stream: bool,
+                usage: bool):
+    if len(ids) + params.max_tokens > router.max_model_len:
+        raise APIError(400, f"This model's maximum context length is {router.max_model_len} tokens. However, you "
+                            f"requested {len(ids) + params.max_tokens} tokens ({len(ids)} in the prompt, "
+                            f"{params.max_tokens} in the completion).", param="max_tokens",
+                       code="context_length_exceeded")
+    key = api_key(request)
+    slo_name = request.headers.get(SLO_HEADER) or router.slo_for_key.get(key or "", "interactive")
+    if slo_name not in router.admission.slo_classes:
+        raise APIError(400, f"unknown SLO class {slo_name!r}; known: {sorted(router.admission.slo_classes)}",
+                       param=SLO_HEADER)
+    rid = f"{fmt.request_id}-{uuid.uuid4().hex[:6]}"
+    hashes, routing = router.orchestrator.plan(ids)
+    predicted = max((router.orchestrator.predictor.predicted_hit_tokens(w.url, hashes, len(ids))
+                     for w in router.prefill.healthy() + router.decode.healthy()), default=0)
+    decision = router.admission.decide(AdmissionRequest(rid, len(ids), params.max_tokens, slo_name, key,
+                                                        uncached_prompt_tokens=len(ids) - predicted))
+    if isinstance(decision, Reject):
+        router.metrics.by_class(router.metrics.rejections, slo_name, reason=decision.reason.value).inc()
+        caps = (RejectReason.INPUT_TOO_LONG, RejectReason.MAX_TOKENS_TOO_LARGE)
+        headers = {}
+        if decision.retry_after_s is not None:
+            headers["Retry-After"] = str(max(1, math.ceil(decision.retry_after_s)))
+        raise APIError(400 if decision.reason in caps else 429, decision.message, code=decision.reason.value,
+                       headers=headers)
+    deltas = dispatch(router, rid, ids, params, decision, slo_name)
+    if stream:
+        return StreamingResponse(sse_stream(fmt, deltas, usage), media_type="text/event-stream", headers=SSE_HEADERS)
+    try:
+        async for delta in deltas:
+            fmt.add(delta)
+    finally:
+        await deltas.aclose()
+    return fmt.final()
+
+
+async def dispatch(router, rid: str, ids: list[int], params: SamplingParams, ticket, slo_name: str):
+    """Waits for the request's turn (EDF), runs it through the pools and records its SLO outcome."""
+    metrics, slo = router.metrics, ticket.slo
+    await router.dispatcher.acquire(rid)
+    trace = Trace()
+    arrival = ticket.arrival_s
+    first_at = last_at = None
+    gaps: list[float] = []
+    released = False
+    try:
+        async for delta in router.orchestrator.run(rid, ids, params, trace):
+            t = time.monotonic()
+            if first_at is None:
+                first_at = t
+                router.admission.release(rid)  # the prefill is done: it no longer loads the prefill pool
+                released = True
+                if trace.prefill_seconds:
+                    router.admission.rates.record_prefill(max(trace.uncached_tokens, 1), trace.prefill_seconds)
+                elif trace.path == "colocated":
+                    router.admission.rates.record_prefill(max(trace.uncached_tokens, 1), t - arrival)
+                metrics.by_class(metrics.ttft, slo_name).observe(t - arrival)
+            elif delta.new_token_ids:
+                gaps.append(t - last_at)
+                metrics.by_class(metrics.itl, slo_name).observe(t - last_at)
+            last_at = t
+            yield delta
+    finally:
+        if not released:
+            router.admission.release(rid)
+        router.dispatcher.release()
+        if first_at is not None:
+            metrics.by_class(metrics.e2e, slo_name).observe(last_at - arrival)
+            metrics.by_class(metrics.requests, slo_name).inc()
+            mean_itl = sum(gaps) / len(gaps) if gaps else 0.0
+            if first_at - arrival <= slo.ttft_s and mean_itl <= slo.itl_s:
+                metrics.by_class(metrics.goodput, slo_name).inc()
+
+
+async def sse_stream(fmt: Formatter, deltas: AsyncIterator, usage: bool) -> AsyncIterator[str]:
+    try:
+        first = fmt.first_chunk()
+        if first is not None:
+            yield sse_event(first)
+        async for delta in deltas:
+            for chunk in fmt.chunks(delta):
+                yield sse_event(chunk)
+        if usage:
+            yield sse_event(fmt.usage_chunk())
+        yield DONE
+    except APIError as exc:
+        yield sse_event(exc.body())
+        yield DONE
+    finally:
+        await deltas.aclose()
+
+
+class Dispatcher:
+    """Hands admitted requests to the pools in earliest-deadline-first order, at most `limit` at once."""
+
+    def __init__(self, admission, limit: int, metrics):
+        self.admission = admission
+        self.limit = limit
+        self.metrics = metrics
+        self.active = 0
+        self._changed = asyncio.Condition()
+
+    async def acquire(self, rid: str) -> None:
+        async with self._changed:
+            try:
+                while True:
+                    head = self.admission.queue.peek() if len(self.admission.queue) else None
+                    if self.active < self.limit and head is not None and head.request.request_id == rid:
+                        self.admission.pop()
+                        self.active += 1
+                        self._changed.notify_all()
+                        return
+                    await self._changed.wait()
+            except BaseException:
+                self.admission.release(rid)  # cancelled while queued
+                self._changed.notify_all()
+                raise
+
+    def release(self) -> None:
+        self.active -= 1
+        asyncio.get_running_loop().create_task(self._notify())
+
+    async def _notify(self) -> None:
+        async with self._changed:
+            self._changed.notify_all()

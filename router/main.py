@@ -1,0 +1,141 @@
+"""Builds and runs a router process: tokenizer, pools, discovery, admission, HTTP server."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+
+import httpx
+import uvicorn
+
+from tandem.config import RouterConfig
+from tandem.hashing import model_seed
+from tandem.metrics import RouterMetrics
+from tandem.model_source import DEFAULT_MODEL_ALIAS, resolve_model_source
+from tandem.router.admission import (
+    DEFAULT_SLO_CLASSES,
+    AdmissionController,
+    RateLimit,
+    ServiceRates,
+    SLOClass,
+    TenantRateLimiter,
+)
+from tandem.router.app import Dispatcher, build_app
+from tandem.router.discovery import make_discovery
+from tandem.router.orchestrator import Orchestrator
+from tandem.router.pool import WorkerPool
+from tandem.tokenizer import load_tokenizer
+
+log = logging.getLogger("tandem.router")
+
+DEFAULT_MAX_MODEL_LEN = 8192  # until a worker reports its own
+
+
+def load_slo_classes(config_dir: str | None) -> dict[str, SLOClass]:
+    """SLO classes from $TANDEM_CONFIG_DIR/slo-classes.json ([{name, ttftMs, itlMs}]) over the defaults."""
+    classes = dict(DEFAULT_SLO_CLASSES)
+    path = os.path.join(config_dir, "slo-classes.json") if config_dir else None
+    if path and os.path.isfile(path):
+        with open(path) as f:
+            for i, c in enumerate(json.load(f)):
+                classes[c["name"]] = SLOClass(c["name"], c["ttftMs"] / 1000, c["itlMs"] / 1000, priority=len(classes) - i)
+    return classes
+
+
+def load_tenants(tenants_dir: str | None) -> tuple[TenantRateLimiter, dict[str, str]]:
+    """$TANDEM_TENANTS_DIR/tenants.json: {"apiKeys": {key: tenant}, "limits": {tenant: {"tokensPerSecond",
+    "burst"}}, "sloClasses": {key: class}}. Without it every caller is the unlimited default tenant."""
+    path = os.path.join(tenants_dir, "tenants.json") if tenants_dir else None
+    if not path or not os.path.isfile(path):
+        return TenantRateLimiter(), {}
+    with open(path) as f:
+        spec = json.load(f)
+    limits = {t: RateLimit(v["tokensPerSecond"], v["burst"]) for t, v in spec.get("limits", {}).items()}
+    return TenantRateLimiter(spec.get("apiKeys", {}), limits), dict(spec.get("sloClasses", {}))
+
+
+class Router:
+    def __init__(self, config: RouterConfig):
+        self.config = config
+        self.tokenizer = load_tokenizer(config.model)
+        if self.tokenizer is None:
+            raise SystemExit(f"{config.model} has no tokenizer; the router needs one to route by prefix")
+        self.served_name = config.served_model_name or _default_served_name(config.model)
+        self.max_model_len = DEFAULT_MAX_MODEL_LEN
+        self.metrics = RouterMetrics(self.served_name)
+        self.http = httpx.AsyncClient(limits=httpx.Limits(max_connections=None, max_keepalive_connections=1024))
+        self.prefill = WorkerPool("prefill", self.http, self.metrics, config.eject_after_failures)
+        self.decode = WorkerPool("decode", self.http, self.metrics, config.eject_after_failures)
+        rate_limiter, self.slo_for_key = load_tenants(os.environ.get("TANDEM_TENANTS_DIR"))
+        self.admission = AdmissionController(
+            slo_classes=load_slo_classes(os.environ.get("TANDEM_CONFIG_DIR")), max_queue=config.max_queue,
+            max_input_tokens=config.max_input_tokens, max_output_tokens=config.max_output_tokens,
+            rate_limiter=rate_limiter, rates=ServiceRates(initial_prefill_tps=config.initial_prefill_tps))
+        self.dispatcher = Dispatcher(self.admission, config.max_in_flight, self.metrics)
+        self.orchestrator = Orchestrator(config, self.prefill, self.decode, self.http, self.metrics,
+                                         model_seed(self.served_name))
+        self.discovery = make_discovery(config)
+
+    async def refresh(self) -> None:
+        """One round of discovery and health probes; keeps admission's view of the pool size current."""
+        prefill_urls, decode_urls = await self.discovery.members()
+        self.prefill.set_members(prefill_urls)
+        self.decode.set_members(decode_urls)
+        await asyncio.gather(self.prefill.probe_all(), self.decode.probe_all())
+        self.admission.prefill_workers = max(1, len(self.prefill.healthy()) or len(self.decode.healthy()))
+        for worker in self.decode.healthy() + self.prefill.healthy():
+            if worker.max_model_len:
+                self.max_model_len = worker.max_model_len
+                break
+
+    async def run_probes(self) -> None:
+        while True:
+            try:
+                await self.refresh()
+            except Exception:  # discovery hiccups must never stop the loop
+                log.exception("discovery/probe round failed")
+            await asyncio.sleep(self.config.health_interval_s)
+
+
+def _default_served_name(model: str) -> str:
+    if model == DEFAULT_MODEL_ALIAS:
+        return DEFAULT_MODEL_ALIAS
+    path = resolve_model_source(model)
+    return os.path.splitext(os.path.basename(os.path.normpath(path)))[0]
+
+
+class _Server(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, router: Router):
+        super().__init__(config)
+        self.router = router
+        self.probes: asyncio.Task | None = None
+
+    async def startup(self, sockets=None):
+        await self.router.refresh()  # serve with a known pool from the first request
+        self.probes = asyncio.get_running_loop().create_task(self.router.run_probes())
+        await super().startup(sockets)
+        if self.started:
+            host, port = self.servers[0].sockets[0].getsockname()[:2]
+            print(f"tandem router (model {self.router.served_name}, {len(self.router.prefill.workers)} prefill, "
+                  f"{len(self.router.decode.workers)} decode) listening on http://{host}:{port}", flush=True)
+
+    async def shutdown(self, sockets=None):
+        if self.probes is not None:
+            self.probes.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self.probes
+        await super().shutdown(sockets)
+        await self.router.http.aclose()
+
+
+def run_router(config: RouterConfig, log_level: str = "info") -> int:
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per health probe is noise
+    router = Router(config)
+    app = build_app(router)
+    server = _Server(uvicorn.Config(app, host=config.host, port=config.port, log_level=log_level, access_log=False,
+                                    timeout_graceful_shutdown=5), router)
+    server.run()
+    return 0

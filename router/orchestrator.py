@@ -1,0 +1,270 @@
+"""Carries one request through the worker pools (ARCHITECTURE.md §2) and yields its deltas.
+
+  long prompt + a healthy prefill pool -> prefill worker by bounded-load consistent hashing ->
+      first token out at once -> decode worker by power of two choices pulls the KV and streams
+  short prompt, or no prefill worker   -> a decode worker alone, by the same consistent hashing
+Failures stay inside: a prefill that fails is retried on the next worker clockwise, then served
+colocated; a decode worker that dies mid-stream is replaced, resuming from prompt + tokens sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import httpx
+
+from tandem.config import RouterConfig
+from tandem.errors import APIError
+from tandem.hashing import block_hashes
+from tandem.metrics import RouterMetrics
+from tandem.openai_format import Delta
+from tandem.protocol import SamplingParams
+from tandem.router.policies.p2c import PowerOfTwoChoices
+from tandem.router.policies.ring import routing_key
+from tandem.router.pool import WorkerPool
+from tandem.router.prefix_predictor import PrefixPredictor
+from tandem.sse import parse_sse_line
+
+log = logging.getLogger(__name__)
+
+MAX_ATTEMPTS = 3  # per phase: a request survives two worker failures
+
+
+class WorkerFailure(Exception):
+    """A worker could not serve its part; the orchestrator moves the request elsewhere."""
+
+
+@dataclass
+class Trace:
+    """What happened to one request, for metrics and tests."""
+
+    path: str = ""  # disagg | colocated
+    migrations: int = 0
+    prefill_worker: str | None = None
+    decode_workers: list[str] = field(default_factory=list)
+    predicted_hit_tokens: int = 0
+    engine_hit_tokens: int = 0
+    uncached_tokens: int = 0
+    prefill_seconds: float | None = None
+
+
+class Orchestrator:
+    def __init__(self, config: RouterConfig, prefill: WorkerPool, decode: WorkerPool, http: httpx.AsyncClient,
+                 metrics: RouterMetrics, hash_seed: int):
+        self.config = config
+        self.prefill = prefill
+        self.decode = decode
+        self.http = http
+        self.metrics = metrics
+        self.hash_seed = hash_seed
+        self.predictor = PrefixPredictor(config.block_size)
+        self.p2c = PowerOfTwoChoices()
+
+    def plan(self, prompt: list[int]) -> tuple[list[int], int]:
+        """(block hashes, routing key) of a prompt."""
+        hashes = block_hashes(prompt, self.config.block_size, self.hash_seed)
+        return hashes, routing_key(prompt, self.config.block_size, self.hash_seed, self.config.routing_blocks)
+
+    async def run(self, rid: str, prompt: list[int], params: SamplingParams, trace: Trace) -> AsyncIterator[Delta]:
+        hashes, key = self.plan(prompt)
+        disagg = len(prompt) >= self.config.disagg_min_tokens and bool(self.prefill.healthy())
+        touched: set[str] = set()
+        finished = False
+        try:
+            if disagg:
+                loop = asyncio.get_running_loop()
+                started = loop.time()
+                try:
+                    pre = await self._prefill(rid, prompt, params, hashes, key, trace, touched)
+                except WorkerFailure:
+                    disagg = False
+                    self._route("fallback")
+                else:
+                    trace.prefill_seconds = loop.time() - started
+                    self._route("disagg")
+                    trace.path = "disagg"
+                    first = Delta([pre["first_token_id"]], pre["first_token_text"],
+                                  [_entry(pre["first_token_logprob"])] if pre.get("first_token_logprob") else None,
+                                  pre["finish_reason"] is not None, pre["finish_reason"], pre["num_cached_tokens"])
+                    yield first
+                    if first.finished:
+                        finished = True
+                        return
+                    async for delta in self._decode(rid, prompt, params, [pre["first_token_id"]], pre["kv_handle"],
+                                                    hashes, key, trace, touched):
+                        yield delta
+                    finished = True
+                    return
+            trace.path = "colocated"
+            self._route("colocated")
+            async for delta in self._decode(rid, prompt, params, [], None, hashes, key, trace, touched):
+                yield delta
+            finished = True
+        finally:
+            if not finished:  # the client left (or we failed): stop the work on every worker involved
+                for url in touched:
+                    asyncio.get_running_loop().create_task(self._abort(url, rid))
+
+    # -- prefill --------------------------------------------------------------------------
+    async def _prefill(self, rid, prompt, params, hashes, key, trace: Trace, touched: set[str]) -> dict:
+        tried: set[str] = set()
+        for _ in range(MAX_ATTEMPTS):
+            url = self._place(self.prefill, key, hashes, len(prompt), tried, trace)
+            if url is None:
+                break
+            tried.add(url)
+            touched.add(url)
+            weight = trace.uncached_tokens
+            worker = self.prefill.workers[url]
+            worker.prefill_tokens_in_flight += weight
+            self.prefill.track(url, +1)
+            try:
+                r = await self.http.post(f"{url}/internal/prefill", json={
+                    "request_id": rid, "prompt_token_ids": prompt, "sampling": params.model_dump()},
+                    timeout=self.config_timeout)
+                if r.status_code == 200:
+                    self.prefill.record_success(url)
+                    body = r.json()
+                    trace.prefill_worker = url
+                    self._record_hits(trace, body.get("num_cached_tokens", 0))
+                    return body
+                if 400 <= r.status_code < 500:
+                    raise APIError(r.status_code, _error_message(r))
+                self.prefill.record_failure(url)
+            except httpx.HTTPError as exc:
+                log.info("prefill on %s failed: %s", url, exc)
+                self.prefill.record_failure(url)
+            finally:
+                worker.prefill_tokens_in_flight -= weight
+                self.prefill.track(url, -1)
+        raise WorkerFailure("no prefill worker could serve the request")
+
+    # -- decode ---------------------------------------------------------------------------
+    async def _decode(self, rid, prompt, params: SamplingParams, generated: list[int], handle: dict | None,
+                      hashes, key, trace: Trace, touched: set[str]) -> AsyncIterator[Delta]:
+        failed: set[str] = set()
+        attempt_id = rid
+        for attempt in range(MAX_ATTEMPTS):
+            if handle is not None:  # disaggregated: place by free KV blocks and running sequences
+                healthy = self.decode.decode_states(exclude=failed)
+                url = self.p2c.pick(healthy, needed_blocks=-(-len(prompt) // self.config.block_size)) \
+                    if any(s.healthy for s in healthy) else None
+            else:  # it prefills here: place by the prompt, like a prefill
+                url = self._place(self.decode, key, hashes, len(prompt) + len(generated), failed, trace)
+            if url is None:
+                raise APIError(503, "no decode worker is available", code="no_workers")
+            touched.add(url)
+            trace.decode_workers.append(url)
+            body = {"request_id": attempt_id, "sampling": params.model_dump(), "kv_handle": handle,
+                    "prompt_token_ids": prompt + generated[:-1] if generated else prompt,
+                    "first_token_id": generated[-1] if generated else None}
+            if generated:  # the first token (or all tokens so far, after a migration) counts as output
+                body["sampling"]["max_tokens"] = params.max_tokens - len(generated) + 1
+            colocated_weight = 0 if handle is not None or attempt else trace.uncached_tokens
+            worker = self.decode.workers[url]
+            worker.prefill_tokens_in_flight += colocated_weight
+            self.decode.track(url, +1)
+            try:
+                async for delta in self._stream(url, body):
+                    if colocated_weight:
+                        worker.prefill_tokens_in_flight -= colocated_weight
+                        colocated_weight = 0
+                    generated.extend(delta.new_token_ids)
+                    yield delta
+                    if delta.finished:
+                        self.decode.record_success(url)
+                        return
+                raise WorkerFailure(f"{url} ended the stream early")
+            except (httpx.HTTPError, WorkerFailure) as exc:
+                log.info("decode on %s failed (%s); migrating request %s", url, exc, rid)
+                self.decode.record_failure(url)
+                failed.add(url)
+                handle = None  # the KV now comes from recomputing prompt + tokens so far
+                trace.migrations += 1
+                self._route("migrated")
+                attempt_id = f"{rid}-m{attempt + 1}"
+                if not generated:
+                    continue
+                if len(generated) >= params.max_tokens:
+                    return
+            finally:
+                worker.prefill_tokens_in_flight -= colocated_weight
+                self.decode.track(url, -1)
+        raise APIError(503, "the request failed on every decode worker tried", code="decode_failed")
+
+    async def _stream(self, url: str, body: dict) -> AsyncIterator[Delta]:
+        async with self.http.stream("POST", f"{url}/internal/decode", json=body, timeout=self.config_timeout) as r:
+            if r.status_code != 200:
+                await r.aread()
+                if 400 <= r.status_code < 500:
+                    raise APIError(r.status_code, _error_message(r))
+                raise WorkerFailure(f"{url} answered {r.status_code}")
+            async for line in r.aiter_lines():
+                chunk = parse_sse_line(line)
+                if chunk is None:
+                    continue
+                if "error" in chunk:
+                    raise WorkerFailure(chunk["error"].get("message", "worker error"))
+                yield Delta(chunk["token_ids"], chunk.get("text", ""),
+                            [_entry(e) for e in chunk["logprobs"]] if chunk.get("logprobs") else None,
+                            chunk.get("finish_reason") is not None, chunk.get("finish_reason"),
+                            chunk.get("num_cached_tokens", 0))
+
+    # -- helpers --------------------------------------------------------------------------
+    config_timeout = httpx.Timeout(600.0, connect=2.0)
+
+    def _place(self, pool: WorkerPool, key: int, hashes: list[int], prompt_len: int, exclude: set[str],
+               trace: Trace) -> str | None:
+        """Bounded-load consistent hashing over the pool's healthy workers, skipping `exclude`."""
+        ring = pool.ring
+        candidates = [u for u in ring.walk(key) if u not in exclude] if len(ring) else []
+        if not candidates:
+            return None
+        loads = pool.prefill_loads()
+        # The uncached estimate is per worker, but the bound needs one weight: use the owner's.
+        predicted = self.predictor.predicted_hit_tokens(candidates[0], hashes, prompt_len)
+        weight = max(prompt_len - predicted, 1)
+        capacity = ring.capacity(loads, self.config.balance_eps, weight)
+        url = next((u for u in candidates if loads.get(u, 0) + weight <= capacity), None)
+        if url is None:
+            url = min(candidates, key=lambda u: loads.get(u, 0))
+        trace.predicted_hit_tokens = self.predictor.predicted_hit_tokens(url, hashes, prompt_len)
+        trace.uncached_tokens = max(prompt_len - trace.predicted_hit_tokens, 1)
+        self.predictor.record(url, hashes)
+        self.metrics.plain(self.metrics.predicted_prefix_hit).inc(trace.predicted_hit_tokens)
+        return url
+
+    def _record_hits(self, trace: Trace, engine_hits: int) -> None:
+        trace.engine_hit_tokens = engine_hits
+        self.metrics.plain(self.metrics.engine_prefix_hit).inc(engine_hits)
+
+    def _route(self, path: str) -> None:
+        self.metrics.plain(self.metrics.routing, path=path).inc()
+
+    async def _abort(self, url: str, rid: str) -> None:
+        try:
+            await self.http.post(f"{url}/internal/abort", json={"request_id": rid}, timeout=2.0)
+        except httpx.HTTPError:
+            pass
+
+
+class _Entry:
+    __slots__ = ("token_id", "logprob", "top_logprobs")
+
+    def __init__(self, d: dict):
+        self.token_id, self.logprob = d["token_id"], d["logprob"]
+        self.top_logprobs = [tuple(t) for t in d.get("top_logprobs", [])]
+
+
+def _entry(d: dict) -> _Entry:
+    return _Entry(d)
+
+
+def _error_message(r: httpx.Response) -> str:
+    try:
+        return r.json()["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        return r.text[:500]

@@ -1,0 +1,39 @@
+"""The router's guess of which prompt blocks each worker has cached.
+
+Every prompt routed to a worker leaves its full-block hashes in that worker's LRU set (bounded),
+mirroring what the worker's prefix cache will hold. The guess feeds the load estimate (only
+uncached tokens cost prefill time) and the predicted-vs-reported prefix-hit metrics.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+
+class PrefixPredictor:
+    def __init__(self, block_size: int, capacity_blocks: int = 65536):
+        self.block_size = block_size
+        self.capacity = capacity_blocks
+        self._seen: dict[str, OrderedDict[int, None]] = {}
+
+    def predicted_hit_tokens(self, worker: str, hashes: list[int], prompt_len: int) -> int:
+        seen = self._seen.get(worker)
+        hits = 0
+        if seen:
+            for h in hashes:
+                if h not in seen:
+                    break
+                hits += 1
+        # Engines always compute at least the last prompt token.
+        return min(hits * self.block_size, max(prompt_len - 1, 0))
+
+    def record(self, worker: str, hashes: list[int]) -> None:
+        seen = self._seen.setdefault(worker, OrderedDict())
+        for h in hashes:
+            seen[h] = None
+            seen.move_to_end(h)
+        while len(seen) > self.capacity:
+            seen.popitem(last=False)
+
+    def forget(self, worker: str) -> None:
+        self._seen.pop(worker, None)
