@@ -49,6 +49,8 @@ def build_app(router) -> FastAPI:
         message = first.get("msg", "invalid request")
         if first.get("type") == "json_invalid":
             message = f"request body is not valid JSON: {message}"
+        elif param is None and first.get("type") in ("model_attributes_type", "dict_type", "missing"):
+            message = "request body must be a JSON object"
         return JSONResponse(error_body(400, f"{param}: {message}" if param else message, param), status_code=400)
 
     @app.get("/health")
