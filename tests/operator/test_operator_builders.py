@@ -10,7 +10,7 @@ import pytest
 import yaml
 from kube_emulator import EXAMPLE
 
-from tandem.cli import _worker_parser
+from tandem.cli import _router_parser, _worker_parser
 from tandem.config import EngineConfig
 from tandem.operator import names
 from tandem.operator.builders import ENGINE_FLAG_FIELDS, Owner, build_objects, engine_args
@@ -143,17 +143,18 @@ def test_model_sources_become_volumes_and_the_model_argument():
     assert {"name": "model", "hostPath": {"path": "/data/models/smollm2.Q4_1.gguf", "type": "File"}} in volumes
 
 
-def test_worker_arguments_are_options_of_tandem_worker():
-    parser = _worker_parser(argparse.ArgumentParser().add_subparsers(), "worker", "", 8000)
-    known = {opt for action in parser._actions for opt in action.option_strings}
+def test_worker_and_router_arguments_parse_with_the_real_cli():
+    sub = argparse.ArgumentParser(exit_on_error=False).add_subparsers()
+    parsers = {"worker": _worker_parser(sub, "worker", "", 8000), "router": _router_parser(sub)}
     for variant in VARIANTS:
-        for name in ("smollm2-prefill", "smollm2-decode"):
+        for name in ("smollm2-prefill", "smollm2-decode", "smollm2-router"):
             args = _by_name(_objects(VARIANTS[variant]), "Deployment")[name]["spec"]["template"]["spec"][
                 "containers"][0]["args"]
-            assert args[0] == "worker"
-            flags = {a for a in args[1:] if a.startswith("--")}
-            # --kv-transfer belongs to the KV-transfer work on the worker; every other flag must parse today.
-            assert flags - known <= {"--kv-transfer"}, (variant, flags - known)
+            ns = parsers[args[0]].parse_args(args[1:])  # raises (SystemExit) on any unknown or malformed flag
+            if args[0] == "router":
+                assert ns.discovery == "kubernetes" and ns.prefill_selector and ns.decode_selector
+            else:
+                assert ns.role in ("prefill", "decode") and ns.kv_transfer in ("nixl", "tcp")
 
 
 def test_engine_fields_map_onto_engine_config_options():
