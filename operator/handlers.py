@@ -11,6 +11,7 @@ import kubernetes.client
 from tandem.config import CRD_GROUP, CRD_PLURAL, CRD_VERSION
 from tandem.operator import names
 from tandem.operator.kube import Kube, KubeError, Outcome
+from tandem.operator.planner import Planner
 from tandem.operator.reconcile import StatusKeeper, reconcile
 from tandem.operator.validation import SpecError
 
@@ -39,15 +40,24 @@ def _report(body: Mapping[str, Any], outcomes: list[tuple[Outcome, dict]], reaso
                        message=f"{obj['kind']} {obj['metadata']['name']}")
 
 
-def _apply(kube: Kube, body: Mapping[str, Any], force: bool = False) -> list[tuple[Outcome, dict]]:
+def _apply(kube: Kube, keeper: StatusKeeper, body: Mapping[str, Any],
+           force: bool = False) -> list[tuple[Outcome, dict]]:
+    meta = body["metadata"]
     try:
-        return reconcile(kube, body, force=force)
+        if ((body.get("spec") or {}).get("scaling") or {}).get("mode") != "planner":
+            return reconcile(kube, body, force=force)
+        # Planner mode: status.planner holds the pool sizes, and the event that brought `body` may predate
+        # the planner's latest decision; read it fresh, under the lock the planner decides under.
+        with keeper.lock(meta["namespace"], meta["name"]):
+            current = kube.get(names.API_VERSION, names.KIND, meta["namespace"], meta["name"]) or body
+            return reconcile(kube, current, force=force)
     except KubeError as exc:
         kopf.warn(dict(body), reason="ApplyFailed", message=str(exc))
         raise kopf.TemporaryError(str(exc), delay=RETRY_SECONDS if exc.retriable else SLOW_RETRY_SECONDS) from None
 
 
-def build_registry(kube: Kube, keeper: StatusKeeper, resync_seconds: float | None = 300.0) -> kopf.OperatorRegistry:
+def build_registry(kube: Kube, keeper: StatusKeeper, resync_seconds: float | None = 300.0,
+                   planner: Planner | None = None) -> kopf.OperatorRegistry:
     registry = kopf.OperatorRegistry()
 
     @kopf.on.login(registry=registry)
@@ -59,7 +69,7 @@ def build_registry(kube: Kube, keeper: StatusKeeper, resync_seconds: float | Non
     @kopf.on.update(*RESOURCE, registry=registry)
     def spec_changed(body, meta, name, namespace, **_):
         try:
-            outcomes = _apply(kube, body)
+            outcomes = _apply(kube, keeper, body)
         except SpecError as exc:
             # Nothing is created; the reason goes to the status and an event, and kopf does not retry
             # until the spec changes again.
@@ -75,7 +85,7 @@ def build_registry(kube: Kube, keeper: StatusKeeper, resync_seconds: float | Non
             parent = kube.get(names.API_VERSION, names.KIND, namespace, owner)
             if parent is not None and not parent["metadata"].get("deletionTimestamp"):
                 try:
-                    _report(parent, _apply(kube, parent))
+                    _report(parent, _apply(kube, keeper, parent))
                 except SpecError:
                     pass  # the status already says why; nothing to restore from a bad spec
         keeper.refresh(namespace, owner)
@@ -88,9 +98,24 @@ def build_registry(kube: Kube, keeper: StatusKeeper, resync_seconds: float | Non
         def resync(body, name, namespace, **_):
             """Undo manual edits of owned objects (server-side apply with force is a no-op otherwise)."""
             try:
-                _report(body, _apply(kube, body, force=True), {"created": "Created", "updated": "DriftCorrected"})
+                _report(body, _apply(kube, keeper, body, force=True), {"created": "Created", "updated": "DriftCorrected"})
             except SpecError:
                 pass
             keeper.refresh(namespace, name)
+
+    if planner is not None:
+        @kopf.timer(*RESOURCE, interval=planner.tick_s, registry=registry)
+        def plan(body, name, namespace, **_):
+            """Planner mode: resize the pools from the measured load (each resource at its own interval)."""
+            if not planner.due(body):
+                return
+            try:
+                decision = planner.tick(namespace, name)
+            except KubeError as exc:
+                kopf.warn(dict(body), reason="PlannerFailed", message=str(exc))
+                raise kopf.TemporaryError(str(exc), delay=RETRY_SECONDS) from None
+            if decision is not None and decision.changed:
+                kopf.event(dict(body), type="Normal", reason="Scaled", message=decision.message())
+                keeper.refresh(namespace, name)
 
     return registry

@@ -26,6 +26,7 @@ PLURALS = {
     ("rbac.authorization.k8s.io/v1", "Role"): "roles",
     ("rbac.authorization.k8s.io/v1", "RoleBinding"): "rolebindings",
     ("policy/v1", "PodDisruptionBudget"): "poddisruptionbudgets",
+    ("discovery.k8s.io/v1", "EndpointSlice"): "endpointslices",  # read only: the planner's scrape targets
     (API_VERSION, KIND): CRD_PLURAL,
 }
 

@@ -18,6 +18,8 @@ from tandem.config import CRD_GROUP
 from tandem.operator import names
 from tandem.operator.handlers import build_registry
 from tandem.operator.kube import Kube, load_api_client
+from tandem.operator.metrics_source import ScrapedMetrics
+from tandem.operator.planner import MetricsSource, Planner
 from tandem.operator.reconcile import StatusKeeper
 
 log = logging.getLogger("tandem.operator")
@@ -46,10 +48,17 @@ def operator_settings(peering: str | None = None) -> kopf.OperatorSettings:
 async def operate(namespace: str | None, *, api_client: kubernetes.client.ApiClient,
                   peering: str | None = None, priority: int = 0, liveness: str | None = None,
                   resync_seconds: float | None = 300.0, stop_flag: asyncio.Event | None = None,
-                  ready_flag: asyncio.Event | None = None) -> None:
-    """The operator as a coroutine (tests run it next to an emulated API server in one event loop)."""
+                  ready_flag: asyncio.Event | None = None, metrics_source: MetricsSource | None = None,
+                  planner_tick_seconds: float = 5.0) -> None:
+    """The operator as a coroutine (tests run it next to an emulated API server in one event loop).
+
+    `metrics_source` feeds planner mode (default: scrape the pods' /metrics); `planner_tick_seconds` is how
+    often it checks whether a resource's `spec.scaling.intervalSeconds` has passed.
+    """
     kube = Kube(api_client)
-    registry = build_registry(kube, StatusKeeper(kube), resync_seconds)
+    keeper = StatusKeeper(kube)
+    planner = Planner(kube, keeper, metrics_source or ScrapedMetrics(kube), tick_s=planner_tick_seconds)
+    registry = build_registry(kube, keeper, resync_seconds, planner)
     scope = f"namespace {namespace}" if namespace else "all namespaces"
     log.info("tandem operator reconciling LLMDeployments in %s via %s (%s%s)", scope, api_client.configuration.host,
              f"peering {peering!r}, priority {priority}" if peering else "standalone",

@@ -10,6 +10,7 @@ from typing import Any
 from tandem.operator import names
 from tandem.operator.builders import Owner, build_objects
 from tandem.operator.kube import Kube, Outcome
+from tandem.operator.scaling import planned_sizes
 from tandem.operator.status import compute_status, same_status
 from tandem.operator.validation import validate_spec
 
@@ -23,6 +24,7 @@ def reconcile(kube: Kube, body: Mapping[str, Any], force: bool = False) -> list[
     """Bring every owned object in line with the spec; raises SpecError (creating nothing) on a bad spec."""
     owner = owner_of(body)
     spec, sizes = validate_spec(body.get("spec"), owner.name)
+    sizes = planned_sizes(spec, sizes, body.get("status"))
     return [(kube.ensure(obj, force=force), obj) for obj in build_objects(owner, spec, sizes)]
 
 
@@ -57,6 +59,10 @@ class StatusKeeper:
     def _lock(self, namespace: str, name: str) -> threading.Lock:
         with self._guard:
             return self._locks.setdefault((namespace, name), threading.Lock())
+
+    def lock(self, namespace: str, name: str) -> threading.Lock:
+        """Held by every status writer of one object (the planner takes it for status.planner)."""
+        return self._lock(namespace, name)
 
     def refresh(self, namespace: str, name: str, generation: int | None = None) -> dict | None:
         """Recompute and write the status; returns it, or None when the LLMDeployment is gone."""

@@ -8,6 +8,7 @@ from typing import Any
 
 from tandem.config import LLMDeploymentStatus
 from tandem.operator import names
+from tandem.operator.scaling import planned_sizes, planner_mode
 from tandem.operator.validation import SpecError, validate_spec
 
 
@@ -99,10 +100,14 @@ def compute_status(resource: Mapping[str, Any], deployments: Mapping[str, Mappin
     observed_generation = generation if generation is not None else old.get("observedGeneration")
     try:
         spec, sizes = validate_spec(resource.get("spec"), meta.get("name", ""))
+        sizes = planned_sizes(spec, sizes, old)
+        # The planner's decision is the planner's to write; manual mode drops it (a later switch starts afresh).
+        planner = old.get("planner") if planner_mode(spec) else None
         desired = {"prefill": sizes.prefill, "decode": sizes.decode, "router": spec.router.replicas}
         spec_error = None
     except SpecError as exc:
         spec_error = str(exc)
+        planner = old.get("planner")
         desired = {c: (deployments.get(c) or {}).get("spec", {}).get("replicas", 0) for c in names.COMPONENTS}
     states = {c: component_state(deployments.get(c), desired[c]) for c in names.COMPONENTS}
 
@@ -150,6 +155,7 @@ def compute_status(resource: Mapping[str, Any], deployments: Mapping[str, Mappin
         ratio=f"{states['prefill'].ready}:{states['decode'].ready}",
         endpoint=router_endpoint(router_svc),
         conditions=conditions,
+        planner=planner,
     )
     # Every field is written, None included: a merge patch then removes what no longer applies.
     return status.model_dump(by_alias=True, mode="json")

@@ -10,6 +10,7 @@ from pydantic import ValidationError
 
 from tandem.config import EngineConfig, LLMDeploymentSpec
 from tandem.operator.names import MAX_NAME_LENGTH
+from tandem.operator.scaling import scaling_reasons
 from tandem.operator.sizing import PoolSizes, resolve_pool_sizes
 
 DNS_1035_LABEL = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
@@ -76,7 +77,7 @@ def validate_spec(raw_spec: Mapping[str, Any] | None, name: str) -> tuple[LLMDep
         sizes = resolve_pool_sizes(spec)
     except ValueError as exc:
         raise SpecError([*reasons, f"spec: {exc}"]) from None
-    reasons += _semantic_reasons(spec, sizes)
+    reasons += _semantic_reasons(spec, sizes) + scaling_reasons(spec)
     if reasons:
         raise SpecError(reasons)
     return spec, sizes

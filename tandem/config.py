@@ -259,6 +259,47 @@ class KVTransferSpec(_CamelModel):
                                                                 "cuda_ipc]; default: UCX picks")
 
 
+_POOL_LIMITS_RULE = _cel("self.min <= self.max", "scaling: a pool's min must not exceed its max")
+
+
+class PoolScalingLimits(_CamelModel):
+    """How far the planner may move one pool."""
+
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [_POOL_LIMITS_RULE]})
+
+    min: int = Field(1, ge=0, le=10000, description="fewest replicas the planner leaves in the pool")
+    max: int = Field(100, ge=1, le=10000, description="most replicas the planner gives the pool")
+    tokens_per_second: float | None = Field(
+        None, gt=0, description="one replica's capacity in tokens/s (prompt tokens for prefill, generated "
+                                "tokens for decode), e.g. from `tandem plan`; the measured throughput per "
+                                "replica replaces it when higher. Needed by the metrics the operator scrapes")
+
+    @model_validator(mode="after")
+    def _min_not_above_max(self):
+        if self.min > self.max:
+            raise ValueError(f"{_POOL_LIMITS_RULE['message']} ({self.min} > {self.max})")
+        return self
+
+
+class ScalingSpec(_CamelModel):
+    """Who sets the pool sizes: the spec (manual) or the planner, from the routers' and workers' metrics."""
+
+    mode: Literal["manual", "planner"] = Field("manual", description="'planner': spec.ratio/replicas (or the "
+                                                                    "pools' replicas) are the starting point "
+                                                                    "and the planner owns replicas afterwards")
+    prefill: PoolScalingLimits = Field(default_factory=PoolScalingLimits)
+    decode: PoolScalingLimits = Field(default_factory=PoolScalingLimits)
+    gpu_budget: int | None = Field(None, ge=1, le=1000000, description="most GPUs both pools may use together")
+    interval_seconds: float = Field(30.0, gt=0, le=3600, description="how often the planner decides")
+    hysteresis: float = Field(0.2, ge=0, lt=1, description="a pool moves only when its need leaves "
+                                                          "current x (1 +/- hysteresis)")
+    cooldown_seconds: float = Field(60.0, ge=0, le=86400, description="no scale-up this soon after a change")
+    scale_down_cooldown_seconds: float | None = Field(None, ge=0, le=86400, description="no scale-down this "
+                                                                                        "soon after a change "
+                                                                                        "(default: cooldownSeconds)")
+    target_utilization: float = Field(0.8, gt=0, le=1, description="busy fraction the planner sizes each pool for")
+
+
 _SIZING_RULES = [
     _cel("!has(self.ratio) || has(self.replicas)",
          "spec.ratio needs spec.replicas: the total number of workers to split in that ratio"),
@@ -291,6 +332,7 @@ class LLMDeploymentSpec(_CamelModel):
     decode: PoolSpec = Field(default_factory=PoolSpec)
     router: RouterSpec = Field(default_factory=RouterSpec)
     kv_transfer: KVTransferSpec = Field(default_factory=KVTransferSpec)
+    scaling: ScalingSpec = Field(default_factory=ScalingSpec)
 
     @model_validator(mode="after")
     def _pools_are_sized_one_way(self):
@@ -321,6 +363,15 @@ class Condition(_CamelModel):
     observed_generation: int | None = None
 
 
+class PlannerStatus(_CamelModel):
+    """The planner's latest decision (planner mode only); the operator sizes the pools from it."""
+
+    prefill: int = Field(..., ge=0)
+    decode: int = Field(..., ge=0)
+    reason: str = ""
+    last_change: str | None = Field(None, description="when the planner last changed the replicas")
+
+
 class LLMDeploymentStatus(_CamelModel):
     """What the operator reports back (`kubectl get llmdep`)."""
 
@@ -334,3 +385,4 @@ class LLMDeploymentStatus(_CamelModel):
     endpoint: str | None = Field(None, description="the router's OpenAI-compatible base URL")
     conditions: list[Condition] | None = Field(
         None, json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]})
+    planner: PlannerStatus | None = Field(None, description="planner mode: its recommendation and reason")

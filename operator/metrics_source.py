@@ -1,0 +1,154 @@
+"""The planner's production metrics source: scrape every router and worker pod's /metrics and turn the
+counter deltas between two ticks into a `MetricsWindow`.
+
+Targets come from the EndpointSlices of the deployment's three Services (the operator already reads
+EndpointSlices), so each pod is scraped directly: through the router's load-balanced Service every scrape
+would hit a different router and the counters would not line up between ticks.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import urllib.request
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from tandem.config import LLMDeploymentSpec
+from tandem.operator import names
+from tandem.operator.kube import Kube
+from tandem.planning.policy import MetricsWindow
+
+log = logging.getLogger("tandem.operator.planner")
+
+REQUESTS = "tandem_router_requests_total"
+PROMPT_TOKENS = "tandem_prompt_tokens_total"
+COMPUTED_PROMPT_TOKENS = "tandem_computed_prompt_tokens_total"
+GENERATION_TOKENS = "tandem_generation_tokens_total"
+WAITING = "tandem_num_requests_waiting"
+SCRAPED = (REQUESTS, PROMPT_TOKENS, COMPUTED_PROMPT_TOKENS, GENERATION_TOKENS, WAITING)
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One scrape of every pod: when, and per (component, address) the summed series in SCRAPED."""
+
+    at_s: float
+    targets: Mapping[tuple[str, str], Mapping[str, float]]
+
+    def pods(self, component: str) -> int:
+        return sum(1 for c, _ in self.targets if c == component)
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """The series the planner reads, summed over their labels (model, slo_class, ...)."""
+    totals: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in SCRAPED:
+                totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
+    return totals
+
+
+def counter_delta(before: Mapping[str, float] | None, after: Mapping[str, float], series: str) -> float:
+    """Growth of a counter on one pod; a pod seen for the first time is a baseline (0), and a counter that
+    went down was reset by a restart, so all of its current value is new."""
+    if before is None:
+        return 0.0
+    now, then = after.get(series, 0.0), before.get(series, 0.0)
+    return now - then if now >= then else now
+
+
+def window_from_samples(before: Sample, after: Sample, spec: LLMDeploymentSpec) -> MetricsWindow | None:
+    """Arrival rate, mean lengths, per-replica capacity and backlog between two scrapes (None: no time
+    passed). A pool's capacity is its measured throughput per replica while it is saturated, else the
+    spec's `tokensPerSecond`; ValueError when a pool has neither."""
+    elapsed = after.at_s - before.at_s
+    if elapsed <= 0:
+        return None
+
+    def total(component: str, series: str) -> float:
+        return sum(counter_delta(before.targets.get(key), values, series)
+                   for key, values in after.targets.items() if key[0] == component)
+
+    def gauge(component: str, series: str) -> float:
+        return sum(values.get(series, 0.0) for key, values in after.targets.items() if key[0] == component)
+
+    requests = total("router", REQUESTS)
+    # Every request ends on a decode worker (short prompts skip the prefill pool): its counters see them all.
+    mean_in = total("decode", PROMPT_TOKENS) / requests if requests > 0 else 0.0
+    mean_out = total("decode", GENERATION_TOKENS) / requests if requests > 0 else 0.0
+    capacities = []
+    for pool, series in (("prefill", COMPUTED_PROMPT_TOKENS), ("decode", GENERATION_TOKENS)):
+        pods = after.pods(pool)
+        measured = total(pool, series) / elapsed / pods if pods else 0.0
+        # Throughput says what a replica can do only while it is saturated (work waits in its queue); an
+        # idle replica's throughput is just the load, and planning with it would scale up without end.
+        saturated = gauge(pool, WAITING) > 0 and measured > 0
+        capacity = measured if saturated else getattr(spec.scaling, pool).tokens_per_second
+        if not capacity:
+            raise ValueError(f"no {pool} capacity to plan with: set spec.scaling.{pool}.tokensPerSecond "
+                             "(one replica's tokens/s, e.g. from `tandem plan`)")
+        capacities.append(capacity)
+    return MetricsWindow(
+        end_s=after.at_s, arrival_rps=requests / elapsed, mean_input_tokens=mean_in, mean_output_tokens=mean_out,
+        prefill_tok_s_per_replica=capacities[0], decode_tok_s_per_replica=capacities[1],
+        prefill_backlog_tokens=gauge("prefill", WAITING) * mean_in,
+        decode_backlog_tokens=gauge("decode", WAITING) * mean_out)
+
+
+def fetch_text(url: str, timeout: float) -> str:
+    with urllib.request.urlopen(url, timeout=timeout) as response:  # noqa: S310 (pod IPs from EndpointSlices)
+        return response.read().decode()
+
+
+def slice_targets(endpoint_slice: Mapping[str, Any]) -> list[str]:
+    """host:port of every ready endpoint in one EndpointSlice."""
+    port = next((p.get("port") for p in endpoint_slice.get("ports") or [] if p.get("name") == "http"),
+                names.HTTP_PORT)
+    targets = []
+    for endpoint in endpoint_slice.get("endpoints") or []:
+        if (endpoint.get("conditions") or {}).get("ready") is False or not endpoint.get("addresses"):
+            continue
+        host = endpoint["addresses"][0]
+        targets.append(f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
+    return targets
+
+
+class ScrapedMetrics:
+    """`source(body) -> MetricsWindow | None` for the planner: None on the first tick of a deployment (one
+    sample is no window), then the window since the previous tick. The last sample lives in memory: after an
+    operator restart the first tick only takes a new baseline."""
+
+    def __init__(self, kube: Kube, fetch: Callable[[str, float], str] = fetch_text,
+                 clock: Callable[[], float] = time.monotonic, timeout_s: float = 2.0):
+        self.kube, self.fetch, self.clock, self.timeout_s = kube, fetch, clock, timeout_s
+        self._last: dict[str, Sample] = {}
+        self._guard = threading.Lock()
+
+    def sample(self, namespace: str, name: str) -> Sample:
+        targets: dict[tuple[str, str], Mapping[str, float]] = {}
+        for component in names.COMPONENTS:
+            selector = {"kubernetes.io/service-name": names.object_name(name, component)}
+            for endpoint_slice in self.kube.list("discovery.k8s.io/v1", "EndpointSlice", namespace, selector):
+                for address in slice_targets(endpoint_slice):
+                    try:
+                        targets[(component, address)] = parse_metrics(
+                            self.fetch(f"http://{address}/metrics", self.timeout_s))
+                    except (OSError, ValueError) as exc:  # one unreachable pod must not stop the planner
+                        log.warning("scraping %s pod %s of %s/%s failed: %s", component, address, namespace,
+                                    name, exc)
+        return Sample(at_s=self.clock(), targets=targets)
+
+    def __call__(self, body: Mapping[str, Any]) -> MetricsWindow | None:
+        meta = body["metadata"]
+        spec = LLMDeploymentSpec.model_validate(body.get("spec") or {})
+        after = self.sample(meta["namespace"], meta["name"])
+        with self._guard:
+            before = self._last.get(meta["uid"])
+            self._last[meta["uid"]] = after
+        return None if before is None else window_from_samples(before, after, spec)
