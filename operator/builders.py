@@ -114,7 +114,7 @@ def _probes() -> dict:
 
 
 def _container(name: str, image: str, args: list[str], env: list[dict], settings: PodSettings,
-               mounts: list[dict], pull_policy: str | None) -> dict:
+               mounts: list[dict], pull_policy: str | None, pre_stop: list[str] | None = None) -> dict:
     container = {
         "name": name,
         "image": image,
@@ -124,7 +124,7 @@ def _container(name: str, image: str, args: list[str], env: list[dict], settings
         "env": [*WRITABLE_ENV, *env],
         "resources": _resources(settings),
         **_probes(),
-        "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(DRAIN_SECONDS)]}}},
+        "lifecycle": {"preStop": {"exec": {"command": pre_stop or ["sleep", str(DRAIN_SECONDS)]}}},
         "securityContext": {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
                             "runAsNonRoot": True, "capabilities": {"drop": ["ALL"]}},
         "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}, *mounts],
@@ -195,7 +195,12 @@ def worker_deployment(owner: Owner, spec: LLMDeploymentSpec, pool: str, replicas
     # UCX's shared-memory transport and torch's IPC need a real /dev/shm, not the runtime's 64 MiB default.
     volumes = [*volumes, {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": "2Gi"}}]
     mounts = [*mounts, {"name": "shm", "mountPath": "/dev/shm"}]
-    container = _container("worker", spec.image, args, env, settings, mounts, spec.image_pull_policy)
+    # Scale-down drain: the worker leaves every router's rotation (its /ready turns 503) and finishes
+    # what it has before SIGTERM; a few seconds of the grace period are kept for the server's own exit.
+    grace = settings.termination_grace_period_seconds or 30
+    drain = ["tandem", "drain", "--url", f"http://127.0.0.1:{HTTP_PORT}",
+             "--timeout", str(max(grace - 5, DRAIN_SECONDS))]
+    container = _container("worker", spec.image, args, env, settings, mounts, spec.image_pull_policy, drain)
     pod = _pod_spec(owner, pool, container, settings, volumes, settings.termination_grace_period_seconds, None)
     # GPUs are rarely spare: replace workers one at a time instead of surging an extra one.
     strategy = {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}}

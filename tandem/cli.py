@@ -45,6 +45,15 @@ def _router_parser(sub) -> argparse.ArgumentParser:
     return p
 
 
+def _drain_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser("drain", help="take a worker out of rotation and wait for its requests (preStop hook)",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--url", default="http://127.0.0.1:8000", help="the worker to drain")
+    p.add_argument("--timeout", type=float, default=55.0, help="seconds to wait for in-flight requests")
+    p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    return p
+
+
 def _operator_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("operator", help="run the Kubernetes operator that reconciles LLMDeployments",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -116,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     _serve_parser(sub)
     _router_parser(sub)
     _operator_parser(sub)
+    _drain_parser(sub)
     _bench_parser(sub)
     plan_parser = _plan_parser(sub)
     ns = parser.parse_args(argv)
@@ -145,6 +155,10 @@ def main(argv: list[str] | None = None) -> int:
         from tandem.router.main import run_router
 
         return run_router(model_from_options(RouterConfig, ns), log_level=ns.log_level)
+    if ns.command == "drain":
+        from tandem.drain import drain
+
+        return drain(ns.url, ns.timeout)
     if ns.command == "operator":
         from tandem.operator.main import run_operator
 

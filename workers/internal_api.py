@@ -84,6 +84,13 @@ def add_internal_routes(app: FastAPI, ctx) -> None:
                 "waiting": engine.num_waiting, "in_flight": ctx.engine.num_in_flight,
                 "max_model_len": ctx.max_model_len}
 
+    @app.post("/internal/drain")
+    async def drain():
+        """Scale-down: stop being ready (routers stop dispatching here within one probe interval)
+        while requests in flight run to completion. `tandem drain` calls this from the preStop hook."""
+        ctx.draining = True
+        return {"draining": True, "in_flight": ctx.engine.num_in_flight}
+
     @app.post("/internal/abort")
     async def abort(request: Request):
         """The client went away: drop the request here too (unknown ids are fine)."""

@@ -105,7 +105,11 @@ def test_pods_are_non_root_read_only_with_a_writable_tmp():
         assert {"name": tmp["name"], "emptyDir": {"sizeLimit": "4Gi"}} in pod["volumes"]
         assert container["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
         assert container["livenessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
-        assert container["lifecycle"]["preStop"]["exec"]["command"][0] == "sleep"
+        pre_stop = container["lifecycle"]["preStop"]["exec"]["command"]
+        if container["name"] == "worker":  # scale-down drain: out of rotation, in-flight requests finish
+            assert pre_stop[:2] == ["tandem", "drain"] and "--timeout" in pre_stop
+        else:
+            assert pre_stop[0] == "sleep"
 
 
 def test_pool_sizes_and_selectors_line_up():

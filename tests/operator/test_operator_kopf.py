@@ -64,7 +64,7 @@ async def test_example_creates_pools_router_services_config_and_rbac(cluster):
         assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
         assert container["readinessProbe"]["httpGet"]["path"] == "/ready"
         assert container["livenessProbe"]["httpGet"]["path"] == "/health"
-        assert container["lifecycle"]["preStop"]["exec"]["command"][0] == "sleep"
+        assert container["lifecycle"]["preStop"]["exec"]["command"][:2] == ["tandem", "drain"]
         assert container["securityContext"]["readOnlyRootFilesystem"] is True
 
     router = deployments["smollm2-router"]["spec"]["template"]["spec"]

@@ -1,0 +1,33 @@
+"""`tandem drain`: what a worker pod's preStop hook runs before Kubernetes sends SIGTERM.
+
+It marks the worker draining (its /ready turns 503, so routers stop dispatching to it at their
+next probe) and waits until the requests it already has are finished, or the timeout passes.
+"""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+
+
+def drain(url: str, timeout_s: float, poll_s: float = 0.5) -> int:
+    url = url.rstrip("/")
+    try:
+        httpx.post(f"{url}/internal/drain", timeout=5).raise_for_status()
+    except httpx.HTTPError as exc:
+        print(f"tandem drain: {url} did not accept the drain ({exc}); nothing to wait for")
+        return 0
+    deadline = time.monotonic() + timeout_s
+    in_flight = None
+    while time.monotonic() < deadline:
+        try:
+            in_flight = httpx.get(f"{url}/internal/load", timeout=5).json()["in_flight"]
+        except (httpx.HTTPError, ValueError, KeyError):
+            break  # the worker is gone: nothing left to wait for
+        if in_flight == 0:
+            print(f"tandem drain: {url} is idle")
+            return 0
+        time.sleep(poll_s)
+    print(f"tandem drain: gave up after {timeout_s:g}s with {in_flight} request(s) in flight")
+    return 0  # never block the pod's termination on a failure here
