@@ -17,6 +17,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tandem.body_limit import BodySizeLimit
 from tandem.errors import APIError, error_body
@@ -40,6 +41,12 @@ def build_app(router) -> FastAPI:
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError):
         return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException):
+        # FastAPI's own refusals (a body it cannot parse, an unknown path, a wrong method) in the OpenAI shape too.
+        return JSONResponse(error_body(exc.status_code, str(exc.detail)), status_code=exc.status_code,
+                            headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError):
@@ -76,7 +83,9 @@ def build_app(router) -> FastAPI:
         check_model(router, body.model)
         prompt = body.single_prompt()
         ids = router.tokenizer.encode(prompt) if isinstance(prompt, str) else check_ids(router, prompt)
-        params = body.sampling_params(default_max_tokens=16)
+        if "max_tokens" not in body.model_fields_set:  # the schema's 16 is a default, not the client's request
+            body.max_tokens = None
+        params = body.sampling_params(default_max_tokens=default_max_tokens(router, 16))
         fmt = CompletionFormatter(new_id("cmpl"), router.served_name, now(), router.tokenizer, len(ids))
         return await serve(router, request, fmt, ids, params, body.stream, include_usage(body))
 
@@ -87,7 +96,8 @@ def build_app(router) -> FastAPI:
             raise APIError(400, "this model has no chat template; use /v1/completions")
         text = router.tokenizer.apply_chat_template(body.template_messages(), add_generation_prompt=True)
         ids = router.tokenizer.encode(text, add_special_tokens=False)
-        params = body.sampling_params(default_max_tokens=max(1, router.max_model_len - len(ids)))
+        room = max(1, router.max_model_len - len(ids))
+        params = body.sampling_params(default_max_tokens=default_max_tokens(router, room))
         fmt = ChatFormatter(new_id("chatcmpl"), router.served_name, now(), router.tokenizer, len(ids))
         return await serve(router, request, fmt, ids, params, body.stream, include_usage(body))
 
@@ -96,6 +106,13 @@ def build_app(router) -> FastAPI:
 
 def include_usage(body) -> bool:
     return bool(body.stream_options and body.stream_options.include_usage)
+
+
+def default_max_tokens(router, wanted: int) -> int:
+    """max_tokens for a request that names none: `wanted`, within --max-output-tokens. The cap refuses what a
+    client asks for; it must not refuse a request for a default the server chose."""
+    cap = router.config.max_output_tokens
+    return min(wanted, cap) if cap else wanted
 
 
 def check_model(router, model: str) -> None:
@@ -130,7 +147,8 @@ async def serve(router, request: Request, fmt: Formatter, ids: list[int], params
         raise APIError(400, f"unknown SLO class {slo_name!r}; known: {sorted(router.admission.slo_classes)}",
                        param=SLO_HEADER)
     rid = f"{fmt.request_id}-{uuid.uuid4().hex[:6]}"
-    hashes, routing = router.orchestrator.plan(ids)
+    plan = router.orchestrator.plan(ids)  # (block hashes, routing key), reused by the orchestrator
+    hashes = plan[0]
     predicted = max((router.orchestrator.predictor.predicted_hit_tokens(w.url, hashes, len(ids))
                      for w in router.prefill.healthy() + router.decode.healthy()), default=0)
     decision = router.admission.decide(AdmissionRequest(rid, len(ids), params.max_tokens, slo_name, key,
@@ -143,7 +161,7 @@ async def serve(router, request: Request, fmt: Formatter, ids: list[int], params
             headers["Retry-After"] = str(max(1, math.ceil(decision.retry_after_s)))
         raise APIError(400 if decision.reason in caps else 429, decision.message, code=decision.reason.value,
                        headers=headers)
-    deltas = dispatch(router, rid, ids, params, decision, slo_name)
+    deltas = dispatch(router, rid, ids, params, decision, slo_name, plan)
     if stream:
         return StreamingResponse(sse_stream(fmt, deltas, usage), media_type="text/event-stream", headers=SSE_HEADERS)
     try:
@@ -151,10 +169,11 @@ async def serve(router, request: Request, fmt: Formatter, ids: list[int], params
             fmt.add(delta)
     finally:
         await deltas.aclose()
-    return fmt.final()
+    # Already plain JSON types: a JSONResponse skips FastAPI's recursive jsonable_encoder pass (measured waste).
+    return JSONResponse(fmt.final())
 
 
-async def dispatch(router, rid: str, ids: list[int], params: SamplingParams, ticket, slo_name: str):
+async def dispatch(router, rid: str, ids: list[int], params: SamplingParams, ticket, slo_name: str, plan=None):
     """Waits for the request's turn (EDF), runs it through the pools and records its SLO outcome."""
     metrics, slo = router.metrics, ticket.slo
     await router.dispatcher.acquire(rid)
@@ -164,7 +183,7 @@ async def dispatch(router, rid: str, ids: list[int], params: SamplingParams, tic
     gaps: list[float] = []
     released = False
     try:
-        async for delta in router.orchestrator.run(rid, ids, params, trace):
+        async for delta in router.orchestrator.run(rid, ids, params, trace, plan):
             t = time.monotonic()
             if first_at is None:
                 first_at = t

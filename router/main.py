@@ -27,6 +27,7 @@ from tandem.router.app import Dispatcher, build_app
 from tandem.router.discovery import make_discovery
 from tandem.router.orchestrator import Orchestrator
 from tandem.router.pool import WorkerPool
+from tandem.router.worker_client import WorkerClient
 from tandem.tokenizer import load_tokenizer
 
 log = logging.getLogger("tandem.router")
@@ -75,7 +76,8 @@ class Router:
             max_input_tokens=config.max_input_tokens, max_output_tokens=config.max_output_tokens,
             rate_limiter=rate_limiter, rates=ServiceRates(initial_prefill_tps=config.initial_prefill_tps))
         self.dispatcher = Dispatcher(self.admission, config.max_in_flight, self.metrics)
-        self.orchestrator = Orchestrator(config, self.prefill, self.decode, self.http, self.metrics,
+        self.worker_client = WorkerClient()  # the data path; self.http (httpx) only probes
+        self.orchestrator = Orchestrator(config, self.prefill, self.decode, self.worker_client, self.metrics,
                                          model_seed(self.served_name))
         self.discovery = make_discovery(config)
 
@@ -129,6 +131,7 @@ class _Server(uvicorn.Server):
                 await self.probes
         await super().shutdown(sockets)
         await self.router.http.aclose()
+        await self.router.worker_client.close()
 
 
 def run_router(config: RouterConfig, log_level: str = "info") -> int:

@@ -14,8 +14,6 @@ import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-import httpx
-
 from tandem.config import RouterConfig
 from tandem.errors import APIError
 from tandem.hashing import block_hashes
@@ -26,7 +24,7 @@ from tandem.router.policies.p2c import PowerOfTwoChoices
 from tandem.router.policies.ring import routing_key
 from tandem.router.pool import WorkerPool
 from tandem.router.prefix_predictor import PrefixPredictor
-from tandem.sse import parse_sse_line
+from tandem.router.worker_client import TRANSPORT_ERRORS, WorkerClient, WorkerStatusError
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +50,7 @@ class Trace:
 
 
 class Orchestrator:
-    def __init__(self, config: RouterConfig, prefill: WorkerPool, decode: WorkerPool, http: httpx.AsyncClient,
+    def __init__(self, config: RouterConfig, prefill: WorkerPool, decode: WorkerPool, http: WorkerClient,
                  metrics: RouterMetrics, hash_seed: int):
         self.config = config
         self.prefill = prefill
@@ -68,8 +66,11 @@ class Orchestrator:
         hashes = block_hashes(prompt, self.config.block_size, self.hash_seed)
         return hashes, routing_key(prompt, self.config.block_size, self.hash_seed, self.config.routing_blocks)
 
-    async def run(self, rid: str, prompt: list[int], params: SamplingParams, trace: Trace) -> AsyncIterator[Delta]:
-        hashes, key = self.plan(prompt)
+    async def run(self, rid: str, prompt: list[int], params: SamplingParams, trace: Trace,
+                  plan: tuple[list[int], int] | None = None) -> AsyncIterator[Delta]:
+        """`plan` is `self.plan(prompt)` when the caller already has it (hashing a long prompt costs ~0.3 ms
+        per 1,000 tokens)."""
+        hashes, key = plan if plan is not None else self.plan(prompt)
         disagg = len(prompt) >= self.config.disagg_min_tokens and bool(self.prefill.healthy())
         touched: set[str] = set()
         finished = False
@@ -122,20 +123,18 @@ class Orchestrator:
             worker.prefill_tokens_in_flight += weight
             self.prefill.track(url, +1)
             try:
-                r = await self.http.post(f"{url}/internal/prefill", json={
-                    "request_id": rid, "prompt_token_ids": prompt, "sampling": params.model_dump()},
-                    timeout=self.config_timeout)
-                if r.status_code == 200:
-                    self.prefill.record_success(url)
-                    body = r.json()
-                    trace.prefill_worker = url
-                    self._record_hits(trace, body.get("num_cached_tokens", 0))
-                    return body
-                if 400 <= r.status_code < 500:
-                    raise APIError(r.status_code, _error_message(r))
+                body = await self.http.post_json(f"{url}/internal/prefill", {
+                    "request_id": rid, "prompt_token_ids": prompt, "sampling": params.model_dump()})
+                self.prefill.record_success(url)
+                trace.prefill_worker = url
+                self._record_hits(trace, body.get("num_cached_tokens", 0))
+                return body
+            except WorkerStatusError as exc:
+                if 400 <= exc.status < 500:
+                    raise APIError(exc.status, exc.message) from None
                 self.prefill.record_failure(url)
-            except httpx.HTTPError as exc:
-                log.info("prefill on %s failed: %s", url, exc)
+            except TRANSPORT_ERRORS as exc:
+                log.info("prefill on %s failed: %r", url, exc)
                 self.prefill.record_failure(url)
             finally:
                 worker.prefill_tokens_in_flight -= weight
@@ -168,17 +167,21 @@ class Orchestrator:
             worker.prefill_tokens_in_flight += colocated_weight
             self.decode.track(url, +1)
             try:
+                finished = False
                 async for delta in self._stream(url, body):
+                    if finished:  # only [DONE] follows a finish; reading it lets httpx reuse the connection
+                        continue
                     if colocated_weight:
                         worker.prefill_tokens_in_flight -= colocated_weight
                         colocated_weight = 0
                     generated.extend(delta.new_token_ids)
                     yield delta
-                    if delta.finished:
-                        self.decode.record_success(url)
-                        return
+                    finished = delta.finished
+                if finished:
+                    self.decode.record_success(url)
+                    return
                 raise WorkerFailure(f"{url} ended the stream early")
-            except (httpx.HTTPError, WorkerFailure) as exc:
+            except (*TRANSPORT_ERRORS, WorkerFailure) as exc:
                 log.info("decode on %s failed (%s); migrating request %s", url, exc, rid)
                 self.decode.record_failure(url)
                 failed.add(url)
@@ -196,26 +199,20 @@ class Orchestrator:
         raise APIError(503, "the request failed on every decode worker tried", code="decode_failed")
 
     async def _stream(self, url: str, body: dict) -> AsyncIterator[Delta]:
-        async with self.http.stream("POST", f"{url}/internal/decode", json=body, timeout=self.config_timeout) as r:
-            if r.status_code != 200:
-                await r.aread()
-                if 400 <= r.status_code < 500:
-                    raise APIError(r.status_code, _error_message(r))
-                raise WorkerFailure(f"{url} answered {r.status_code}")
-            async for line in r.aiter_lines():
-                chunk = parse_sse_line(line)
-                if chunk is None:
-                    continue
+        try:
+            async for chunk in self.http.events(f"{url}/internal/decode", body):
                 if "error" in chunk:
                     raise WorkerFailure(chunk["error"].get("message", "worker error"))
                 yield Delta(chunk["token_ids"], chunk.get("text", ""),
                             [_entry(e) for e in chunk["logprobs"]] if chunk.get("logprobs") else None,
                             chunk.get("finish_reason") is not None, chunk.get("finish_reason"),
                             chunk.get("num_cached_tokens", 0))
+        except WorkerStatusError as exc:
+            if 400 <= exc.status < 500:
+                raise APIError(exc.status, exc.message) from None
+            raise WorkerFailure(f"{url} answered {exc.status}") from None
 
     # -- helpers --------------------------------------------------------------------------
-    config_timeout = httpx.Timeout(600.0, connect=2.0)
-
     def _place(self, pool: WorkerPool, key: int, hashes: list[int], prompt_len: int, exclude: set[str],
                trace: Trace) -> str | None:
         """Bounded-load consistent hashing over the pool's healthy workers, skipping `exclude`."""
@@ -246,8 +243,8 @@ class Orchestrator:
 
     async def _abort(self, url: str, rid: str) -> None:
         try:
-            await self.http.post(f"{url}/internal/abort", json={"request_id": rid}, timeout=2.0)
-        except httpx.HTTPError:
+            await self.http.post_json(f"{url}/internal/abort", {"request_id": rid}, timeout_s=2.0)
+        except (*TRANSPORT_ERRORS, WorkerStatusError):
             pass
 
 
@@ -262,9 +259,3 @@ class _Entry:
 def _entry(d: dict) -> _Entry:
     return _Entry(d)
 
-
-def _error_message(r: httpx.Response) -> str:
-    try:
-        return r.json()["error"]["message"]
-    except (ValueError, KeyError, TypeError):
-        return r.text[:500]
