@@ -51,6 +51,10 @@ class ModelRunner:
                                  f"({block_bytes} bytes each)")
         self.kv_cache = torch.zeros(self.num_blocks, mc.num_layers, 2, self.block_size, mc.num_kv_heads,
                                     mc.head_dim, dtype=self.dtype, device=self.device)
+        # Pack the CPU GEMM weights now rather than in the middle of the first batched request.
+        pack_weights = getattr(self.model, "pack_weights", None)
+        if pack_weights is not None:
+            pack_weights()
 
     @torch.inference_mode()
     def execute(self, seqs: Seq[Sequence], num_new_tokens: Seq[int]) -> tuple[torch.Tensor | None, list[int]]:

@@ -6,6 +6,8 @@ import math
 
 import torch
 
+from tandem.workers.layers.memo import StepMemo
+
 
 def _default_inv_freq(head_dim: int, base: float) -> torch.Tensor:
     return 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim))
@@ -62,14 +64,28 @@ def compute_cos_sin_cache(
     return torch.cat((freqs.cos(), freqs.sin()), dim=-1)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+# Every layer of a forward pass asks for the same positions' rows.
+_cos_sin_memo = StepMemo()
+
+
+def _cos_sin(positions: torch.Tensor, cos_sin_cache: torch.Tensor, dtype: torch.dtype):
+    """(cos, sin) of shape [T, 1, D] in `dtype`, with the sign of rotate_half folded into sin's first half."""
+    cos, sin = cos_sin_cache.index_select(0, positions).to(dtype).unsqueeze(1).chunk(2, dim=-1)
+    return torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    # HF: x * cos + rotate_half(x) * sin with rotate_half(x) = cat(-x2, x1). roll gives cat(x2, x1) and the
+    # sign lives in signed_sin; negation is exact, so the result is bit for bit the same.
+    rotated = x.roll(x.shape[-1] // 2, dims=-1).mul_(signed_sin)
+    return rotated.add_(x * cos)
 
 
 def apply_rotary(
     positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotates q [T, Hq, D] and k [T, Hkv, D] by their token positions [T]; returns new tensors."""
-    cos, sin = cos_sin_cache.index_select(0, positions).to(q.dtype).unsqueeze(1).chunk(2, dim=-1)
-    return _rotate(q, cos, sin), _rotate(k, cos, sin)
+    cos, signed_sin = _cos_sin_memo.get(
+        (positions, cos_sin_cache, q.dtype), lambda: _cos_sin(positions, cos_sin_cache, q.dtype)
+    )
+    return _rotate(q, cos, signed_sin), _rotate(k, cos, signed_sin)

@@ -29,6 +29,50 @@ _FUSED_SHARDS = {
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
+class PackedWeight:
+    """A [out, in] weight reordered once into oneDNN's blocked layout, for CPU GEMMs.
+
+    torch's F.linear hands every call the plain row-major weight, which MKL repacks internally; for a few
+    rows (the decode batch) that repacking costs as much as the multiply. A pre-packed copy makes an f32
+    GEMM with 8-32 rows ~1.3-1.9x cheaper and runs bf16 on AMX at every batch size. The copy costs as much
+    memory again as the weight; it is rebuilt if the weight is written (its version counter moves).
+    """
+
+    def __init__(self):
+        self._source: torch.Tensor | None = None
+        self._version = -1
+        self._packed: torch.Tensor | None = None
+
+    def get(self, weight: torch.Tensor) -> torch.Tensor:
+        if self._packed is None or self._source is not weight or self._version != weight._version:
+            with torch.inference_mode():
+                self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+            self._source, self._version = weight, weight._version
+        return self._packed
+
+
+_ONEDNN = torch.backends.mkldnn.is_available()
+_ONEDNN_BF16 = _ONEDNN and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+# float32 GEMMs with fewer rows than this stay on F.linear: MKL's GEMV path is faster there (and is what
+# transformers runs, so batch-1 decode matches it bit for bit).
+_MIN_PACKED_F32_ROWS = 4
+
+
+def _use_packed(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    if x.device.type != "cpu" or x.dtype != weight.dtype or x.dim() != 2 or not _ONEDNN:
+        return False
+    if x.dtype == torch.float32:
+        return x.shape[0] >= _MIN_PACKED_F32_ROWS
+    return x.dtype == torch.bfloat16 and _ONEDNN_BF16
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: PackedWeight) -> torch.Tensor:
+    """F.linear(x, weight, bias), through the pre-packed oneDNN weight where that is faster."""
+    if _use_packed(x, weight):
+        return torch.ops.mkldnn._linear_pointwise(x, packed.get(weight), bias, "none", [], "")
+    return F.linear(x, weight, bias)
+
+
 class Linear(nn.Module):
     """y = x W^T (+ b) with uninitialised parameters: load_weights fills them, so random init (slow for
     large models) is skipped."""
@@ -37,9 +81,10 @@ class Linear(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        self.packed = PackedWeight()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.packed)
 
 
 class RMSNorm(nn.Module):
@@ -149,6 +194,8 @@ class LlamaForCausalLM(nn.Module):
             None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size, bias=False)
         )
         self.cos_sin_cache = self._build_cos_sin_cache()
+        self.lm_head_packed = PackedWeight()
+        self._cache_views: tuple[torch.Tensor, list] | None = None
 
     def _build_cos_sin_cache(self) -> torch.Tensor:
         # A plain float32 attribute built on the CPU, not a buffer: neither model.to(dtype) nor the default
@@ -175,18 +222,35 @@ class LlamaForCausalLM(nn.Module):
             self.cos_sin_cache = self.cos_sin_cache.to(input_ids.device)
         hidden = self.model.embed_tokens(input_ids)
         residual = None
-        for i, layer in enumerate(self.model.layers):
-            hidden, residual = layer(
-                positions, hidden, residual, kv_cache[:, i, 0], kv_cache[:, i, 1], meta, self.cos_sin_cache
-            )
+        for layer, (k_cache, v_cache) in zip(self.model.layers, self._layer_cache_views(kv_cache), strict=True):
+            hidden, residual = layer(positions, hidden, residual, k_cache, v_cache, meta, self.cos_sin_cache)
         hidden, _ = self.model.norm(hidden, residual)
         return hidden
+
+    def _layer_cache_views(self, kv_cache: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(keys, values) views of each layer's slice of kv_cache, made once per cache tensor, not per step."""
+        cached = self._cache_views
+        if cached is None or cached[0] is not kv_cache:
+            views = [(kv_cache[:, i, 0], kv_cache[:, i, 1]) for i in range(len(self.model.layers))]
+            cached = self._cache_views = (kv_cache, views)
+        return cached[1]
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [B, hidden_size] -> float32 logits [B, vocab_size]."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        return linear(hidden, weight, None, self.lm_head_packed).float()
+
+    def pack_weights(self) -> None:
+        """Builds the packed oneDNN copies of every GEMM weight now (on CPU), rather than on first use."""
+        head = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        probe = torch.empty(_MIN_PACKED_F32_ROWS, head.shape[1], dtype=head.dtype, device=head.device)
+        if not _use_packed(probe, head):
+            return
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.packed.get(module.weight)
+        self.lm_head_packed.get(head)
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
