@@ -1,4 +1,4 @@
-"""One short real sweep: `tandem bench` against a `tandem worker` serving SmolLM2-135M on the CPU."""
+"""One short real sweep: `tandem bench` against `tandem serve` (router + prefill + decode) with SmolLM2-135M on the CPU."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from tandem.launcher import ServiceProcess
 
 @pytest.fixture(scope="module")
 def worker():
-    with ServiceProcess(["worker", "--model", "smollm2"], name="bench-worker") as proc:
+    with ServiceProcess(["serve", "--model", "smollm2", "--kv-transfer", "tcp"], name="bench-serve") as proc:
         yield proc
 
 
