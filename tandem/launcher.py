@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import socket
@@ -11,6 +12,15 @@ import tempfile
 import time
 
 import httpx
+
+
+def _die_with_parent() -> None:
+    """Runs in the child before exec: if the launching process dies (a killed test run, a crashed
+    `tandem serve`), the kernel sends the child SIGTERM, so no worker outlives its launcher."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+    except OSError:  # not Linux: nothing to arrange
+        pass
 
 
 def free_port() -> int:
@@ -36,7 +46,8 @@ class ServiceProcess:
 
     def start(self) -> ServiceProcess:
         self.proc = subprocess.Popen([sys.executable, "-m", "tandem.cli", *self.args], stdout=self.log,
-                                     stderr=subprocess.STDOUT, env=self.env, start_new_session=True)
+                                     stderr=subprocess.STDOUT, env=self.env, start_new_session=True,
+                                     preexec_fn=_die_with_parent)
         return self
 
     def log_tail(self, chars: int = 4000) -> str:
