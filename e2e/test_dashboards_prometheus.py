@@ -52,8 +52,22 @@ def _wait(what: str, check, timeout: float):
 
 @pytest.fixture(scope="module")
 def serve():
-    with ServiceProcess(["serve", "--model", "smollm2"], name="dashboards-serve") as proc:
-        yield proc
+    """The stack `tandem serve` runs, started part by part so Prometheus can scrape every process:
+    the router (router metrics) and a prefill and a decode worker (engine and KV-transfer metrics)."""
+    common = ["--model", "smollm2", "--kv-transfer", "tcp"]
+    prefill = ServiceProcess(["worker", "--role", "prefill", *common], name="dash-prefill")
+    decode = ServiceProcess(["worker", "--role", "decode", *common], name="dash-decode")
+    for proc in (prefill, decode):
+        proc.start()
+    for proc in (prefill, decode):
+        proc.wait_ready()
+    router = ServiceProcess(["router", "--model", "smollm2", "--prefill", prefill.url, "--decode", decode.url,
+                             "--disagg-min-tokens", "32"], name="dash-router")
+    with router:
+        router.targets = [f"127.0.0.1:{p.port}" for p in (router, prefill, decode)]
+        yield router
+    for proc in (prefill, decode):
+        proc.stop()
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +77,7 @@ def prometheus(serve):
         config = Path(tmp) / "prometheus.yml"
         config.write_text(json.dumps({  # JSON is YAML
             "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
-            "scrape_configs": [{"job_name": "tandem", "static_configs": [{"targets": [f"127.0.0.1:{serve.port}"]}]}],
+            "scrape_configs": [{"job_name": "tandem", "static_configs": [{"targets": serve.targets}]}],
         }))
         proc = subprocess.Popen([PROMETHEUS, f"--config.file={config}", f"--storage.tsdb.path={tmp}/data",
                                  f"--web.listen-address=127.0.0.1:{port}"],
