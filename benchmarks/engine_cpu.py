@@ -2,7 +2,7 @@
 
 For each dtype (float32: ours f32 vs HF f32; bfloat16: ours bf16 vs HF bf16):
 (a) batch-1 decode: one request, 32-token prompt, 128 new tokens; tokens/s of the whole request (prefill
-    included, for both), best of several runs.
+    included, for both), best of 5 runs, ours and HF interleaved.
 (b) 32 concurrent requests, prompts 32-512 and outputs 16-256 tokens (seeded): aggregate output tokens/s.
     Ours: all submitted at once, continuous batching. HF: `generate` on the same requests in static,
     left-padded batches (each batch runs until its longest request is done; only the tokens each request
@@ -26,12 +26,15 @@ import random
 import time
 from dataclasses import dataclass
 
-import torch
+# Before tqdm is imported (it reads its environment then): transformers' GGUF dequantization bar uses it.
+os.environ.setdefault("TQDM_DISABLE", "1")
 
-from tandem.config import EngineConfig
-from tandem.protocol import SamplingParams
-from tandem.workers.engine.llm_engine import LLMEngine
-from tandem.workers.models.loader import load_model, resolve_model_source
+import torch  # noqa: E402
+
+from tandem.config import EngineConfig  # noqa: E402
+from tandem.protocol import SamplingParams  # noqa: E402
+from tandem.workers.engine.llm_engine import LLMEngine  # noqa: E402
+from tandem.workers.models.loader import load_model, resolve_model_source  # noqa: E402
 
 Work = list[tuple[list[int], int]]  # (prompt token ids, output length) per request
 
@@ -189,12 +192,15 @@ def bench_dtype(dtype: str, args, hf_path: str, bandwidth: tuple[float, float]) 
 
     # (a) batch-1 decode. A new prompt for every run (same set for both), so nothing is cached across runs.
     new_tokens = 32 if args.quick else 128
-    repeats = 1 if args.quick else 3
+    repeats = 1 if args.quick else 5
     prompts = make_workload(repeats, seed=1, vocab_ids=vocab_ids, prompt_range=(32, 32),
                             output_range=(new_tokens, new_tokens))
     print(f"(a) batch-1 decode, prompt 32, {new_tokens} new tokens, best of {repeats}; {load_average()}")
-    ours_runs = [run_ours(engine, [w]) for w in prompts]
-    hf_runs = [run_hf(hf, [w], 1, pad_id) for w in prompts]
+    # Interleaved, so that load from other processes on a shared machine falls on both alike.
+    ours_runs, hf_runs = [], []
+    for w in prompts:
+        ours_runs.append(run_ours(engine, [w]))
+        hf_runs.append(run_hf(hf, [w], 1, pad_id))
     ours_a, ours_a_cpu = min(r.seconds for r in ours_runs), min(r.cpu_seconds for r in ours_runs)
     hf_a, hf_a_cpu = min(r.seconds for r in hf_runs), min(r.cpu_seconds for r in hf_runs)
     weight_bytes = decode_weight_bytes(loaded.model)

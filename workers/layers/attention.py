@@ -71,7 +71,9 @@ class _DecodeBatch:
 
 @dataclass
 class _StepPlan:
-    decode: _DecodeBatch | None
+    # The step's decodes in groups of similar context length (see _length_groups). A single group with no
+    # token_index is the whole step, in order: attended without scattering the output.
+    decode_groups: list[_DecodeBatch]
     query_starts: list[int]
     masks: dict  # (seq_len, query_len, dtype) -> the causal-with-offset mask of a prefill chunk
 
@@ -93,29 +95,66 @@ def _decode_batch(
     return _DecodeBatch(token_index, block_ids, num_seqs, context_len, max_seq_len, masks)
 
 
+# What one more decode group costs per layer (two more gathers and one more attention call, ~50-100 us on
+# CPU), in padded context tokens gathered and attended (~0.15 us each per layer in float32).
+_GROUP_COST_TOKENS = 512
+
+
+def _length_groups(seq_lens: list[int], block_size: int) -> list[list[int]]:
+    """Splits sequences (by index) into groups that are gathered and attended together, longest first.
+
+    A group pads every sequence to its longest, and with mixed lengths half of a single group can be
+    padding; each extra group costs a fixed overhead instead. The split minimises padded tokens plus that
+    overhead, exactly (dynamic programming over the sequences sorted by length; groups start only where the
+    padded length changes)."""
+    order = sorted(range(len(seq_lens)), key=lambda b: -seq_lens[b])
+    padded = [-(-seq_lens[b] // block_size) * block_size for b in order]
+    starts = [i for i in range(len(order)) if i == 0 or padded[i] != padded[i - 1]]
+    best = [0.0] + [float("inf")] * len(order)  # best[j]: cheapest cover of order[:j]
+    cut = [0] * (len(order) + 1)
+    for j in [*starts[1:], len(order)]:
+        for i in starts:
+            if i >= j:
+                break
+            cost = best[i] + (j - i) * padded[i] + _GROUP_COST_TOKENS
+            if cost < best[j]:
+                best[j], cut[j] = cost, i
+    groups, j = [], len(order)
+    while j > 0:
+        groups.append(order[cut[j] : j])
+        j = cut[j]
+    return groups[::-1]
+
+
+def _decode_groups(meta: AttentionMetadata, decode_seqs: list[int], starts: list[int], block_size: int):
+    device = meta.block_tables.device
+    groups = _length_groups([meta.seq_lens_list[b] for b in decode_seqs], block_size)
+    if len(groups) == 1 and len(decode_seqs) == len(meta.seq_lens_list):
+        return [_decode_batch(meta.block_tables, meta.seq_lens, meta.max_seq_len, block_size, None)]
+    batches = []
+    for group in groups:
+        seqs = [decode_seqs[i] for i in group]
+        seq_index = torch.tensor(seqs, device=device)
+        batches.append(_decode_batch(
+            meta.block_tables.index_select(0, seq_index),
+            meta.seq_lens.index_select(0, seq_index),
+            max(meta.seq_lens_list[b] for b in seqs),
+            block_size,
+            torch.tensor([starts[b] for b in seqs], device=device),
+        ))
+    return batches
+
+
 def _step_plan(meta: AttentionMetadata, block_size: int) -> _StepPlan:
     """The per-step plan, built at the first layer's call and cached on `meta` for the others."""
     plan = meta.__dict__.get("_attention_plan")
     if plan is not None:
         return plan
     starts = [0, *itertools.accumulate(meta.query_lens_list)]
-    decode = None
-    if meta.is_decode_only:
-        decode = _decode_batch(meta.block_tables, meta.seq_lens, meta.max_seq_len, block_size, None)
-    else:
-        decode_seqs = [b for b, query_len in enumerate(meta.query_lens_list) if query_len == 1]
-        if decode_seqs:
-            # Decodes riding along with prefill chunks still go through the batched path.
-            device = meta.block_tables.device
-            seq_index = torch.tensor(decode_seqs, device=device)
-            decode = _decode_batch(
-                meta.block_tables.index_select(0, seq_index),
-                meta.seq_lens.index_select(0, seq_index),
-                max(meta.seq_lens_list[b] for b in decode_seqs),
-                block_size,
-                torch.tensor([starts[b] for b in decode_seqs], device=device),
-            )
-    plan = _StepPlan(decode, starts, {})
+    # Decodes riding along with prefill chunks go through the batched path too.
+    decode_seqs = [b for b, query_len in enumerate(meta.query_lens_list) if query_len == 1]
+    groups = _decode_groups(meta, decode_seqs, starts, block_size) if decode_seqs else []
+    plan = _StepPlan(groups, starts, {})
     meta.__dict__["_attention_plan"] = plan
     return plan
 
@@ -146,22 +185,17 @@ def _decode_attention(
     return out.reshape(num_seqs, num_heads, head_dim)
 
 
-# float32 prefill chunks whose score matrix [Hq, Q, S] has at most this many entries (64 MiB) are computed
-# with plain batched GEMMs; longer ones with SDPA's flash kernel, which never holds the whole matrix.
-_MAX_GEMM_ATTENTION_SCORES = 16 << 20
-
-
-def _causal_mask(masks: dict, seq_len: int, query_len: int, group: int, device: torch.device) -> torch.Tensor:
-    """Additive float32 mask [group * Q, S], cached per step: query i (at position seq_len - Q + i) sees every
-    key up to its own position; the Q rows repeat once per query head of a KV head."""
-    key = (seq_len, query_len, group)
+def _causal_mask(masks: dict, seq_len: int, query_len: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """Additive mask [Q, S], cached per step and dtype: query i (at position seq_len - Q + i) sees every key
+    up to its own position."""
+    key = (seq_len, query_len, dtype)
     mask = masks.get(key)
     if mask is None:
         key_pos = torch.arange(seq_len, device=device)
         query_pos = torch.arange(seq_len - query_len, seq_len, device=device)
         future = key_pos[None, :] > query_pos[:, None]
         mask = torch.zeros(query_len, seq_len, device=device).masked_fill_(future, float("-inf"))
-        mask = masks[key] = mask.repeat(group, 1)
+        mask = masks[key] = mask.to(dtype)
     return mask
 
 
@@ -175,27 +209,22 @@ def _prefill_attention(
     masks: dict,
 ) -> torch.Tensor:
     """One sequence's chunk: query [Q, Hq, D] at positions seq_len-Q .. seq_len-1 -> [Q, Hq, D]."""
-    query_len, num_heads, head_dim = query.shape
+    query_len, num_heads, _ = query.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    group = num_heads // num_kv_heads
     block_ids = block_table[: -(-seq_len // block_size)].long()
     keys = _gather(k_cache, block_ids)[:seq_len]  # [S, Hkv, D]
     values = _gather(v_cache, block_ids)[:seq_len]
-    if query.dtype == torch.float32 and num_heads * query_len * seq_len <= _MAX_GEMM_ATTENTION_SCORES:
-        # Two GEMMs per KV head, batched over the KV heads, with the query heads of a group stacked as rows:
-        # about twice as fast as the flash kernel on CPU at these sizes, and K/V are read through strides.
-        q = query.transpose(0, 1).reshape(num_kv_heads, group * query_len, head_dim)
-        mask = _causal_mask(masks, seq_len, query_len, group, query.device)
-        scores = torch.baddbmm(mask, q, keys.permute(1, 2, 0), alpha=scale)  # [Hkv, G*Q, S]
-        out = torch.bmm(scores.softmax(dim=-1), values.transpose(0, 1))  # [Hkv, G*Q, D]
-        return out.view(num_heads, query_len, head_dim).transpose(0, 1)
-    q, k, v = query.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1)
+    # 4-D [1, H, len, D] views: with 3-D inputs SDPA takes its unfused math path on CPU, 3-10x slower than
+    # the flash kernel (which also keeps bf16 scores and softmax in float32).
+    q = query.transpose(0, 1).unsqueeze(0)
+    k, v = keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0)
+    gqa = num_heads != num_kv_heads
     if seq_len == query_len:
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=group > 1)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
     else:
-        mask = _causal_mask(masks, seq_len, query_len, 1, query.device).to(query.dtype)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=group > 1)
-    return out.transpose(0, 1)
+        mask = _causal_mask(masks, seq_len, query_len, query.dtype, query.device)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    return out[0].transpose(0, 1)
 
 
 def paged_attention(
@@ -208,13 +237,13 @@ def paged_attention(
     """Causal attention of the flattened batch query [T, Hq, D] over each sequence's cached keys (the new
     tokens' K/V must already be written). Returns [T, Hq, D]."""
     plan = _step_plan(meta, k_cache.shape[1])
-    if meta.is_decode_only:
-        return _decode_attention(query, k_cache, v_cache, plan.decode, scale)
+    groups = plan.decode_groups
+    if len(groups) == 1 and groups[0].token_index is None:
+        return _decode_attention(query, k_cache, v_cache, groups[0], scale)
 
     out = torch.empty_like(query)
-    if plan.decode is not None:
-        token_index = plan.decode.token_index
-        out[token_index] = _decode_attention(query[token_index], k_cache, v_cache, plan.decode, scale)
+    for group in groups:
+        out[group.token_index] = _decode_attention(query[group.token_index], k_cache, v_cache, group, scale)
     starts = plan.query_starts
     for b, query_len in enumerate(meta.query_lens_list):
         if query_len > 1:
