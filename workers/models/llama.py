@@ -3,6 +3,9 @@
 Parameter names follow transformers' LlamaForCausalLM except that q/k/v are fused into
 `self_attn.qkv_proj` and gate/up into `mlp.gate_up_proj`: one GEMM each instead of three and two, which is
 most of what makes batch-1 decode cheap. `load_weights` maps HF names onto the fused parameters.
+
+Inside the model, submodules are called through `.forward`: nn.Module.__call__ (hook dispatch) costs a few
+microseconds a call, ~270 calls a decode step for a 30-layer model, and this model registers no hooks.
 """
 
 from __future__ import annotations
@@ -133,14 +136,14 @@ class LlamaAttention(nn.Module):
         cos_sin_cache: torch.Tensor,
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden).split(self.shard_sizes, dim=-1)
+        q, k, v = self.qkv_proj.forward(hidden).split(self.shard_sizes, dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         q, k = self.ops.apply_rotary(positions, q, k, cos_sin_cache)
         self.ops.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
         out = self.ops.paged_attention(q, k_cache, v_cache, meta, self.scale)
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        return self.o_proj.forward(out.reshape(num_tokens, self.q_size))
 
 
 class LlamaMLP(nn.Module):
@@ -152,7 +155,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj.forward(self.ops.silu_and_mul(self.gate_up_proj.forward(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -167,12 +170,12 @@ class LlamaDecoderLayer(nn.Module):
         # The residual add of the previous sub-block is fused into the next norm.
         if residual is None:
             residual = hidden
-            hidden = self.input_layernorm(hidden)
+            hidden = self.input_layernorm.forward(hidden)
         else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, k_cache, v_cache, meta, cos_sin_cache)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+            hidden, residual = self.input_layernorm.forward(hidden, residual)
+        hidden = self.self_attn.forward(positions, hidden, k_cache, v_cache, meta, cos_sin_cache)
+        hidden, residual = self.post_attention_layernorm.forward(hidden, residual)
+        return self.mlp.forward(hidden), residual
 
 
 class LlamaModel(nn.Module):
@@ -226,8 +229,8 @@ class LlamaForCausalLM(nn.Module):
         hidden = self.model.embed_tokens(input_ids)
         residual = None
         for layer, (k_cache, v_cache) in zip(self.model.layers, self._layer_cache_views(kv_cache), strict=True):
-            hidden, residual = layer(positions, hidden, residual, k_cache, v_cache, meta, self.cos_sin_cache)
-        hidden, _ = self.model.norm(hidden, residual)
+            hidden, residual = layer.forward(positions, hidden, residual, k_cache, v_cache, meta, self.cos_sin_cache)
+        hidden, _ = self.model.norm.forward(hidden, residual)
         return hidden
 
     def _layer_cache_views(self, kv_cache: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
