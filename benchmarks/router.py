@@ -25,7 +25,8 @@ with a KV cache that holds two or three prompt families' prefixes, serves the sa
 (colocated). Hit rate = tandem_prefix_cache_hit_tokens_total / tandem_prefix_cache_queried_tokens_total over
 the run, summed over the pool. Target >= 3x round-robin's.
 
-    PYTHONSAFEPATH=1 .venv/bin/python benchmarks/router.py [--quick] [--no-sglang] [--real-workers | --only-real]
+    PYTHONSAFEPATH=1 .venv/bin/python benchmarks/router.py [--quick] [--no-sglang] [--only-locality]
+        [--real-workers | --only-real]
 """
 
 from __future__ import annotations
@@ -383,18 +384,20 @@ async def mock_section(args) -> None:
             print(sglang_note)
 
         latency: dict[str, dict] = {}
-        for t in targets:
-            latency[t.name] = await latency_suite(t, counts, warmup)
-        print_latency_table(latency, "Non-streaming end-to-end latency (ms), 4-token completions; +p50/+p99 = "
-                                     "added over direct", False)
-        print_latency_table(latency, "Streaming time to first token (ms); +p50/+p99 = added over direct", True)
-        print("\nRouter CPU per request (ms; process user+system time over the cell / requests sent)")
-        print(f"{'target':<26}" + "".join(f" | {'stream' if s else 'non-str'} c={c:<3}" for s in (False, True)
-                                           for c in CONCURRENCY))
-        for name, res in latency.items():
-            if name != "direct":
-                print(f"{name:<26}" + "".join(f" | {res[(s, c)].router_cpu_ms:12.3f}" for s in (False, True)
-                                              for c in CONCURRENCY))
+        if not args.only_locality:
+            for t in targets:
+                latency[t.name] = await latency_suite(t, counts, warmup)
+            print_latency_table(latency, "Non-streaming end-to-end latency (ms), 4-token completions; +p50/+p99 = "
+                                         "added over direct", False)
+            print_latency_table(latency, "Streaming time to first token (ms); +p50/+p99 = added over direct", True)
+            print("\nRouter CPU per request (ms; process user+system time over the cell / requests sent)")
+            print(f"{'target':<26}" + "".join(f" | {'stream' if s else 'non-str'} c={c:<3}" for s in (False, True)
+                                               for c in CONCURRENCY))
+            for name, res in latency.items():
+                if name != "direct":
+                    print(f"{name:<26}" + "".join(f" | {res[(s, c)].router_cpu_ms:12.3f}" for s in (False, True)
+                                                  for c in CONCURRENCY))
+
 
         tokenizer = load_tokenizer(MODEL)
         per_group = {16: max(4, int(16 * scale)), 1: max(2, int(8 * scale))}
@@ -413,30 +416,32 @@ async def mock_section(args) -> None:
             print(f"{name:<26} | {a['locality']:12.3f}  {a['max_mean']:8.2f}  {str(a['load']):<20} | "
                   f"{b['locality']:12.3f}  {b['max_mean']:8.2f}  {b['load']}" + (f"  errors {dict(errs)}" if errs else ""))
 
-        interactive = await run_load(targets[1].url, short_bodies(counts[64], False, 5), 64, False, "interactive")
-        print(f"\nAdmission with the default 'interactive' class (TTFT target 1 s), ours colocated, c=64: "
-              f"{interactive.errors.get('http 429', 0)} of {counts[64]} refused with 429; admitted p50/p99 "
-              f"{interactive.pct(50):.1f}/{interactive.pct(99):.1f} ms")
+        if not args.only_locality:
+            interactive = await run_load(targets[1].url, short_bodies(counts[64], False, 5), 64, False, "interactive")
+            print(f"\nAdmission with the default 'interactive' class (TTFT target 1 s), ours colocated, c=64: "
+                  f"{interactive.errors.get('http 429', 0)} of {counts[64]} refused with 429; admitted p50/p99 "
+                  f"{interactive.pct(50):.1f}/{interactive.pct(99):.1f} ms")
         print(ring_luck(32, 4))
 
         print("\nTargets (issue 5), ours colocated unless named")
-        d, o = latency["direct"], latency["ours colocated"]
-        p99_added = o[(False, 16)].pct(99) - d[(False, 16)].pct(99)
-        print(f"  p99 added at c=16 (non-streaming) <= 1 ms: {p99_added:.2f} ms -> {verdict(p99_added <= 1)}")
-        ttft_added = o[(True, 16)].pct(50) - d[(True, 16)].pct(50)
-        ttft_added1 = o[(True, 1)].pct(50) - d[(True, 1)].pct(50)
-        print(f"  streaming TTFT added <= 1 ms: p50 {ttft_added1:.2f} ms at c=1, {ttft_added:.2f} ms at c=16 -> "
-              f"{verdict(max(ttft_added, ttft_added1) <= 1)}")
-        sg = latency.get("sglang-router cache_aware")
-        if sg is not None:
-            for c in CONCURRENCY:
-                ours_add = o[(False, c)].pct(50) - d[(False, c)].pct(50)
-                sg_add = sg[(False, c)].pct(50) - d[(False, c)].pct(50)
-                print(f"  non-streaming p50 added within 1.5x sglang-router's, c={c}: ours {ours_add:.2f} ms, "
-                      f"sglang {sg_add:.2f} ms, ratio {ours_add / sg_add if sg_add > 0 else float('inf'):.2f} -> "
-                      f"{verdict(ours_add <= 1.5 * max(sg_add, 0))}")
-        else:
-            print("  non-streaming p50 vs sglang-router: not measured (" + (sglang_note or "") + ")")
+        if not args.only_locality:
+            d, o = latency["direct"], latency["ours colocated"]
+            p99_added = o[(False, 16)].pct(99) - d[(False, 16)].pct(99)
+            print(f"  p99 added at c=16 (non-streaming) <= 1 ms: {p99_added:.2f} ms -> {verdict(p99_added <= 1)}")
+            ttft_added = o[(True, 16)].pct(50) - d[(True, 16)].pct(50)
+            ttft_added1 = o[(True, 1)].pct(50) - d[(True, 1)].pct(50)
+            print(f"  streaming TTFT added <= 1 ms: p50 {ttft_added1:.2f} ms at c=1, {ttft_added:.2f} ms at c=16 -> "
+                  f"{verdict(max(ttft_added, ttft_added1) <= 1)}")
+            sg = latency.get("sglang-router cache_aware")
+            if sg is not None:
+                for c in CONCURRENCY:
+                    ours_add = o[(False, c)].pct(50) - d[(False, c)].pct(50)
+                    sg_add = sg[(False, c)].pct(50) - d[(False, c)].pct(50)
+                    print(f"  non-streaming p50 added within 1.5x sglang-router's, c={c}: ours {ours_add:.2f} ms, "
+                          f"sglang {sg_add:.2f} ms, ratio {ours_add / sg_add if sg_add > 0 else float('inf'):.2f} -> "
+                          f"{verdict(ours_add <= 1.5 * max(sg_add, 0))}")
+            else:
+                print("  non-streaming p50 vs sglang-router: not measured (" + (sglang_note or "") + ")")
         for c in (16, 1):
             lo = locality["ours colocated"][c]
             ok = lo["locality"] >= 0.95 and lo["max_mean"] <= 1.25
@@ -574,6 +579,8 @@ def main() -> None:
     ap.add_argument("--no-sglang", action="store_true", help="skip sglang-router")
     ap.add_argument("--real-workers", action="store_true", help="also run the real-worker prefix-cache section")
     ap.add_argument("--only-real", action="store_true", help="run only the real-worker section")
+    ap.add_argument("--only-locality", action="store_true",
+                    help="mock section: only the locality cells (no latency, CPU or admission cells)")
     ap.add_argument("--real-concurrency", type=int, default=1)
     ap.add_argument("--families", type=int, default=8, help="real-worker section: prompt families")
     ap.add_argument("--per-family", type=int, default=4, help="real-worker section: requests per family")

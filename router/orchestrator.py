@@ -1,8 +1,9 @@
 """Carries one request through the worker pools (ARCHITECTURE.md §2) and yields its deltas.
 
-  long prompt + a healthy prefill pool -> prefill worker by bounded-load consistent hashing ->
-      first token out at once -> decode worker by power of two choices pulls the KV and streams
-  short prompt, or no prefill worker   -> a decode worker alone, by the same consistent hashing
+  long prompt + a healthy prefill pool -> prefill worker by sticky bounded-load consistent hashing
+      (policies/key_table.py) -> first token out at once -> decode worker by power of two choices
+      pulls the KV and streams
+  short prompt, or no prefill worker   -> a decode worker alone, placed the same way over the decode pool
 Failures stay inside: a prefill that fails is retried on the next worker clockwise, then served
 colocated; a decode worker that dies mid-stream is replaced, resuming from prompt + tokens sent.
 """
@@ -20,6 +21,7 @@ from tandem.hashing import block_hashes
 from tandem.metrics import RouterMetrics
 from tandem.openai_format import Delta
 from tandem.protocol import SamplingParams
+from tandem.router.policies.key_table import KeyAssignments
 from tandem.router.policies.p2c import PowerOfTwoChoices
 from tandem.router.policies.ring import routing_key
 from tandem.router.pool import WorkerPool
@@ -60,6 +62,7 @@ class Orchestrator:
         self.hash_seed = hash_seed
         self.predictor = PrefixPredictor(config.block_size)
         self.p2c = PowerOfTwoChoices()
+        self._key_tables: dict[WorkerPool, KeyAssignments] = {}  # one sticky key table per pool
 
     def plan(self, prompt: list[int]) -> tuple[list[int], int]:
         """(block hashes, routing key) of a prompt."""
@@ -215,24 +218,42 @@ class Orchestrator:
     # -- helpers --------------------------------------------------------------------------
     def _place(self, pool: WorkerPool, key: int, hashes: list[int], prompt_len: int, exclude: set[str],
                trace: Trace) -> str | None:
-        """Bounded-load consistent hashing over the pool's healthy workers, skipping `exclude`."""
+        """The key's sticky worker (bounded loads on keys, see policies/key_table.py) among the pool's healthy
+        workers less `exclude`, unless the in-flight overload valve diverts this one request."""
         ring = pool.ring
         candidates = [u for u in ring.walk(key) if u not in exclude] if len(ring) else []
         if not candidates:
             return None
+        preferred = self._key_table(pool).assign(key, candidates)
         loads = pool.prefill_loads()
-        # The uncached estimate is per worker, but the bound needs one weight: use the owner's.
-        predicted = self.predictor.predicted_hit_tokens(candidates[0], hashes, prompt_len)
+        predicted = self.predictor.predicted_hit_tokens(preferred, hashes, prompt_len)
         weight = max(prompt_len - predicted, 1)
+        url = preferred
+        # The overload valve. The bound is HashRing's (1 + eps) x mean after placement, but a worker only counts as
+        # over it when it already holds more than that before taking this request: one request of slack, which
+        # unit weights get from the bound's ceil(); without it, two requests of one key in flight on four workers
+        # would already split. And a worker holding no more uncached tokens than about one engine step prefills
+        # them all in that step, so moving a request off its cache would buy nothing. A diverted request leaves
+        # its key assigned where it is: overload is transient, the key's cache is not.
         capacity = ring.capacity(loads, self.config.balance_eps, weight)
-        url = next((u for u in candidates if loads.get(u, 0) + weight <= capacity), None)
-        if url is None:
-            url = min(candidates, key=lambda u: loads.get(u, 0))
-        trace.predicted_hit_tokens = self.predictor.predicted_hit_tokens(url, hashes, prompt_len)
+        preferred_load = loads.get(preferred, 0)
+        if preferred_load > capacity and preferred_load > self.config.overload_min_tokens:
+            ordered = [preferred, *(u for u in candidates if u != preferred)]
+            url = next((u for u in ordered if loads.get(u, 0) + weight <= capacity), None) \
+                or min(ordered, key=lambda u: loads.get(u, 0))
+        trace.predicted_hit_tokens = self.predictor.predicted_hit_tokens(url, hashes, prompt_len) \
+            if url != preferred else predicted
         trace.uncached_tokens = max(prompt_len - trace.predicted_hit_tokens, 1)
         self.predictor.record(url, hashes)
         self.metrics.plain(self.metrics.predicted_prefix_hit).inc(trace.predicted_hit_tokens)
         return url
+
+    def _key_table(self, pool: WorkerPool) -> KeyAssignments:
+        table = self._key_tables.get(pool)
+        if table is None:
+            table = self._key_tables[pool] = KeyAssignments(self.config.key_eps, self.config.key_ttl_s,
+                                                            self.config.max_routing_keys)
+        return table
 
     def _record_hits(self, trace: Trace, engine_hits: int) -> None:
         trace.engine_hit_tokens = engine_hits

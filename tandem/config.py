@@ -55,7 +55,14 @@ class RouterConfig(BaseModel):
     disagg_min_tokens: int = Field(512, ge=0, description="shorter prompts are served by a decode worker alone")
     block_size: int = Field(DEFAULT_BLOCK_SIZE, ge=1, description="must match the workers' block size")
     routing_blocks: int = Field(4, ge=1, description="full blocks of the prompt that form the routing key")
-    balance_eps: float = Field(0.25, ge=0, description="bounded loads: no worker above (1+eps) x mean load")
+    balance_eps: float = Field(1.0, ge=0, description="overload valve: a request leaves its key's worker only "
+                               "when that worker holds over (1+eps) x the mean uncached prompt tokens in flight")
+    overload_min_tokens: int = Field(2048, ge=0, description="overload valve: a worker with at most this many "
+                                     "uncached prompt tokens in flight is not overloaded (about one engine step)")
+    key_eps: float = Field(0.0, ge=0, description="sticky key table: no worker holds over ceil((1+eps) x mean) "
+                           "active routing keys; higher keeps more keys on their ring owner, lower balances better")
+    key_ttl_s: float = Field(600.0, gt=0, description="a routing key unused this long leaves the key table")
+    max_routing_keys: int = Field(100_000, ge=1, description="key table size per pool; least recently used go first")
     max_input_tokens: int | None = Field(None, ge=1, description="longer prompts get 400")
     max_output_tokens: int | None = Field(None, ge=1, description="larger max_tokens get 400")
     max_body_bytes: int = Field(1 << 20, ge=1, description="larger request bodies get 413")
