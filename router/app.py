@@ -11,7 +11,6 @@ import asyncio
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -26,7 +25,7 @@ from tandem.openai_protocol import ChatCompletionRequest, CompletionRequest, Mod
 from tandem.protocol import SamplingParams
 from tandem.router.admission import AdmissionRequest, Reject, RejectReason
 from tandem.router.orchestrator import Trace
-from tandem.sse import DONE, sse_event
+from tandem.sse import openai_stream
 
 SLO_HEADER = "x-tandem-slo-class"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -163,7 +162,7 @@ async def serve(router, request: Request, fmt: Formatter, ids: list[int], params
                        headers=headers)
     deltas = dispatch(router, rid, ids, params, decision, slo_name, plan)
     if stream:
-        return StreamingResponse(sse_stream(fmt, deltas, usage), media_type="text/event-stream", headers=SSE_HEADERS)
+        return StreamingResponse(openai_stream(fmt, deltas, usage, stream_error_body), media_type="text/event-stream", headers=SSE_HEADERS)
     try:
         async for delta in deltas:
             fmt.add(delta)
@@ -211,22 +210,9 @@ async def dispatch(router, rid: str, ids: list[int], params: SamplingParams, tic
                 metrics.by_class(metrics.goodput, slo_name).inc()
 
 
-async def sse_stream(fmt: Formatter, deltas: AsyncIterator, usage: bool) -> AsyncIterator[str]:
-    try:
-        first = fmt.first_chunk()
-        if first is not None:
-            yield sse_event(first)
-        async for delta in deltas:
-            for chunk in fmt.chunks(delta):
-                yield sse_event(chunk)
-        if usage:
-            yield sse_event(fmt.usage_chunk())
-        yield DONE
-    except APIError as exc:
-        yield sse_event(exc.body())
-        yield DONE
-    finally:
-        await deltas.aclose()
+def stream_error_body(exc: Exception) -> dict | None:
+    """The error event that ends a stream the pools cannot finish (see tandem.sse.openai_stream)."""
+    return exc.body() if isinstance(exc, APIError) else None
 
 
 class Dispatcher:

@@ -7,7 +7,6 @@ ever sees well-formed work; a bad request is answered without touching anything 
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
 
 import httpx
 from fastapi import FastAPI, Request
@@ -21,10 +20,9 @@ from tandem.metrics import EngineMetrics
 from tandem.openai_format import ChatFormatter, CompletionFormatter, Formatter
 from tandem.openai_protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, new_id, now
 from tandem.protocol import LayoutFingerprint, SamplingParams
-from tandem.sse import DONE, sse_event
+from tandem.sse import openai_stream
 from tandem.tokenizer import Tokenizer
 from tandem.workers.async_engine import AsyncEngine, EngineDeadError
-from tandem.workers.engine.llm_engine import RequestOutput
 from tandem.workers.internal_api import AgentDirectory, add_internal_routes
 from tandem.workers.kv_transfer import KVTransfer
 from tandem.workers.request_checks import check_length, check_token_ids, parse_body
@@ -129,7 +127,7 @@ async def respond(ctx: ServingContext, request: Request, fmt: Formatter, prompt_
                   params: SamplingParams, stream: bool, usage_in_stream: bool):
     outputs = ctx.engine.generate(fmt.request_id, prompt_ids, params, time.monotonic())
     if stream:
-        return StreamingResponse(sse_events(fmt, outputs, usage_in_stream), media_type="text/event-stream",
+        return StreamingResponse(openai_stream(fmt, outputs, usage_in_stream, stream_error_body), media_type="text/event-stream",
                                  headers=SSE_HEADERS)
     try:
         async for out in outputs:
@@ -143,23 +141,10 @@ async def respond(ctx: ServingContext, request: Request, fmt: Formatter, prompt_
     return fmt.final()
 
 
-async def sse_events(fmt: Formatter, outputs: AsyncIterator[RequestOutput], usage: bool) -> AsyncIterator[str]:
-    """One SSE event per engine output, flushed as it comes. A client that goes away cancels this
-    generator, and closing `outputs` aborts the request in the engine."""
-    try:
-        first = fmt.first_chunk()
-        if first is not None:
-            yield sse_event(first)
-        async for out in outputs:
-            for chunk in fmt.chunks(out):
-                yield sse_event(chunk)
-        if usage:
-            yield sse_event(fmt.usage_chunk())
-        yield DONE
-    except (ValueError, EngineDeadError) as exc:
-        yield sse_event(error_body(503 if isinstance(exc, EngineDeadError) else 400, str(exc)))
-        yield DONE
-    finally:
-        await outputs.aclose()
+def stream_error_body(exc: Exception) -> dict | None:
+    """The error event that ends a stream the engine cannot finish (see tandem.sse.openai_stream)."""
+    if isinstance(exc, EngineDeadError):
+        return error_body(503, str(exc))
+    return error_body(400, str(exc)) if isinstance(exc, ValueError) else None
 
 
