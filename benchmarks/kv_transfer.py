@@ -5,7 +5,10 @@ head dim 128, bf16: 128 KiB per token, 512 MiB in all, 256 blocks of 16 tokens) 
 process to this "decode" process, as the workers do: one READ per run of adjacent blocks
 (--scatter makes every block its own descriptor). The peer figure is single-threaded memcpy
 (ctypes.memmove) of the same bytes in this process, measured in the same run. Target (issue 4):
-NIXL >= 50% of memcpy on CPU loopback. Prints conditions and ratios; never asserts.
+NIXL >= 50% of memcpy on CPU loopback. On Linux it also prints the ceiling of a one-host pull:
+process_vm_readv of the same bytes from another process, the kernel call under UCX's "cma" lane
+(which UCX picks for these READs; the kernel pins and copies 4 KiB pages, about half of memcpy
+here). Prints conditions and ratios; never asserts.
 
     PYTHONSAFEPATH=1 .venv/bin/python benchmarks/kv_transfer.py [--tokens 4096] [--repeats 5] [--scatter]
 """
@@ -36,6 +39,48 @@ def prefill_process(backend: str, num_blocks: int, conn) -> None:
     conn.send((transfer.agent_info(), cache[:4].float().sum().item()))
     conn.recv()  # wait until the decode side is done
     transfer.close()
+
+
+def hold_cache_process(num_blocks: int, conn) -> None:
+    import os
+
+    cache = torch.ones(cache_shape(num_blocks), dtype=torch.bfloat16)
+    conn.send((os.getpid(), cache.data_ptr()))
+    conn.recv()
+
+
+class _IoVec(ctypes.Structure):
+    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+
+
+def measure_process_vm_readv(num_blocks: int, repeats: int) -> float | None:
+    """Best single-threaded process_vm_readv rate from a spawned process, in 512 KiB calls as UCX
+    issues them; None where the call is missing or refused (not Linux, ptrace restrictions)."""
+    try:
+        readv = ctypes.CDLL(None, use_errno=True).process_vm_readv
+    except (AttributeError, OSError):
+        return None
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=hold_cache_process, args=(num_blocks, child))
+    proc.start()
+    try:
+        pid, remote = parent.recv()
+        dest = torch.zeros(cache_shape(num_blocks), dtype=torch.bfloat16)
+        nbytes, seg = dest.numel() * dest.element_size(), 512 << 10
+        best = float("inf")
+        for _ in range(repeats):
+            t = time.perf_counter()
+            for off in range(0, nbytes, seg):
+                n = min(seg, nbytes - off)
+                local, far = _IoVec(dest.data_ptr() + off, n), _IoVec(remote + off, n)
+                if readv(pid, ctypes.byref(local), 1, ctypes.byref(far), 1, 0) != n:
+                    return None
+            best = min(best, time.perf_counter() - t)
+        return nbytes / best
+    finally:
+        parent.send("done")
+        proc.join(30)
 
 
 def measure_memcpy(nbytes: int, repeats: int) -> float:
@@ -69,7 +114,7 @@ def measure_backend(backend: str, num_blocks: int, repeats: int, scatter: bool) 
             t = time.perf_counter()
             moved = transfer.read_blocks(info, remote, local, timeout_s=60)
             best = min(best, time.perf_counter() - t)
-        first_four = [local.index(b) for b in range(4)]  # where remote blocks 0..3 landed
+        first_four = [local[b] for b in range(4)]  # where remote blocks 0..3 landed (pairwise lists)
         ok = abs(dest[first_four].float().sum().item() - checksum) < 1e-3 * max(1.0, abs(checksum))
         transfer.close()
         return moved / best, ok
@@ -96,6 +141,10 @@ def main() -> None:
           f"{'scattered blocks' if args.scatter else 'contiguous block runs'}")
     memcpy_bw = measure_memcpy(nbytes, args.repeats)
     print(f"memcpy (single thread)  {memcpy_bw / 1e9:6.2f} GB/s")
+    readv_bw = measure_process_vm_readv(num_blocks, args.repeats)
+    if readv_bw is not None:
+        print(f"process_vm_readv        {readv_bw / 1e9:6.2f} GB/s  = {readv_bw / memcpy_bw:5.1%} of memcpy  "
+              f"(ceiling of a one-host pull: UCX's cma lane)")
     for backend in args.backends:
         if backend == "nixl" and not nixl_available():
             print("nixl                    not installed (pip install nixl-cu12)")

@@ -11,13 +11,52 @@ import torch
 
 from tandem.workers.kv_transfer.base import KVTransfer, KVTransferError, coalesce
 
+# nixl_agent hard-codes the progress thread's delay to 0, which the UCX plugin passes to poll() as a
+# 0 ms timeout: the thread busy-spins a whole core for the life of the agent, idle or not (measured
+# 100% of a core idle; on a 2-core host the two spinning agents of a P/D pair starved the copy itself:
+# 2.0 GB/s = 18% of memcpy for 512 MiB; with 1 ms: 4.5-5.1 GB/s = 44-53%, the process_vm_readv rate
+# of UCX's cma lane). The thread still wakes at once on the UCX worker's event fd; the delay only
+# bounds its fallback periodic wake-up, so 1 ms costs ~2-3% of a core idle.
+PROGRESS_THREAD_DELAY_US = 1000
+_agent_creation = threading.Lock()
+
+
+class _BindingsWithProgressDelay:
+    """The NIXL bindings module, except that agents are created with our progress-thread delay."""
+
+    def __init__(self, bindings, delay_us: int):
+        self._bindings, self._delay_us = bindings, delay_us
+
+    def __getattr__(self, name):
+        return getattr(self._bindings, name)
+
+    def nixlAgent(self, name, config):  # noqa: N802 - the bindings' name
+        config.pthrDelay = self._delay_us
+        return self._bindings.nixlAgent(name, config)
+
+
+def create_agent(api, agent_name: str, delay_us: int = PROGRESS_THREAD_DELAY_US):
+    """api.nixl_agent with the UCX backend and a progress thread that sleeps when idle. The Python API
+    has no knob for the delay, so its bindings module is swapped for the constructor call only; a
+    NIXL version without that module attribute gets its default (spinning) thread."""
+    config = api.nixl_agent_config(backends=["UCX"])
+    bindings = getattr(api, "nixlBind", None)
+    if bindings is None or not hasattr(bindings, "nixlAgentConfig"):
+        return api.nixl_agent(agent_name, config)
+    with _agent_creation:
+        api.nixlBind = _BindingsWithProgressDelay(bindings, delay_us)
+        try:
+            return api.nixl_agent(agent_name, config)
+        finally:
+            api.nixlBind = bindings
+
 
 class NixlTransfer(KVTransfer):
     backend = "nixl"
 
     def __init__(self, kv_cache: torch.Tensor, agent_name: str, api):
         super().__init__(kv_cache, agent_name)
-        self._agent = api.nixl_agent(agent_name, api.nixl_agent_config(backends=["UCX"]))
+        self._agent = create_agent(api, agent_name)
         self._registration = self._agent.register_memory(kv_cache)
         self._mem_type = "VRAM" if kv_cache.is_cuda else "DRAM"
         self._device_id = (kv_cache.device.index or 0) if kv_cache.is_cuda else 0
