@@ -31,6 +31,8 @@ class EngineConfig(BaseModel):
     max_num_batched_tokens: int = Field(2048, ge=1, description="per-step token budget (chunked prefill)")
     enable_prefix_caching: bool = True
     attention_backend: Literal["auto", "torch", "triton"] = "auto"
+    enforce_eager: bool = Field(False, description="no CUDA graphs: run decode steps eagerly (on CUDA, decode "
+                                "steps of up to min(max_num_seqs, 256) sequences are replayed from graphs)")
     seed: int = 0
     # P/D disaggregation: how KV blocks move between workers, and how long a prefill worker
     # keeps a finished prompt's blocks pinned for the decode worker that will pull them.

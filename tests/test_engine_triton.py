@@ -29,6 +29,7 @@ import torch
 
 from tandem.config import EngineConfig
 from tandem.protocol import SamplingParams
+from tandem.workers.engine.cuda_graphs import DecodeGraphs
 from tandem.workers.engine.llm_engine import LLMEngine
 from tandem.workers.models.loader import load_model
 
@@ -132,8 +133,12 @@ def write_checkpoint(shape: ModelShape, path: str) -> str:
     return path
 
 
-def run_engine(model_dir: str, backend: str, device: str, dtype: str, scenario: Scenario) -> dict:
-    """Greedy generation of both waves through LLMEngine; what the test compares and checks."""
+def run_engine(model_dir: str, backend: str, device: str, dtype: str, scenario: Scenario,
+               padded_graph_sizes: tuple[int, ...] = ()) -> dict:
+    """Greedy generation of both waves through LLMEngine; what the test compares and checks.
+
+    On CUDA with the Triton backend the engine replays decode steps from CUDA graphs (its default).
+    `padded_graph_sizes` gives any device the graphs' static buffers and padding without the capture."""
     loaded = load_model(model_dir, dtype=dtype, device=device, backend=backend)
     config = EngineConfig(
         model=model_dir, dtype=dtype, device=device, attention_backend=backend, block_size=scenario.block_size,
@@ -141,6 +146,9 @@ def run_engine(model_dir: str, backend: str, device: str, dtype: str, scenario: 
         max_model_len=2048,
     )
     engine = LLMEngine(loaded, config)
+    if padded_graph_sizes:
+        engine.runner.decode_graphs = DecodeGraphs(loaded.model, engine.runner.kv_cache, scenario.block_size, 2048,
+                                                   list(padded_graph_sizes), capture=False)
     params = SamplingParams(temperature=0.0, max_tokens=scenario.max_tokens, ignore_eos=True)
     wave1, wave2 = scenario.prompts()
     for i, prompt in enumerate(wave1):
@@ -166,6 +174,7 @@ def run_engine(model_dir: str, backend: str, device: str, dtype: str, scenario: 
         "wave2_cached_tokens": second.num_cached_tokens,
         "steps_to_first_token": steps_to_first_token,
         "most_outputs_in_a_step": most_outputs_in_a_step,
+        "graph_steps": engine.runner.decode_graphs.replays if engine.runner.decode_graphs else 0,
     }
 
 
@@ -182,10 +191,11 @@ def hf_greedy(model, prompts: list[list[int]], max_tokens: int) -> list[list[int
     return results
 
 
-def run_triton_engine_in_interpreter(model_dir: str) -> dict:
+def run_triton_engine_in_interpreter(model_dir: str, padded_graph_sizes: tuple[int, ...] = ()) -> dict:
     """run_engine(..., "triton", "cpu", "float32", CPU_SCENARIO) in a subprocess with TRITON_INTERPRET=1."""
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONSAFEPATH": "1", "CUDA_VISIBLE_DEVICES": ""}
-    done = subprocess.run([sys.executable, __file__, model_dir], capture_output=True, text=True, env=env,
+    sizes = [str(b) for b in padded_graph_sizes]
+    done = subprocess.run([sys.executable, __file__, model_dir, *sizes], capture_output=True, text=True, env=env,
                           timeout=300)
     assert done.returncode == 0, f"Triton engine subprocess failed:\n{done.stderr[-4000:]}"
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -238,6 +248,26 @@ def test_triton_engine_greedy_matches_hf_and_torch_backend(where, checkpoints):
         assert reference["wave1"][i] == expected[i], f"torch engine vs HF, prompt {i} ({prompt_len} tokens)"
     assert triton["wave2"] == expected[-1], "Triton engine vs HF after a prefix-cache hit"
     assert reference["wave2"] == expected[-1], "torch engine vs HF after a prefix-cache hit"
+    if where == "cuda":
+        assert triton["graph_steps"] > 0, "decode steps were replayed from CUDA graphs"
+
+
+def test_decode_steps_through_padded_graph_buffers_match_hf(checkpoints):
+    """Decode steps through the CUDA-graph runner's static buffers, padded to sizes 2 and 8 (no capture: the
+    Triton kernels run in the interpreter), give HF's greedy tokens: padded rows write no KV and disturb
+    no real row."""
+    import transformers
+
+    scenario = CPU_SCENARIO
+    model_dir = checkpoints("interpreter")
+    graphs = run_triton_engine_in_interpreter(model_dir, padded_graph_sizes=(2, 8))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    wave1, wave2 = scenario.prompts()
+    expected = hf_greedy(hf, [*wave1, wave2], scenario.max_tokens)
+    assert graphs["graph_steps"] >= scenario.max_tokens, "decode steps ran through the graph buffers"
+    check_scenario_ran_as_intended(graphs, scenario)
+    assert graphs["wave1"] == expected[:-1]
+    assert graphs["wave2"] == expected[-1]
 
 
 @pytest.mark.gpu
@@ -287,7 +317,8 @@ def _main() -> None:
     if os.environ.get("TRITON_INTERPRET") != "1":
         sys.exit("run with TRITON_INTERPRET=1: this entry point runs the Triton kernels in the CPU interpreter")
     torch.set_num_threads(1)
-    print(json.dumps(run_engine(sys.argv[1], "triton", "cpu", "float32", CPU_SCENARIO)))
+    sizes = tuple(int(b) for b in sys.argv[2:])
+    print(json.dumps(run_engine(sys.argv[1], "triton", "cpu", "float32", CPU_SCENARIO, sizes)))
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from tandem.config import EngineConfig
+from tandem.workers.engine.cuda_graphs import DecodeGraphs, default_batch_sizes
 from tandem.workers.engine.sequence import Sequence
 from tandem.workers.layers.metadata import AttentionMetadata
 
@@ -55,12 +56,21 @@ class ModelRunner:
         pack_weights = getattr(self.model, "pack_weights", None)
         if pack_weights is not None:
             pack_weights()
+        self.decode_graphs: DecodeGraphs | None = None
+        if self.device.type == "cuda" and getattr(self.model.ops, "backend", None) == "triton" \
+                and not config.enforce_eager:
+            max_model_len = config.max_model_len or mc.max_position_embeddings
+            self.decode_graphs = DecodeGraphs(self.model, self.kv_cache, self.block_size, max_model_len,
+                                              default_batch_sizes(config.max_num_seqs))
 
     @torch.inference_mode()
     def execute(self, seqs: Seq[Sequence], num_new_tokens: Seq[int]) -> tuple[torch.Tensor | None, list[int]]:
         """Run one step. Returns (float32 logits [S, V], the indices into `seqs` of those S rows)."""
         input_ids, positions, meta, logits_indices, sample_rows = self.prepare(seqs, num_new_tokens)
-        hidden = self.model.forward(input_ids, positions, self.kv_cache, meta)
+        if self.decode_graphs is not None and self.decode_graphs.can_run(meta):
+            hidden = self.decode_graphs.run(input_ids, positions, meta)
+        else:
+            hidden = self.model.forward(input_ids, positions, self.kv_cache, meta)
         if not sample_rows:
             return None, sample_rows
         if len(logits_indices) == hidden.shape[0]:
