@@ -241,6 +241,8 @@ class Orchestrator:
             ordered = [preferred, *(u for u in candidates if u != preferred)]
             url = next((u for u in ordered if loads.get(u, 0) + weight <= capacity), None) \
                 or min(ordered, key=lambda u: loads.get(u, 0))
+            if url != preferred:
+                self.metrics.plain(self.metrics.overload_diversions, role=pool.role).inc()
         trace.predicted_hit_tokens = self.predictor.predicted_hit_tokens(url, hashes, prompt_len) \
             if url != preferred else predicted
         trace.uncached_tokens = max(prompt_len - trace.predicted_hit_tokens, 1)

@@ -121,6 +121,9 @@ class RouterMetrics:
                                          ROUTER_LABELS, registry=r)
         self.worker_healthy = Gauge("tandem_router_worker_healthy", "1 when the worker is in rotation",
                                     (*ROUTER_LABELS, "worker", "role"), registry=r)
+        self.overload_diversions = Counter("tandem_router_overload_diversions",
+                                           "Requests sent off their prefix key's worker because it was overloaded",
+                                           (*ROUTER_LABELS, "role"), registry=r)
 
     def by_class(self, metric, slo_class: str, **extra):
         return metric.labels(**self.labels, slo_class=slo_class, **extra)

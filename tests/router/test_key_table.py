@@ -251,8 +251,10 @@ def test_overload_valve_spills_one_request_and_keeps_the_key(router):
     # Far over twice the mean and over one engine step of uncached tokens: this request goes elsewhere...
     pool.workers[home].prefill_tokens_in_flight = 10_000
     pool.workers[others[0]].prefill_tokens_in_flight = 500
+    diversions = orchestrator.metrics.plain(orchestrator.metrics.overload_diversions, role="decode")
     spilled = place(orchestrator, pool, key)
     assert spilled == next(u for u in pool.ring.walk(key) if u != home)  # the first one clockwise with room
+    assert diversions._value.get() == 1  # counted
     # ...and once the overload is gone the key is back home.
     pool.workers[home].prefill_tokens_in_flight = 0
     assert place(orchestrator, pool, key) == home
@@ -265,6 +267,7 @@ def test_overload_valve_ignores_small_absolute_loads(router):
     # All the in-flight work is on the home worker, but less than one engine step of it: not overload.
     pool.workers[home].prefill_tokens_in_flight = RouterConfig().overload_min_tokens
     assert place(orchestrator, pool, key) == home
+    assert orchestrator.metrics.plain(orchestrator.metrics.overload_diversions, role="decode")._value.get() == 0
 
 
 def test_an_excluded_worker_is_not_chosen(router):
