@@ -9,6 +9,7 @@ this step; a partial prefill chunk samples nothing.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence as Seq
 from typing import Any
 
@@ -18,6 +19,8 @@ from tandem.config import EngineConfig
 from tandem.workers.engine.cuda_graphs import DecodeGraphs, default_batch_sizes
 from tandem.workers.engine.sequence import Sequence
 from tandem.workers.layers.metadata import AttentionMetadata
+
+log = logging.getLogger(__name__)
 
 
 def _as_dtype(dtype: Any) -> torch.dtype:
@@ -60,8 +63,11 @@ class ModelRunner:
         if self.device.type == "cuda" and getattr(self.model.ops, "backend", None) == "triton" \
                 and not config.enforce_eager:
             max_model_len = config.max_model_len or mc.max_position_embeddings
-            self.decode_graphs = DecodeGraphs(self.model, self.kv_cache, self.block_size, max_model_len,
-                                              default_batch_sizes(config.max_num_seqs))
+            try:
+                self.decode_graphs = DecodeGraphs(self.model, self.kv_cache, self.block_size, max_model_len,
+                                                  default_batch_sizes(config.max_num_seqs))
+            except RuntimeError as exc:  # a capture CUDA refuses costs speed, not service
+                log.warning("CUDA graph capture failed, decode steps run eagerly: %s", exc)
 
     @torch.inference_mode()
     def execute(self, seqs: Seq[Sequence], num_new_tokens: Seq[int]) -> tuple[torch.Tensor | None, list[int]]:
