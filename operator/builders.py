@@ -217,6 +217,9 @@ def router_config(spec: LLMDeploymentSpec, sizes: PoolSizes) -> dict[str, str]:
             "deployment.json": json.dumps(deployment, indent=2, sort_keys=True) + "\n"}
 
 
+MULTI_ROUTER_KEY_EPS = 0.25
+
+
 def router_deployment(owner: Owner, spec: LLMDeploymentSpec, sizes: PoolSizes) -> dict:
     router = spec.router
     model_arg, volumes, mounts = model_location(spec)  # the router tokenizes prompts with the model's tokenizer
@@ -226,6 +229,11 @@ def router_deployment(owner: Owner, spec: LLMDeploymentSpec, sizes: PoolSizes) -
             "--decode-selector", names.pool_selector(owner.name, "decode")]
     if router.disagg_min_tokens is not None:
         args += ["--disagg-min-tokens", str(router.disagg_min_tokens)]
+    # Balance on keys is tightest at eps 0, but independent replicas then agree on only about half of the keys
+    # whose ring owner is full (router/policies/key_table.py); with several replicas, trade a little balance.
+    key_eps = router.key_eps if router.key_eps is not None else (0.0 if router.replicas == 1 else MULTI_ROUTER_KEY_EPS)
+    if key_eps:
+        args += ["--key-eps", str(key_eps)]
     env = [*_env(router), {"name": "TANDEM_CONFIG_DIR", "value": CONFIG_MOUNT}]
     volumes = [*volumes, {"name": "config", "configMap": {"name": names.config_map_name(owner.name)}}]
     mounts = [*mounts, {"name": "config", "mountPath": CONFIG_MOUNT, "readOnly": True}]

@@ -256,6 +256,8 @@ class RouterSpec(PodSettings):
     port: int = Field(8000, ge=1, le=65535, description="port of the router Service")
     disagg_min_tokens: int | None = Field(None, ge=0, description="prompts shorter than this skip the prefill "
                                                                   "pool (default: the router's)")
+    key_eps: float | None = Field(None, ge=0, description="bounded loads on prefix keys (router --key-eps); "
+                                  "default 0 with one replica, 0.25 with more, so that replicas agree on more keys")
     slo_classes: list[SLOClass] | None = Field(None, description="admission classes with latency targets")
     tenants_secret: str | None = Field(None, min_length=1, max_length=253,
                                        description="Secret with the tenants (API keys, token buckets), "

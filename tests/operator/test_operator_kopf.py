@@ -75,6 +75,7 @@ async def test_example_creates_pools_router_services_config_and_rbac(cluster):
     assert _flag(args, "--prefill-selector") == "kubernetes.io/service-name=smollm2-prefill"
     assert _flag(args, "--decode-selector") == "kubernetes.io/service-name=smollm2-decode"
     assert _flag(args, "--disagg-min-tokens") == "256"
+    assert _flag(args, "--key-eps") == "0.25"  # two router replicas: looser key bound, more agreement
     assert router["serviceAccountName"] == "smollm2-router"
 
     services = cluster.all("v1/services")
