@@ -28,7 +28,6 @@ above except (c) (its figures say nothing about a GPU).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import os
 import platform
@@ -47,7 +46,7 @@ from tandem.workers.engine.llm_engine import LLMEngine
 from tandem.workers.layers.ops import get_ops
 from tandem.workers.models.config import ModelConfig
 from tandem.workers.models.llama import LlamaForCausalLM
-from tandem.workers.models.loader import LoadedModel
+from tandem.workers.models.loader import LoadedModel, default_dtype
 
 KERNELS_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernels_gpu.py")
 LLAMA3_ROPE_SCALING = {
@@ -94,16 +93,6 @@ def hf_llama_config(config: ModelConfig):
 
 
 # -- random weights, ours and HF's over the same tensors ---------------------------------------------------
-
-
-@contextlib.contextmanager
-def default_dtype(dtype: torch.dtype):
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(previous)
 
 
 def random_weight(index: int, name: str, shape: torch.Size, dtype: torch.dtype, device, seed: int) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""An emulated Kubernetes API server (kmock) and a test's view of it (fixtures are in conftest.py).
+"""An emulated Kubernetes API server (kmock), a test's view of it, and the real operator run against it.
 
 kmock's KubernetesEmulator stores objects and streams watch events; `ApiServerEmulator` adds the few things
 a real API server does on every write that kopf and the operator rely on: names from generateName (kopf's
@@ -9,9 +9,11 @@ events), uid, resourceVersion (kopf's consistency checks), metadata.generation b
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import datetime
 import itertools
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -19,7 +21,10 @@ from pathlib import Path
 
 import attrs
 import kmock
+import kubernetes.client
 import yaml
+
+from tandem.operator.main import operate
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "llmdeployment.yaml"
 CR = "serving.tandem.dev/v1alpha1/llmdeployments"
@@ -139,3 +144,35 @@ class Cluster:
         body["metadata"]["namespace"] = self.namespace
         body["spec"].update(spec_changes)
         return await self.create(CR, body)
+
+
+@contextlib.asynccontextmanager
+async def running_operator(emulator, **operate_options):
+    """The real operator watching namespace `ns1` of `emulator` (with `operate_options` passed on); stopped on
+    exit, and any crash of it raised here.
+
+    The operator gets its own thread and event loop, as in production: on exit kopf cancels every task
+    of its loop, which must not include the emulator's or the test's.
+    """
+    api = kubernetes.client.ApiClient(kubernetes.client.Configuration(host=str(emulator.url).rstrip("/")))
+    stop, ready = threading.Event(), threading.Event()
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            asyncio.run(operate("ns1", api_client=api, resync_seconds=None, stop_flag=stop, ready_flag=ready,
+                                **operate_options))
+        except BaseException as exc:  # surfaced here, not lost in the thread
+            failure.append(exc)
+
+    thread = threading.Thread(target=run, name="kopf-operator", daemon=True)
+    thread.start()
+    try:
+        assert await asyncio.to_thread(ready.wait, 15), f"operator not ready in 15 s: {failure}"
+        yield Cluster(emulator, "ns1")
+    finally:
+        stop.set()
+        await asyncio.to_thread(thread.join, 15)
+        api.close()
+    assert not thread.is_alive(), "the operator did not stop within 15 s"
+    assert not failure, f"the operator crashed: {failure[0]!r}"

@@ -6,19 +6,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-import threading
 
 import cel
-import kubernetes.client
 import pytest
 import pytest_asyncio
 import yaml
-from kube_emulator import CR, EXAMPLE, Cluster
+from kube_emulator import CR, EXAMPLE, running_operator
 from pydantic import ValidationError
 
 from tandem.config import LLMDeploymentSpec
 from tandem.crdgen import crd_manifest
-from tandem.operator.main import operate
 from tandem.operator.metrics_source import (
     Sample,
     ScrapedMetrics,
@@ -241,29 +238,9 @@ def load():
 @pytest_asyncio.fixture
 async def planned(emulator, load):
     """The operator (as conftest's `cluster`) with the fake load as its metrics source and a fast tick."""
-    api = kubernetes.client.ApiClient(kubernetes.client.Configuration(host=str(emulator.url).rstrip("/")))
-    stop, ready = threading.Event(), threading.Event()
-    failure: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            asyncio.run(operate("ns1", api_client=api, resync_seconds=None, stop_flag=stop, ready_flag=ready,
-                                metrics_source=load, planner_tick_seconds=TICK_S))
-        except BaseException as exc:
-            failure.append(exc)
-
     logging.getLogger("kopf").setLevel(logging.WARNING)
-    thread = threading.Thread(target=run, name="kopf-operator-planner", daemon=True)
-    thread.start()
-    try:
-        assert await asyncio.to_thread(ready.wait, 15), f"operator not ready in 15 s: {failure}"
-        yield Cluster(emulator, "ns1")
-    finally:
-        stop.set()
-        await asyncio.to_thread(thread.join, 15)
-        api.close()
-    assert not thread.is_alive(), "the operator did not stop within 15 s"
-    assert not failure, f"the operator crashed: {failure[0]!r}"
+    async with running_operator(emulator, metrics_source=load, planner_tick_seconds=TICK_S) as running:
+        yield running
 
 
 def _replicas(cluster) -> tuple[int, int] | None:

@@ -89,7 +89,7 @@ class LLMEngine:
                              f"({model_max_len})")
         self.max_model_len = config.max_model_len or model_max_len
         self.model_name = config.served_model_name or loaded.config.name
-        self.runner = ModelRunner(loaded, config)
+        self.runner = ModelRunner(loaded, config, self.max_model_len)
         # Keyed by the served name, as the router keys its routing hashes.
         self.hash_seed = model_seed(self.model_name)
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, self.hash_seed,

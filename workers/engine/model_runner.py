@@ -38,7 +38,9 @@ def kv_block_bytes(num_layers: int, block_size: int, num_kv_heads: int, head_dim
 
 
 class ModelRunner:
-    def __init__(self, loaded: Any, config: EngineConfig):
+    def __init__(self, loaded: Any, config: EngineConfig, max_model_len: int | None = None):
+        """`max_model_len`: the engine's context limit (None: the model's); it sizes the CUDA graphs'
+        block tables."""
         self.model = loaded.model
         self.model_config = loaded.config
         self.device = torch.device(loaded.device)
@@ -62,9 +64,9 @@ class ModelRunner:
         self.decode_graphs: DecodeGraphs | None = None
         if self.device.type == "cuda" and getattr(self.model.ops, "backend", None) == "triton" \
                 and not config.enforce_eager:
-            max_model_len = config.max_model_len or mc.max_position_embeddings
             try:
-                self.decode_graphs = DecodeGraphs(self.model, self.kv_cache, self.block_size, max_model_len,
+                self.decode_graphs = DecodeGraphs(self.model, self.kv_cache, self.block_size,
+                                                  max_model_len or mc.max_position_embeddings,
                                                   default_batch_sizes(config.max_num_seqs))
             except RuntimeError as exc:  # a capture CUDA refuses costs speed, not service
                 log.warning("CUDA graph capture failed, decode steps run eagerly: %s", exc)

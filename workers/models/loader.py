@@ -40,7 +40,8 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
 
 
 @contextlib.contextmanager
-def _default_dtype(dtype: torch.dtype):
+def default_dtype(dtype: torch.dtype):
+    """Tensors created inside are `dtype` by default (the model is built in its final dtype)."""
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -83,7 +84,7 @@ def load_model(
     config.name = served_name
 
     # Parameters are allocated uninitialised, in the target dtype and on the target device, then loaded.
-    with torch.device(device), _default_dtype(torch_dtype):
+    with torch.device(device), default_dtype(torch_dtype):
         model = LlamaForCausalLM(config, ops)
     model.load_weights(weights)
     model.eval()
