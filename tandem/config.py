@@ -37,6 +37,8 @@ class EngineConfig(BaseModel):
     # P/D disaggregation: how KV blocks move between workers, and how long a prefill worker
     # keeps a finished prompt's blocks pinned for the decode worker that will pull them.
     kv_transfer: Literal["auto", "nixl", "tcp"] = Field("auto", description="KV transfer backend; auto = NIXL when it imports")
+    kv_transfer_lanes: int = Field(2, ge=1, description="NIXL: reading agents a KV pull is split over, each "
+                                   "copying in its own thread")
     kv_lease_ttl_s: float = Field(30.0, gt=0, description="a prefill's pinned blocks are freed after this long")
     kv_pull_timeout_s: float = Field(10.0, gt=0, description="a KV pull slower than this falls back to recompute")
 

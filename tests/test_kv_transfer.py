@@ -6,6 +6,7 @@ import torch
 from tandem.launcher import free_port
 from tandem.workers.kv_transfer import KVTransferError, create_kv_transfer, nixl_available
 from tandem.workers.kv_transfer.base import coalesce
+from tandem.workers.kv_transfer.nixl_backend import split_even
 
 BACKENDS = ["tcp", pytest.param("nixl", marks=pytest.mark.skipif(not nixl_available(), reason="nixl not installed"))]
 SHAPE = (24, 3, 2, 16, 2, 8)  # blocks, layers, k/v, block size, kv heads, head dim
@@ -19,6 +20,36 @@ def caches():
 def test_coalesce_merges_adjacent_runs_only():
     assert coalesce([4, 5, 6, 9], [0, 1, 2, 3]) == [(4, 0, 3), (9, 3, 1)]
     assert coalesce([4, 5], [1, 0]) == [(4, 1, 1), (5, 0, 1)]
+
+
+def test_split_even_cuts_equal_shares_at_block_boundaries():
+    segments = [(1000, 5000, 30), (2000, 9000, 10)]  # (local, remote, bytes), blocks of 10 bytes
+    shares = split_even(segments, 3, 10)
+    assert [sum(n for _, _, n in share) for share in shares] == [20, 10, 10]
+    assert shares == [[(1000, 5000, 20)], [(1020, 5020, 10)], [(2000, 9000, 10)]]
+    assert split_even(segments, 8, 10) == [[s] for s in [(1000, 5000, 10), (1010, 5010, 10), (1020, 5020, 10),
+                                                          (2000, 9000, 10)]]  # fewer blocks than parts
+    assert split_even([], 2, 10) == []
+
+
+@pytest.mark.skipif(not nixl_available(), reason="nixl not installed")
+@pytest.mark.parametrize("lanes", [1, 3])
+def test_nixl_pull_split_over_lanes_copies_every_block(lanes):
+    src, dst = caches()
+    server = create_kv_transfer("nixl", src, f"prefill-lanes{lanes}")
+    client = create_kv_transfer("nixl", dst, f"decode-lanes{lanes}", lanes=lanes)
+    try:
+        remote_ids = [2, 3, 4, 5, 6, 7, 8, 20, 11, 12]  # runs of 7, 1 and 2 blocks -> shares of 4, 3, 3
+        local_ids = [0, 1, 2, 3, 4, 5, 6, 15, 9, 10]
+        moved = client.read_blocks(server.agent_info(), remote_ids, local_ids, timeout_s=10)
+        assert moved == len(remote_ids) * server.block_bytes
+        for r, loc in zip(remote_ids, local_ids):
+            assert torch.equal(dst[loc], src[r])
+        untouched = [b for b in range(SHAPE[0]) if b not in local_ids]
+        assert torch.count_nonzero(dst[untouched]) == 0
+    finally:
+        client.close()
+        server.close()
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -57,7 +57,8 @@ def build_worker(config: WorkerConfig) -> tuple[ServingContext, AsyncEngine]:
     # Every role gets a transfer agent: prefill workers are read from, decode workers read, and a
     # "both" worker can be either. Its name is unique per process, so a restarted peer is noticed.
     engine.kv_transfer = create_kv_transfer(ec.kv_transfer, engine.runner.kv_cache,
-                                            f"tandem-{config.role}-{uuid.uuid4().hex[:8]}", host=config.host)
+                                            f"tandem-{config.role}-{uuid.uuid4().hex[:8]}", host=config.host,
+                                            lanes=ec.kv_transfer_lanes)
     async_engine = AsyncEngine(engine)
     ctx = ServingContext(async_engine, loaded.tokenizer, served, engine.max_model_len, config, metrics,
                          engine.layout, engine.kv_transfer)

@@ -68,8 +68,10 @@ def nixl_available() -> bool:
     return _nixl_api() is not None
 
 
-def create_kv_transfer(backend: str, kv_cache: torch.Tensor, agent_name: str, host: str = "127.0.0.1") -> KVTransfer:
-    """backend: 'nixl', 'tcp', or 'auto' (NIXL when it imports, else TCP)."""
+def create_kv_transfer(backend: str, kv_cache: torch.Tensor, agent_name: str, host: str = "127.0.0.1",
+                       lanes: int = 2) -> KVTransfer:
+    """backend: 'nixl', 'tcp', or 'auto' (NIXL when it imports, else TCP). lanes: NIXL reading agents
+    a pull is split over."""
     if backend == "auto":
         backend = "nixl" if nixl_available() else "tcp"
     if backend == "nixl":
@@ -78,7 +80,7 @@ def create_kv_transfer(backend: str, kv_cache: torch.Tensor, agent_name: str, ho
             raise RuntimeError("--kv-transfer nixl: the nixl package is not installed (pip install 'tandem[nixl]')")
         from tandem.workers.kv_transfer.nixl_backend import NixlTransfer
 
-        return NixlTransfer(kv_cache, agent_name, api)
+        return NixlTransfer(kv_cache, agent_name, api, lanes=lanes)
     if backend == "tcp":
         from tandem.workers.kv_transfer.tcp_backend import TcpTransfer
 
