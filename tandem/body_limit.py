@@ -37,7 +37,12 @@ class BodySizeLimit:
         await self.app(scope, counted_receive, send)
 
     def _too_large(self) -> str:
-        return f"request body exceeds the {self.max_bytes}-byte limit"
+        return too_large(self.max_bytes)
+
+
+def too_large(max_bytes: int) -> str:
+    """The 413 message for a body over the cap."""
+    return f"request body exceeds the {max_bytes}-byte limit"
 
 
 async def _reply(send, status: int, message: str) -> None:

@@ -1,0 +1,88 @@
+"""The router's two hot endpoints served straight on ASGI, in front of the FastAPI app.
+
+Per request, FastAPI's stack (error middlewares, the body-limit middleware, route matching, dependency
+resolution, request/response wrappers) cost the router more CPU than tokenizing, routing and proxying did
+(a py-spy profile put everything between uvicorn and our handler at about a third of the router's busy
+time). POST /v1/completions and /v1/chat/completions therefore skip it: read the body under the size cap,
+validate it with the same pydantic model, call the same handler, send its response. FastAPI still declares
+both routes, so /openapi.json documents them, and serves every other path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+
+from pydantic import BaseModel, ValidationError
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from tandem.body_limit import too_large
+from tandem.errors import APIError, error_body
+
+Handler = Callable[[BaseModel, Request], Awaitable[Response]]
+
+
+def validation_error_response(errors: list[dict]) -> JSONResponse:
+    """The first pydantic error of a request body as an OpenAI-style 400 naming the parameter."""
+    first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    param = ".".join(loc) or None
+    message = first.get("msg", "invalid request")
+    if first.get("type") == "json_invalid":
+        message = f"request body is not valid JSON: {message}"
+    elif param is None and first.get("type") in ("model_type", "model_attributes_type", "dict_type", "missing"):
+        message = "request body must be a JSON object"
+    return JSONResponse(error_body(400, f"{param}: {message}" if param else message, param), status_code=400)
+
+
+def api_error_response(exc: APIError) -> JSONResponse:
+    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+
+class FastLane:
+    """ASGI app: POSTs to `routes` ({path: (request model, handler)}) here, everything else to `app`."""
+
+    def __init__(self, app, routes: dict[str, tuple[type[BaseModel], Handler]], max_body_bytes: int):
+        self.app = app
+        self.routes = routes
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope, receive, send):
+        route = self.routes.get(scope["path"]) if scope["type"] == "http" and scope["method"] == "POST" else None
+        if route is None:
+            return await self.app(scope, receive, send)
+        model, handler = route
+        try:
+            body = await self._read_body(scope, receive)
+            response = await handler(model.model_validate_json(body), Request(scope, receive))
+        except ValidationError as exc:
+            response = validation_error_response(exc.errors(include_url=False))
+        except APIError as exc:
+            response = api_error_response(exc)
+        await response(scope, receive, send)
+
+    async def _read_body(self, scope, receive) -> bytes:
+        """The whole body, refused with 413 past the cap: at once when Content-Length says so, else
+        (chunked) as soon as the bytes received pass it."""
+        for name, value in scope["headers"]:
+            if name == b"content-length":
+                if not value.isdigit():
+                    raise APIError(400, "invalid Content-Length header")
+                if int(value) > self.max_body_bytes:
+                    raise APIError(413, too_large(self.max_body_bytes))
+                break
+        chunks, size, more = [], 0, True
+        while more:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise APIError(400, "the client disconnected before sending the whole body")
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                raise APIError(413, too_large(self.max_body_bytes))
+            chunks.append(chunk)
+            more = message.get("more_body", False)
+        body = b"".join(chunks)
+        if not body:
+            raise APIError(400, "request body must be a JSON object")
+        return body
