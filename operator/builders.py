@@ -188,7 +188,7 @@ def worker_deployment(owner: Owner, spec: LLMDeploymentSpec, pool: str, replicas
     model_arg, volumes, mounts = model_location(spec)
     args = ["worker", "--role", pool, "--model", model_arg, "--served-model-name", spec.model.name,
             "--host", "0.0.0.0", "--port", str(HTTP_PORT), "--kv-transfer", spec.kv_transfer.backend,
-            *engine_args(spec.engine), *(settings.extra_args or [])]
+            "--kv-transfer-lanes", str(spec.kv_transfer.lanes), *engine_args(spec.engine), *(settings.extra_args or [])]
     env = _env(settings)
     if spec.kv_transfer.ucx_transports:
         env.append({"name": "UCX_TLS", "value": ",".join(spec.kv_transfer.ucx_transports)})

@@ -270,6 +270,8 @@ class KVTransferSpec(_CamelModel):
     backend: Literal["nixl", "tcp"] = Field("nixl", description="how decode workers pull KV blocks")
     ucx_transports: list[str] | None = Field(None, description="UCX_TLS for NIXL, e.g. [rc, cuda_copy, "
                                                                 "cuda_ipc]; default: UCX picks")
+    lanes: int = Field(2, ge=1, le=64, description="NIXL: reading agents a KV pull is split over, each copying "
+                                                   "in its own thread (the workers' --kv-transfer-lanes)")
 
 
 _POOL_LIMITS_RULE = _cel("self.min <= self.max", "scaling: a pool's min must not exceed its max")

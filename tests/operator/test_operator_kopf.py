@@ -59,7 +59,7 @@ async def test_example_creates_pools_router_services_config_and_rbac(cluster):
         assert _flag(args, "--served-model-name") == "smollm2-135m-instruct"
         assert (_flag(args, "--dtype"), _flag(args, "--max-model-len"), _flag(args, "--block-size")) == (
             "bfloat16", "8192", "16")
-        assert _flag(args, "--kv-transfer") == "nixl"
+        assert _flag(args, "--kv-transfer") == "nixl" and _flag(args, "--kv-transfer-lanes") == "2"
         assert {"name": "UCX_TLS", "value": "rc,cuda_copy,cuda_ipc,tcp"} in container["env"]
         assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
         assert container["readinessProbe"]["httpGet"]["path"] == "/ready"
