@@ -9,9 +9,12 @@ NIXL >= 50% of memcpy on CPU loopback. NIXL splits a pull over --lanes reading a
 in its own thread (the workers' --kv-transfer-lanes, default 2). On Linux it also prints one thread
 of process_vm_readv of the same bytes from another process, the kernel call under UCX's "cma" lane
 (which UCX picks for these READs; the kernel pins and copies 4 KiB pages): what one lane can reach.
-Every block moved is checked against the source. Prints conditions and ratios; never asserts.
+Both caches are put on 2 MiB pages as the workers' are (MADV_COLLAPSE where the kernel has it; --small-pages
+to leave them on 4 KiB pages). Every block moved is checked against the source. Prints conditions and ratios;
+never asserts.
 
     PYTHONSAFEPATH=1 .venv/bin/python benchmarks/kv_transfer.py [--tokens 4096] [--repeats 5] [--scatter] [--lanes 2]
+        [--small-pages]
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ import time
 
 import torch
 
+from tandem.workers.engine.huge_pages import collapse_into_huge_pages
+
 LAYERS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
 
 
@@ -37,20 +42,31 @@ def block_sums(cache: torch.Tensor) -> torch.Tensor:
     return torch.stack([block.double().sum() for block in cache])
 
 
-def prefill_process(backend: str, num_blocks: int, conn) -> None:
+def kv_cache(num_blocks: int, fill: str, huge_pages: bool) -> torch.Tensor:
+    """A cache as a worker holds it: on 2 MiB pages unless asked not to."""
+    if fill == "random":
+        cache = torch.randn(cache_shape(num_blocks), dtype=torch.float32).to(torch.bfloat16)
+    else:
+        cache = torch.full(cache_shape(num_blocks), 1.0 if fill == "ones" else 0.0, dtype=torch.bfloat16)
+    if huge_pages:
+        collapse_into_huge_pages([cache])
+    return cache
+
+
+def prefill_process(backend: str, num_blocks: int, huge_pages: bool, conn) -> None:
     from tandem.workers.kv_transfer import create_kv_transfer
 
-    cache = torch.randn(cache_shape(num_blocks), dtype=torch.float32).to(torch.bfloat16)
+    cache = kv_cache(num_blocks, "random", huge_pages)
     transfer = create_kv_transfer(backend, cache, f"bench-prefill-{backend}")
     conn.send((transfer.agent_info(), block_sums(cache)))
     conn.recv()  # wait until the decode side is done
     transfer.close()
 
 
-def hold_cache_process(num_blocks: int, conn) -> None:
+def hold_cache_process(num_blocks: int, huge_pages: bool, conn) -> None:
     import os
 
-    cache = torch.ones(cache_shape(num_blocks), dtype=torch.bfloat16)
+    cache = kv_cache(num_blocks, "ones", huge_pages)
     conn.send((os.getpid(), cache.data_ptr()))
     conn.recv()
 
@@ -59,7 +75,7 @@ class _IoVec(ctypes.Structure):
     _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
 
 
-def measure_process_vm_readv(num_blocks: int, repeats: int) -> float | None:
+def measure_process_vm_readv(num_blocks: int, repeats: int, huge_pages: bool) -> float | None:
     """Best single-threaded process_vm_readv rate from a spawned process, in 512 KiB calls as UCX
     issues them; None where the call is missing or refused (not Linux, ptrace restrictions)."""
     try:
@@ -68,11 +84,11 @@ def measure_process_vm_readv(num_blocks: int, repeats: int) -> float | None:
         return None
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=hold_cache_process, args=(num_blocks, child))
+    proc = ctx.Process(target=hold_cache_process, args=(num_blocks, huge_pages, child))
     proc.start()
     try:
         pid, remote = parent.recv()
-        dest = torch.zeros(cache_shape(num_blocks), dtype=torch.bfloat16)
+        dest = kv_cache(num_blocks, "zeros", huge_pages)
         nbytes, seg = dest.numel() * dest.element_size(), 512 << 10
         best = float("inf")
         for _ in range(repeats):
@@ -89,9 +105,12 @@ def measure_process_vm_readv(num_blocks: int, repeats: int) -> float | None:
         proc.join(30)
 
 
-def measure_memcpy(nbytes: int, repeats: int) -> float:
+def measure_memcpy(nbytes: int, repeats: int, huge_pages: bool) -> float:
+    """Single-threaded memmove between two buffers on the same page size as the caches."""
     src = torch.empty(nbytes, dtype=torch.uint8).fill_(1)
-    dst = torch.empty_like(src)
+    dst = torch.zeros_like(src)
+    if huge_pages:
+        collapse_into_huge_pages([src, dst])
     best = float("inf")
     for _ in range(repeats):
         t = time.perf_counter()
@@ -100,16 +119,17 @@ def measure_memcpy(nbytes: int, repeats: int) -> float:
     return nbytes / best
 
 
-def measure_backend(backend: str, num_blocks: int, repeats: int, scatter: bool, lanes: int) -> tuple[float, bool]:
+def measure_backend(backend: str, num_blocks: int, repeats: int, scatter: bool, lanes: int,
+                    huge_pages: bool) -> tuple[float, bool]:
     from tandem.workers.kv_transfer import create_kv_transfer
 
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=prefill_process, args=(backend, num_blocks, child))
+    proc = ctx.Process(target=prefill_process, args=(backend, num_blocks, huge_pages, child))
     proc.start()
     try:
         info, source_sums = parent.recv()
-        dest = torch.zeros(cache_shape(num_blocks), dtype=torch.bfloat16)
+        dest = kv_cache(num_blocks, "zeros", huge_pages)
         transfer = create_kv_transfer(backend, dest, f"bench-decode-{backend}", lanes=lanes)
         remote = list(range(num_blocks))
         local = list(range(num_blocks))
@@ -128,6 +148,13 @@ def measure_backend(backend: str, num_blocks: int, repeats: int, scatter: bool, 
         proc.join(30)
 
 
+def huge_page_status(nbytes: int, small_pages: bool) -> str:
+    if small_pages:
+        return "4 KiB pages (--small-pages)"
+    probe = torch.zeros(8 << 20, dtype=torch.uint8)
+    return "2 MiB pages" if collapse_into_huge_pages([probe]) else "4 KiB pages (this kernel refused MADV_COLLAPSE)"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=4096)
@@ -135,6 +162,7 @@ def main() -> None:
     ap.add_argument("--scatter", action="store_true", help="one descriptor per block instead of coalesced runs")
     ap.add_argument("--backends", nargs="+", default=["nixl", "tcp"])
     ap.add_argument("--lanes", type=int, default=2, help="NIXL reading agents a pull is split over")
+    ap.add_argument("--small-pages", action="store_true", help="leave both caches on 4 KiB pages")
     args = ap.parse_args()
     from tandem.workers.kv_transfer import nixl_available
 
@@ -144,10 +172,12 @@ def main() -> None:
     print(f"{args.tokens} tokens in Llama-3-8B cache shape (layers {LAYERS}, kv heads {KV_HEADS}, head dim {HEAD_DIM}, "
           f"bf16, block {BLOCK}) = {nbytes / 2**20:.0f} MiB; two processes on one host ({platform.machine()}, "
           f"{mp.cpu_count()} cores), host memory; best of {args.repeats}; "
-          f"{'scattered blocks' if args.scatter else 'contiguous block runs'}; NIXL lanes {args.lanes}")
-    memcpy_bw = measure_memcpy(nbytes, args.repeats)
+          f"{'scattered blocks' if args.scatter else 'contiguous block runs'}; NIXL lanes {args.lanes}; caches on "
+          f"{huge_page_status(nbytes, args.small_pages)}")
+    huge = not args.small_pages
+    memcpy_bw = measure_memcpy(nbytes, args.repeats, huge)
     print(f"memcpy (single thread)  {memcpy_bw / 1e9:6.2f} GB/s")
-    readv_bw = measure_process_vm_readv(num_blocks, args.repeats)
+    readv_bw = measure_process_vm_readv(num_blocks, args.repeats, huge)
     if readv_bw is not None:
         print(f"process_vm_readv        {readv_bw / 1e9:6.2f} GB/s  = {readv_bw / memcpy_bw:5.1%} of memcpy  "
               f"(one thread: what one lane of UCX's cma transport can reach)")
@@ -155,7 +185,7 @@ def main() -> None:
         if backend == "nixl" and not nixl_available():
             print("nixl                    not installed (pip install nixl-cu12)")
             continue
-        bw, ok = measure_backend(backend, num_blocks, args.repeats, args.scatter, args.lanes)
+        bw, ok = measure_backend(backend, num_blocks, args.repeats, args.scatter, args.lanes, huge)
         print(f"{backend:<23} {bw / 1e9:6.2f} GB/s  = {bw / memcpy_bw:5.1%} of memcpy  "
               f"(data {'verified' if ok else 'MISMATCH'}; target NIXL >= 50%)")
 

@@ -17,6 +17,7 @@ import torch
 
 from tandem.config import EngineConfig
 from tandem.workers.engine.cuda_graphs import DecodeGraphs, default_batch_sizes
+from tandem.workers.engine.huge_pages import collapse_into_huge_pages
 from tandem.workers.engine.sequence import Sequence
 from tandem.workers.layers.metadata import AttentionMetadata
 
@@ -61,6 +62,9 @@ class ModelRunner:
         pack_weights = getattr(self.model, "pack_weights", None)
         if pack_weights is not None:
             pack_weights()
+        if self.device.type == "cpu":  # KV pulls from this cache copy page by page: fewer, larger pages
+            moved = collapse_into_huge_pages([self.kv_cache])
+            log.info("%.0f of %.0f MiB of KV cache on 2 MiB pages", moved / 2**20, self.kv_cache.nbytes / 2**20)
         self.decode_graphs: DecodeGraphs | None = None
         if self.device.type == "cuda" and getattr(self.model.ops, "backend", None) == "triton" \
                 and not config.enforce_eager:
