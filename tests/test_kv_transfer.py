@@ -17,6 +17,15 @@ def caches():
     return src, torch.zeros(SHAPE)
 
 
+def assert_pulled_exactly(src, dst, remote_ids, local_ids, moved: int, block_bytes: int) -> None:
+    """Each named remote block landed in its local block, and no other local block was written."""
+    assert moved == len(remote_ids) * block_bytes
+    for r, loc in zip(remote_ids, local_ids):
+        assert torch.equal(dst[loc], src[r])
+    untouched = [b for b in range(SHAPE[0]) if b not in local_ids]
+    assert torch.count_nonzero(dst[untouched]) == 0
+
+
 def test_coalesce_merges_adjacent_runs_only():
     assert coalesce([4, 5, 6, 9], [0, 1, 2, 3]) == [(4, 0, 3), (9, 3, 1)]
     assert coalesce([4, 5], [1, 0]) == [(4, 1, 1), (5, 0, 1)]
@@ -42,11 +51,7 @@ def test_nixl_pull_split_over_lanes_copies_every_block(lanes):
         remote_ids = [2, 3, 4, 5, 6, 7, 8, 20, 11, 12]  # runs of 7, 1 and 2 blocks -> shares of 4, 3, 3
         local_ids = [0, 1, 2, 3, 4, 5, 6, 15, 9, 10]
         moved = client.read_blocks(server.agent_info(), remote_ids, local_ids, timeout_s=10)
-        assert moved == len(remote_ids) * server.block_bytes
-        for r, loc in zip(remote_ids, local_ids):
-            assert torch.equal(dst[loc], src[r])
-        untouched = [b for b in range(SHAPE[0]) if b not in local_ids]
-        assert torch.count_nonzero(dst[untouched]) == 0
+        assert_pulled_exactly(src, dst, remote_ids, local_ids, moved, server.block_bytes)
     finally:
         client.close()
         server.close()
@@ -60,11 +65,7 @@ def test_pull_copies_exactly_the_named_blocks(backend):
     try:
         remote_ids, local_ids = [3, 4, 5, 17, 0], [10, 11, 2, 7, 23]
         moved = client.read_blocks(server.agent_info(), remote_ids, local_ids, timeout_s=10)
-        assert moved == len(remote_ids) * server.block_bytes
-        for r, loc in zip(remote_ids, local_ids):
-            assert torch.equal(dst[loc], src[r])
-        untouched = [b for b in range(SHAPE[0]) if b not in local_ids]
-        assert torch.count_nonzero(dst[untouched]) == 0
+        assert_pulled_exactly(src, dst, remote_ids, local_ids, moved, server.block_bytes)
         # A second pull over the same peer (cached connection state) works too.
         client.read_blocks(server.agent_info(), [1], [1], timeout_s=10)
         assert torch.equal(dst[1], src[1])
