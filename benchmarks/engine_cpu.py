@@ -34,6 +34,7 @@ import torch  # noqa: E402
 from tandem.config import EngineConfig  # noqa: E402
 from tandem.protocol import SamplingParams  # noqa: E402
 from tandem.workers.engine.llm_engine import LLMEngine  # noqa: E402
+from tandem.workers.layers.ops import resolve_backend  # noqa: E402
 from tandem.workers.models.loader import load_model, resolve_model_source  # noqa: E402
 
 Work = list[tuple[list[int], int]]  # (prompt token ids, output length) per request
@@ -170,7 +171,8 @@ def bench_dtype(dtype: str, args, hf_path: str, bandwidth: tuple[float, float]) 
     from transformers import AutoModelForCausalLM
 
     torch_dtype = getattr(torch, dtype)
-    loaded = load_model("smollm2", dtype=dtype, device="cpu", backend="torch")
+    backend = resolve_backend(args.attention_backend, "cpu")
+    loaded = load_model("smollm2", dtype=dtype, device="cpu", backend=backend)
     engine = LLMEngine(loaded, EngineConfig(
         model="smollm2", dtype=dtype, device="cpu", num_kv_blocks=2048, max_num_seqs=64,
         max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=False,
@@ -182,7 +184,7 @@ def bench_dtype(dtype: str, args, hf_path: str, bandwidth: tuple[float, float]) 
     vocab_ids = range(100, 40000)
     cfg = engine.config
     print(f"\n== {dtype}: ours ({loaded.config.name}, block {cfg.block_size}, max_num_batched_tokens "
-          f"{cfg.max_num_batched_tokens}, max_num_seqs {cfg.max_num_seqs}, prefix caching off) vs HF "
+          f"{cfg.max_num_batched_tokens}, max_num_seqs {cfg.max_num_seqs}, prefix caching off, attention {backend}) vs HF "
           f"transformers {dtype} (attn {hf.config._attn_implementation}) ==")
 
     # Warm-up: first calls pay for oneDNN primitive creation and allocator growth, for both.
@@ -261,6 +263,8 @@ def main() -> None:
     ap.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated, each run ours vs HF")
     ap.add_argument("--hf-batch-size", type=int, default=32, help="HF static batch size for (b)")
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048, help="our per-step token budget")
+    ap.add_argument("--attention-backend", default="auto", choices=["auto", "cpu", "torch"],
+                    help="ours: auto = what a CPU worker serves with (the native kernel where it builds)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     import transformers

@@ -34,7 +34,8 @@ def add_model_options(parser: argparse.ArgumentParser, model: type[BaseModel], s
             continue
         flag = "--" + name.replace("_", "-")
         default = field.get_default(call_default_factory=True)
-        help_text = f"{field.description or ''} (default: {default})".strip()
+        # %(default)s, not the value: argparse then prints it once, whatever the formatter or action adds.
+        help_text = f"{field.description or ''} (default: %(default)s)".strip()
         if get_origin(field.annotation) is list:
             parser.add_argument(flag, dest=name, type=py_type, nargs="*", default=default, help=help_text)
         elif py_type is bool:

@@ -30,7 +30,9 @@ class EngineConfig(BaseModel):
     max_num_seqs: int = Field(64, ge=1)
     max_num_batched_tokens: int = Field(2048, ge=1, description="per-step token budget (chunked prefill)")
     enable_prefix_caching: bool = True
-    attention_backend: Literal["auto", "torch", "triton"] = "auto"
+    attention_backend: Literal["auto", "torch", "cpu", "triton"] = Field(
+        "auto", description="auto: triton on CUDA; on CPU 'cpu' (a native paged-attention kernel, built once per "
+        "machine) when it builds, else 'torch' (the reference path)")
     enforce_eager: bool = Field(False, description="no CUDA graphs: run decode steps eagerly (on CUDA, decode "
                                 "steps of up to min(max_num_seqs, 256) sequences are replayed from graphs)")
     seed: int = 0

@@ -22,6 +22,16 @@ SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TINY_VOCAB = 49152  # SmolLM2's tokenizer, so the tiny models are servable end to end
 
 
+@pytest.fixture(scope="session", autouse=True)
+def cpu_attention_kernel():
+    """Workers that tests start serve with the native CPU paged-attention kernel ("auto" backend). Building it
+    here, once, before any worker starts (about half a minute on a fresh machine, then cached) keeps the
+    build out of every worker's startup time."""
+    from tandem.workers.kernels import cpu_attention
+
+    return cpu_attention.load()
+
+
 # -- paged-cache helpers ---------------------------------------------------------------------------------
 
 

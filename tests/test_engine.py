@@ -3,7 +3,8 @@
 Covers single requests, many concurrent requests of mixed lengths (continuous batching), a
 prompt longer than the step budget (chunked prefill), a shared long prefix (prefix-cache hit),
 a KV cache small enough to force preemption, abort, stop conditions, validation and metrics.
-Models: the real SmolLM2-135M GGUF (float32) and tiny random Llama / Qwen2 checkpoints.
+Models: the real SmolLM2-135M GGUF (float32) and tiny random Llama / Qwen2 checkpoints, on the ops a CPU
+worker serves with (attention backend "auto": the native paged-attention kernel where it builds).
 HF references are computed once per (model, prompt, length) for the whole session.
 """
 
@@ -21,6 +22,7 @@ from tandem.protocol import SamplingParams
 from tandem.workers.engine.llm_engine import LLMEngine
 from tandem.workers.engine.model_runner import ModelRunner, kv_block_bytes
 from tandem.workers.engine.sequence import Sequence
+from tandem.workers.layers.ops import resolve_backend
 from tandem.workers.models.config import ModelConfig
 from tandem.workers.models.loader import load_model
 
@@ -81,12 +83,13 @@ def mut(request, models_under_test) -> ModelUnderTest:
     name = request.param
     if name not in models_under_test:
         transformers = pytest.importorskip("transformers")
+        backend = resolve_backend("auto", "cpu")
         if name == "smollm2":
-            loaded = request.getfixturevalue("smollm2")
+            loaded = load_model(request.getfixturevalue("smollm2_gguf_path"), dtype="float32", backend=backend)
             hf_model, _ = request.getfixturevalue("hf_smollm2")
         else:
             folder = request.getfixturevalue(f"{name}_dir")
-            loaded = load_model(folder, dtype="float32")
+            loaded = load_model(folder, dtype="float32", backend=backend)
             hf_model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
         models_under_test[name] = ModelUnderTest(name, loaded, hf_model)
     return models_under_test[name]

@@ -13,6 +13,7 @@ from tandem.metrics import EngineMetrics
 from tandem.workers.async_engine import AsyncEngine
 from tandem.workers.engine.llm_engine import LLMEngine
 from tandem.workers.kv_transfer import create_kv_transfer
+from tandem.workers.layers.ops import resolve_backend
 from tandem.workers.models.loader import load_model
 from tandem.workers.server import ServingContext, build_app
 
@@ -34,14 +35,11 @@ class _Server(uvicorn.Server):
 
 
 def resolve_device(config: EngineConfig) -> tuple[str, str]:
-    """(device, attention backend): CUDA and Triton when a GPU is present, else CPU and torch."""
+    """(device, attention backend): CUDA and Triton when a GPU is present, else CPU (see resolve_backend)."""
     device = config.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    backend = config.attention_backend
-    if backend == "auto":
-        backend = "triton" if device.startswith("cuda") else "torch"
-    return device, backend
+    return device, resolve_backend(config.attention_backend, device)
 
 
 def build_worker(config: WorkerConfig) -> tuple[ServingContext, AsyncEngine]:

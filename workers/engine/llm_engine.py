@@ -26,6 +26,7 @@ from tandem.workers.engine.sampler import Sampler, TokenLogprobs
 from tandem.workers.engine.scheduler import Scheduler
 from tandem.workers.engine.sequence import Sequence
 from tandem.workers.kv_transfer import KVTransfer, KVTransferError
+from tandem.workers.layers.ops import resolve_backend
 from tandem.workers.models.loader import load_model
 
 FINISH_REASONS = ("stop", "length", "abort", "prefill_done")
@@ -127,9 +128,7 @@ class LLMEngine:
         device = config.device
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
-        backend = config.attention_backend
-        if backend == "auto":
-            backend = "triton" if torch.device(device).type == "cuda" else "torch"
+        backend = resolve_backend(config.attention_backend, torch.device(device).type)
         loaded = load_model(config.model, dtype=config.dtype, device=device, backend=backend,
                             served_name=config.served_model_name)
         return cls(loaded, config, metrics)

@@ -199,7 +199,7 @@ def _causal_mask(masks: dict, seq_len: int, query_len: int, dtype: torch.dtype, 
     return mask
 
 
-def _prefill_attention(
+def prefill_attention(
     query: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
@@ -248,7 +248,7 @@ def paged_attention(
     for b, query_len in enumerate(meta.query_lens_list):
         if query_len > 1:
             start = starts[b]
-            out[start : start + query_len] = _prefill_attention(
+            out[start : start + query_len] = prefill_attention(
                 query[start : start + query_len], k_cache, v_cache, meta.block_tables[b], meta.seq_lens_list[b],
                 scale, plan.masks,
             )

@@ -1,4 +1,5 @@
-"""Picks the implementation of the model's non-GEMM ops: the torch reference path or the Triton kernels."""
+"""Picks the implementation of the model's non-GEMM ops: the torch reference path, the torch path with the
+native CPU paged-attention kernel ("cpu"), or the Triton kernels (GPU)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from types import SimpleNamespace
 
 from tandem.workers.layers import activation, attention, norm, rotary
 
-BACKENDS = ("torch", "triton")
+BACKENDS = ("torch", "cpu", "triton")
 
 # op name -> (torch reference module, Triton kernel module under tandem.workers.kernels)
 _OPS = {
@@ -27,9 +28,25 @@ def get_ops(backend: str = "torch") -> SimpleNamespace:
         raise ValueError(f"unknown ops backend {backend!r}; expected one of {BACKENDS}")
     ops = {"compute_cos_sin_cache": rotary.compute_cos_sin_cache}
     for name, (torch_module, kernel_module) in _OPS.items():
-        if backend == "torch":
-            ops[name] = getattr(torch_module, name)
-        else:
+        if backend == "triton":
             module = importlib.import_module(f"tandem.workers.kernels.{kernel_module}")
             ops[name] = getattr(module, name)
+        else:
+            ops[name] = getattr(torch_module, name)
+    if backend == "cpu":
+        from tandem.workers.kernels import cpu_attention
+
+        ops["paged_attention"] = cpu_attention.paged_attention
     return SimpleNamespace(backend=backend, **ops)
+
+
+def resolve_backend(backend: str, device: str) -> str:
+    """What "auto" means on `device`: Triton on CUDA; on CPU the native paged-attention kernel when it builds
+    here (see kernels/cpu_attention.py), else the torch path."""
+    if backend != "auto":
+        return backend
+    if device.startswith("cuda"):
+        return "triton"
+    from tandem.workers.kernels import cpu_attention
+
+    return "cpu" if cpu_attention.available() else "torch"
