@@ -7,6 +7,10 @@ For each dtype (float32: ours f32 vs HF f32; bfloat16: ours bf16 vs HF bf16):
     Ours: all submitted at once, continuous batching. HF: `generate` on the same requests in static,
     left-padded batches (each batch runs until its longest request is done; only the tokens each request
     asked for are counted, for both).
+(c) one decode step's attention (30 layers, SmolLM2's 9 query / 3 KV heads of 64, block 16, KV cache on
+    2 MiB pages as the engine keeps it), 1 and 32 sequences of seeded lengths 64-700: the torch reference
+    path (gather + SDPA) against the native CPU kernel, and the kernel's KV bytes read per second as a
+    fraction of the read-only bandwidth measured in the same run.
 Also: batch-1 decode as a fraction of the memory roofline (weight bytes per token / single-process memory
 bandwidth measured in the same run), and the load average around each measurement.
 Targets (issue 2): (a) >= 1.5x HF, (b) >= 3x HF. Prints conditions and ratios; never asserts.
@@ -167,6 +171,59 @@ def agreement(ours: list[list[int]], theirs: list[list[int]]) -> str:
 # ----------------------------------------------------------------------------- one dtype
 
 
+def _attention_step(paged_attention, cache, query, lengths, tables) -> None:
+    """One decode step's attention over every layer of `cache` for len(lengths) sequences."""
+    from tandem.workers.layers.metadata import AttentionMetadata
+
+    num_seqs = len(lengths)
+    meta = AttentionMetadata(  # fresh each step: both paths cache their per-step plan on it
+        slot_mapping=torch.zeros(num_seqs, dtype=torch.int64),
+        query_start_loc=torch.arange(num_seqs + 1, dtype=torch.int32),
+        seq_lens=torch.tensor(lengths, dtype=torch.int32), block_tables=tables,
+        query_lens_list=[1] * num_seqs, seq_lens_list=lengths, max_query_len=1, max_seq_len=max(lengths))
+    for layer in range(cache.shape[1]):
+        paged_attention(query, cache[:, layer, 0], cache[:, layer, 1], meta, query.shape[-1] ** -0.5)
+
+
+def bench_decode_attention(dtype: str, read_gbs: float) -> None:
+    """(c): see the module docstring."""
+    from tandem.workers.engine.huge_pages import collapse_into_huge_pages
+    from tandem.workers.kernels import cpu_attention
+    from tandem.workers.layers import attention
+
+    if not cpu_attention.available():
+        print(f"(c) decode attention: the CPU kernel is unavailable ({cpu_attention.build_error()})")
+        return
+    layers, heads, kv_heads, head_dim, block_size, num_blocks = 30, 9, 3, 64, 16, 2048
+    torch_dtype = getattr(torch, dtype)
+    cache = torch.randn(num_blocks, layers, 2, block_size, kv_heads, head_dim).to(torch_dtype)
+    huge = collapse_into_huge_pages([cache])
+    rng = random.Random(0)
+    print(f"(c) decode attention, one step of {layers} layers, {dtype}, KV cache {cache.nbytes / 2**20:.0f} MiB "
+          f"({huge / 2**20:.0f} MiB on 2 MiB pages), blocks scattered at random; best of 5")
+    for num_seqs in (1, 32):
+        lengths = [rng.randint(64, 700) for _ in range(num_seqs)]
+        blocks = [-(-n // block_size) for n in lengths]
+        order = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(num_seqs)).tolist()
+        tables = torch.zeros(num_seqs, max(blocks), dtype=torch.int32)
+        for b, n in enumerate(blocks):
+            tables[b, :n] = torch.tensor(order[:n])
+            order = order[n:]
+        query = torch.randn(num_seqs, heads, head_dim).to(torch_dtype)
+
+        def timed(paged_attention, args=(cache, query, lengths, tables)):
+            return best_seconds(lambda: _attention_step(paged_attention, *args), 5)
+
+        torch_s, kernel_s = timed(attention.paged_attention), timed(cpu_attention.paged_attention)
+        kv_bytes = sum(lengths) * layers * 2 * kv_heads * head_dim * cache.element_size()
+        print(f"    {num_seqs:2d} sequences, {sum(lengths):5d} context tokens: torch path {1e3 * torch_s:6.2f} ms, "
+              f"kernel {1e3 * kernel_s:6.2f} ms = {torch_s / kernel_s:.2f}x; kernel reads {kv_bytes / 1e6:.0f} MB "
+              f"of KV at {kv_bytes / kernel_s / 1e9:.1f} GB/s = {100 * kv_bytes / kernel_s / 1e9 / read_gbs:.0f}% "
+              f"of the read-only bandwidth")
+    del cache
+    gc.collect()
+
+
 def bench_dtype(dtype: str, args, hf_path: str, bandwidth: tuple[float, float]) -> dict:
     from transformers import AutoModelForCausalLM
 
@@ -218,6 +275,8 @@ def bench_dtype(dtype: str, args, hf_path: str, bandwidth: tuple[float, float]) 
           f"{memcpy_gbs:.1f} GB/s that is {roofline_ms:.1f} ms/token -> ours at {100 * roofline_ms / ms_per_token:.0f}% "
           f"of it; at the read-only {read_gbs:.1f} GB/s, {read_roofline_ms:.1f} ms/token -> "
           f"{100 * read_roofline_ms / ms_per_token:.0f}%")
+
+    bench_decode_attention(dtype, read_gbs)
 
     # (b) concurrent, mixed lengths.
     n = 8 if args.quick else 32
