@@ -111,13 +111,8 @@ def _step_plan(meta: AttentionMetadata) -> _StepPlan:
     return plan
 
 
-def paged_attention(
-    query: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    meta: AttentionMetadata,
-    scale: float,
-) -> torch.Tensor:
+def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                    scale: float) -> torch.Tensor:
     """Same contract as layers.attention.paged_attention: query [T, Hq, D] -> [T, Hq, D]."""
     plan = _step_plan(meta)
     if plan.block_tables is not None and plan.decode_rows is None:

@@ -90,16 +90,19 @@ void attend_heads(const T* query, const T* k_cache, const T* v_cache, T* out, co
   float* scratch = scores + rows * len;
   for (int64_t i = 0; i < rows * D; ++i) q[i] = to_float(query[i]) * scale;
   const int64_t offset = first_head * D;
-  auto block = [&](const T* cache, int64_t start) { return cache + table[start / block_size] * block_stride + offset; };
+  // The rows of the block holding token `start` as float32 (see block_rows), the next block's requested.
+  auto rows_at = [&](const T* cache, int64_t start, int64_t& stride) {
+    auto block = [&](int64_t token) { return cache + table[token / block_size] * block_stride + offset; };
+    if (start + block_size < len)
+      prefetch_rows(block(start + block_size), std::min(block_size, len - start - block_size), row_elems, token_stride);
+    return block_rows(block(start), std::min(block_size, len - start), row_elems, token_stride, scratch, stride);
+  };
 
   // Scores, block by block: scores[r * len + t] = q_r . k_t, query head r reading KV head r / group.
   for (int64_t start = 0; start < len; start += block_size) {
     const int64_t count = std::min(block_size, len - start);
-    if (start + block_size < len)
-      prefetch_rows(block(k_cache, start + block_size), std::min(block_size, len - start - block_size), row_elems,
-                    token_stride);
     int64_t stride;
-    const float* k = block_rows(block(k_cache, start), count, row_elems, token_stride, scratch, stride);
+    const float* k = rows_at(k_cache, start, stride);
     for (int64_t r = 0; r < rows; ++r) {
       const float* qr = q + r * D;
       const float* kh = k + (r / group) * D;
@@ -129,11 +132,8 @@ void attend_heads(const T* query, const T* k_cache, const T* v_cache, T* out, co
   std::fill(acc, acc + rows * D, 0.0f);
   for (int64_t start = 0; start < len; start += block_size) {
     const int64_t count = std::min(block_size, len - start);
-    if (start + block_size < len)
-      prefetch_rows(block(v_cache, start + block_size), std::min(block_size, len - start - block_size), row_elems,
-                    token_stride);
     int64_t stride;
-    const float* v = block_rows(block(v_cache, start), count, row_elems, token_stride, scratch, stride);
+    const float* v = rows_at(v_cache, start, stride);
     for (int64_t r = 0; r < rows; ++r) {
       const float* p = scores + r * len + start;
       const float* vh = v + (r / group) * D;
@@ -158,16 +158,24 @@ void decode_attention(const T* query, const T* k_cache, const T* v_cache, T* out
   // D] rows stream in whole; with few, it is one KV head of one sequence, so that every thread has work.
   const int64_t heads_per_item = num_seqs >= 2 * at::get_num_threads() ? num_kv_heads : 1;
   const int64_t items_per_seq = num_kv_heads / heads_per_item;
-  at::parallel_for(0, num_seqs * items_per_seq, 1, [&](int64_t begin, int64_t end) {
+  // Items vary with their sequence's length: handed out longest first, one at a time, to whichever thread is
+  // free (an even static split leaves one thread idle while the other finishes the long ones).
+  std::vector<int64_t> order(num_seqs * items_per_seq);
+  for (int64_t i = 0; i < static_cast<int64_t>(order.size()); ++i) order[i] = i;
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t a, int64_t b) { return seq_lens[a / items_per_seq] > seq_lens[b / items_per_seq]; });
+#pragma omp parallel num_threads(std::min<int64_t>(at::get_num_threads(), order.size()))
+  {
     std::vector<float> buffers;
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t seq = item / items_per_seq, first_head = (item % items_per_seq) * heads_per_item;
+#pragma omp for schedule(dynamic, 1)
+    for (size_t i = 0; i < order.size(); ++i) {
+      const int64_t seq = order[i] / items_per_seq, first_head = (order[i] % items_per_seq) * heads_per_item;
       const int64_t offset = (seq * num_heads + first_head * group) * head_dim;
       attend_heads<T, kD>(query + offset, k_cache, v_cache, out + offset, block_tables + seq * blocks_per_seq,
                           seq_lens[seq], first_head, heads_per_item, group, head_dim, num_kv_heads, block_size,
                           block_stride, scale, buffers);
     }
-  });
+  }
 }
 
 // query [B, Hq, D] contiguous; k_cache / v_cache [num_blocks, block_size, Hkv, D], each block's rows contiguous
