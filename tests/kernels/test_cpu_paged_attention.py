@@ -111,3 +111,13 @@ def test_auto_backend_serves_with_the_kernel_on_cpu():
     assert resolve_backend("auto", "cpu") == "cpu"
     assert resolve_backend("torch", "cpu") == "torch"
     assert get_ops("cpu").paged_attention is cpu_attention.paged_attention
+
+
+def test_backend_and_device_must_agree(monkeypatch):
+    with pytest.raises(ValueError, match="does not run on device 'cuda'"):
+        resolve_backend("cpu", "cuda")
+    monkeypatch.setattr(cpu_attention, "_module", None)
+    monkeypatch.setattr(cpu_attention, "_error", "OSError: no compiler")
+    with pytest.raises(RuntimeError, match="could not be built here .OSError: no compiler"):
+        get_ops("cpu")
+    assert resolve_backend("auto", "cpu") == "torch"

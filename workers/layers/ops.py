@@ -36,6 +36,9 @@ def get_ops(backend: str = "torch") -> SimpleNamespace:
     if backend == "cpu":
         from tandem.workers.kernels import cpu_attention
 
+        if not cpu_attention.available():
+            raise RuntimeError(f"attention backend 'cpu': the CPU kernel could not be built here "
+                               f"({cpu_attention.build_error()}); use 'torch' or 'auto'")
         ops["paged_attention"] = cpu_attention.paged_attention
     return SimpleNamespace(backend=backend, **ops)
 
@@ -43,6 +46,8 @@ def get_ops(backend: str = "torch") -> SimpleNamespace:
 def resolve_backend(backend: str, device: str) -> str:
     """What "auto" means on `device`: Triton on CUDA; on CPU the native paged-attention kernel when it builds
     here (see kernels/cpu_attention.py), else the torch path."""
+    if backend == "cpu" and not device.startswith("cpu"):
+        raise ValueError(f"attention backend 'cpu' does not run on device {device!r}")
     if backend != "auto":
         return backend
     if device.startswith("cuda"):
