@@ -10,6 +10,7 @@ these tests rather than skipping them, since "auto" would silently serve with th
 
 from __future__ import annotations
 
+import os
 import shutil
 
 import pytest
@@ -121,3 +122,12 @@ def test_backend_and_device_must_agree(monkeypatch):
     with pytest.raises(RuntimeError, match="could not be built here .OSError: no compiler"):
         get_ops("cpu")
     assert resolve_backend("auto", "cpu") == "torch"
+
+
+def test_ninja_from_the_virtualenv_is_put_on_path(monkeypatch):
+    """The build needs `ninja` on PATH; when only the pip package's copy exists, its folder is added."""
+    ninja = pytest.importorskip("ninja")
+    monkeypatch.setattr(cpu_attention.shutil, "which", lambda name: None)
+    monkeypatch.setenv("PATH", "/nonexistent")
+    cpu_attention._put_ninja_on_path()
+    assert os.environ["PATH"].split(os.pathsep)[0] == ninja.BIN_DIR

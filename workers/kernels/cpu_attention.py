@@ -16,6 +16,8 @@ import itertools
 import logging
 import os
 import platform
+import shutil
+import sys
 import threading
 from dataclasses import dataclass, field
 
@@ -44,6 +46,19 @@ def _cpu_tag() -> str:
     return hashlib.sha1(f"{platform.machine()} {flags}".encode()).hexdigest()[:10]
 
 
+def _put_ninja_on_path() -> None:
+    """cpp_extension runs `ninja` from PATH. The pip package installs it beside the interpreter, which is not
+    on PATH when a virtualenv's programs are run by their full path (.venv/bin/tandem)."""
+    if shutil.which("ninja") is None:
+        try:
+            import ninja
+
+            bin_dir = ninja.BIN_DIR
+        except (ImportError, AttributeError):
+            bin_dir = os.path.dirname(sys.executable)
+        os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
+
+
 def load():
     """The compiled extension module, building it on first use; None (and the reason in `build_error()`)
     when it cannot be built here."""
@@ -53,6 +68,7 @@ def load():
             try:
                 from torch.utils import cpp_extension
 
+                _put_ninja_on_path()
                 log.info("building the CPU paged-attention kernel (once per machine)")
                 _module = cpp_extension.load(
                     name=f"tandem_paged_decode_cpu_{_cpu_tag()}",
