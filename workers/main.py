@@ -63,13 +63,19 @@ def build_worker(config: WorkerConfig) -> tuple[ServingContext, AsyncEngine]:
     return ctx, async_engine
 
 
+def _engine_summary(async_engine: AsyncEngine) -> str:
+    """Device, dtype and attention backend as resolved from "auto": what a user needs to know is serving."""
+    runner = async_engine.engine.runner
+    return f"{runner.device.type} {str(runner.dtype).removeprefix('torch.')}, attention {runner.model.ops.backend}"
+
+
 def run_worker(config: WorkerConfig, log_level: str = "info") -> int:
     ctx, async_engine = build_worker(config)
     async_engine.start()
     app = build_app(ctx)
     server = _Server(uvicorn.Config(app, host=config.host, port=config.port, log_level=log_level,
                                     access_log=False, timeout_graceful_shutdown=5),
-                     banner=f"tandem worker (role {config.role}, model {ctx.served_name})")
+                     banner=f"tandem worker (role {config.role}, model {ctx.served_name}, {_engine_summary(async_engine)})")
     try:
         server.run()  # handles SIGINT/SIGTERM: stops accepting, finishes responses, returns
     finally:

@@ -69,7 +69,7 @@ def load():
                 from torch.utils import cpp_extension
 
                 _put_ninja_on_path()
-                log.info("building the CPU paged-attention kernel (once per machine)")
+                log.info("loading the CPU paged-attention kernel (compiled on first use on a machine, ~30 s)")
                 _module = cpp_extension.load(
                     name=f"tandem_paged_decode_cpu_{_cpu_tag()}",
                     sources=[_SOURCE],
