@@ -5,15 +5,13 @@ from __future__ import annotations
 import logging
 import uuid
 
-import torch
 import uvicorn
 
-from tandem.config import EngineConfig, WorkerConfig
+from tandem.config import WorkerConfig
 from tandem.metrics import EngineMetrics
 from tandem.workers.async_engine import AsyncEngine
-from tandem.workers.engine.llm_engine import LLMEngine
+from tandem.workers.engine.llm_engine import LLMEngine, resolve_device
 from tandem.workers.kv_transfer import create_kv_transfer
-from tandem.workers.layers.ops import resolve_backend
 from tandem.workers.models.loader import load_model
 from tandem.workers.server import ServingContext, build_app
 
@@ -32,14 +30,6 @@ class _Server(uvicorn.Server):
         if self.started:
             host, port = self.servers[0].sockets[0].getsockname()[:2]
             print(f"{self.banner} listening on http://{host}:{port}", flush=True)
-
-
-def resolve_device(config: EngineConfig) -> tuple[str, str]:
-    """(device, attention backend): CUDA and Triton when a GPU is present, else CPU (see resolve_backend)."""
-    device = config.device
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    return device, resolve_backend(config.attention_backend, device)
 
 
 def build_worker(config: WorkerConfig) -> tuple[ServingContext, AsyncEngine]:

@@ -79,6 +79,15 @@ class _Request:
         self.kv_status: str | None = None  # reported once, on the first output
 
 
+def resolve_device(config: EngineConfig) -> tuple[str, str]:
+    """(device, attention backend) with "auto" resolved: CUDA and Triton when a GPU is present, else the CPU
+    and what resolve_backend picks there."""
+    device = config.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return device, resolve_backend(config.attention_backend, torch.device(device).type)
+
+
 class LLMEngine:
     def __init__(self, loaded: Any, config: EngineConfig, metrics: EngineMetrics | None = None):
         self.config = config
@@ -125,10 +134,7 @@ class LLMEngine:
     @classmethod
     def from_config(cls, config: EngineConfig, metrics: EngineMetrics | None = None) -> LLMEngine:
         """Load `config.model` (resolving device and attention backend "auto") and build the engine."""
-        device = config.device
-        if device == "auto":
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        backend = resolve_backend(config.attention_backend, torch.device(device).type)
+        device, backend = resolve_device(config)
         loaded = load_model(config.model, dtype=config.dtype, device=device, backend=backend,
                             served_name=config.served_model_name)
         return cls(loaded, config, metrics)
