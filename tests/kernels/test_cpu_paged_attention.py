@@ -94,6 +94,13 @@ def test_large_values_do_not_overflow(paged_batch):
     check(batch)
 
 
+def test_no_sequences(paged_batch):
+    batch = paged_batch([1], [20], 4, 2, 64, 16)
+    out = cpu_attention.paged_decode_attention(batch.query[:0], batch.k_cache, batch.v_cache,
+                                               batch.meta.block_tables[:0], batch.meta.seq_lens[:0], batch.scale)
+    assert out.shape == (0, 4, 64)
+
+
 def test_rejects_bad_inputs(paged_batch):
     batch = paged_batch([1, 1], [20, 30], 4, 2, 64, 16)
     meta = batch.meta

@@ -2,11 +2,13 @@
 //
 // The torch path gathers every sequence's blocks into a contiguous copy per layer and then runs SDPA over
 // it, so each step reads the KV three times (gather read, gather write, attention read) and pads mixed
-// lengths. Here each (sequence, KV head) pair reads its keys and values once, in place, for the query heads
-// that share that KV head (GQA), with scores and softmax in float32 as SDPA keeps them.
+// lengths. Here each sequence (or, when there are few, each of its KV heads) reads its keys and values once,
+// in place, for the query heads that share each KV head (GQA), with scores and softmax in float32 as SDPA
+// keeps them.
 //
-// Built by tandem/workers/kernels/cpu_attention.py with torch's cpp_extension (-O3 -march=native -fopenmp);
-// `#pragma omp simd` marks the loops the compiler should vectorize.
+// Built by workers/kernels/cpu_attention.py with torch's cpp_extension (-O3 -march=native -fopenmp):
+// `#pragma omp simd` marks the loops the compiler should vectorize, `omp parallel` shares the sequences out
+// over torch's own OpenMP threads (the extension links the libgomp torch has already loaded).
 
 #include <torch/extension.h>
 
@@ -161,6 +163,7 @@ void decode_attention(const T* query, const T* k_cache, const T* v_cache, T* out
   // Items vary with their sequence's length: handed out longest first, one at a time, to whichever thread is
   // free (an even static split leaves one thread idle while the other finishes the long ones).
   std::vector<int64_t> order(num_seqs * items_per_seq);
+  if (order.empty()) return;
   for (int64_t i = 0; i < static_cast<int64_t>(order.size()); ++i) order[i] = i;
   std::stable_sort(order.begin(), order.end(),
                    [&](int64_t a, int64_t b) { return seq_lens[a / items_per_seq] > seq_lens[b / items_per_seq]; });
