@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -23,8 +24,39 @@ def _die_with_parent() -> None:
         pass
 
 
+def _ephemeral_ports() -> tuple[int, int]:
+    """The range the kernel draws outgoing connections' local ports from."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = (int(x) for x in f.read().split())
+            return low, high
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
+_handed_out: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
+    """A port on 127.0.0.1 that nothing listens on now, for a child process to bind a few seconds later.
+
+    It is drawn below the ephemeral range: a port from that range (what binding port 0 returns) can be taken
+    in between by any outgoing connection of any process, and a worker that loads a model for seconds before
+    it binds lost that race now and then ("address already in use")."""
+    low, _ = _ephemeral_ports()
+    rng = random.SystemRandom()
+    for _ in range(200):
+        port = rng.randint(max(1024, low - 12_000), low - 1)
+        if port in _handed_out:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    with socket.socket() as s:  # the range below is crowded: fall back on the kernel's choice
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
