@@ -13,7 +13,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from tandem.errors import APIError
-from tandem.protocol import SamplingParams
+from tandem.protocol import INT64_MAX, INT64_MIN, SamplingParams
 
 
 class _Request(BaseModel):
@@ -32,7 +32,7 @@ class _CommonParams(_Request):
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)  # int64, as vLLM bounds it
     presence_penalty: float | None = 0.0
     frequency_penalty: float | None = 0.0
     user: str | None = None

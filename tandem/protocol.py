@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from pydantic import BaseModel, Field
 
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # the seed range: wider seeds overflow torch's generators
+
 
 class SamplingParams(BaseModel):
     """How to pick tokens and when to stop. Validated at the API edge; the engine trusts it."""
@@ -14,7 +16,7 @@ class SamplingParams(BaseModel):
     temperature: float = Field(1.0, ge=0.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(-1, description="-1 or 0 disables top-k")
-    seed: int | None = None
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
     max_tokens: int = Field(16, ge=1)
     stop: list[str] = Field(default_factory=list)
     stop_token_ids: list[int] = Field(default_factory=list)

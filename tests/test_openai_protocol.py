@@ -5,6 +5,7 @@ from pydantic import ValidationError
 
 from tandem.errors import APIError, error_body
 from tandem.openai_protocol import ChatCompletionRequest, CompletionRequest
+from tandem.protocol import SamplingParams
 
 
 def test_defaults_map_to_sampling_params():
@@ -26,7 +27,9 @@ def test_content_parts_are_joined():
 
 
 @pytest.mark.parametrize("field,value", [("max_tokens", "3"), ("temperature", "hot"), ("temperature", -1),
-                                         ("top_p", 0), ("top_p", 1.01), ("stream", "yes"), ("stop", [""])])
+                                         ("top_p", 0), ("top_p", 1.01), ("stream", "yes"), ("stop", [""]),
+                                         # wider than int64 overflows torch's generator inside the engine
+                                         ("seed", 2**64), ("seed", -(2**63) - 1)])
 def test_strict_validation(field, value):
     with pytest.raises(ValidationError):
         CompletionRequest(**{"model": "m", "prompt": "x", field: value})
@@ -38,6 +41,14 @@ def test_unsupported_or_invalid_values_raise_api_errors(kwargs, param):
     with pytest.raises(APIError) as info:
         CompletionRequest(model="m", prompt="x", **kwargs).sampling_params(16)
     assert info.value.status == 400 and info.value.param == param
+
+
+def test_int64_seeds_are_accepted_by_both_request_and_engine_models():
+    for seed in (2**63 - 1, -(2**63)):
+        params = CompletionRequest(model="m", prompt="x", seed=seed).sampling_params(default_max_tokens=16)
+        assert params.seed == seed
+    with pytest.raises(ValidationError):
+        SamplingParams(seed=2**63)
 
 
 def test_batched_prompts_are_refused_but_singletons_accepted():

@@ -37,6 +37,7 @@ def router_url():
         # The router learns max_model_len from the worker's first load report; wait for it.
         yield router.url
         assert router.proc.poll() is None, f"the router died:\n{router.log_tail()}"
+        assert worker.proc.poll() is None, f"the worker died ({worker.proc.returncode}):\n{worker.log_tail()}"
     finally:
         if router is not None:
             router.stop()
