@@ -205,7 +205,12 @@ class Orchestrator:
         try:
             async for chunk in self.http.events(f"{url}/internal/decode", body):
                 if "error" in chunk:
-                    raise WorkerFailure(chunk["error"].get("message", "worker error"))
+                    error = chunk["error"]
+                    if error.get("type") == "invalid_request_error":
+                        # The engine refused the request itself: the client's error, and no reason to try
+                        # another worker or to count it against this one.
+                        raise APIError(400, error.get("message") or "invalid request", code=error.get("code"))
+                    raise WorkerFailure(error.get("message", "worker error"))
                 yield Delta(chunk["token_ids"], chunk.get("text", ""),
                             [_entry(e) for e in chunk["logprobs"]] if chunk.get("logprobs") else None,
                             chunk.get("finish_reason") is not None, chunk.get("finish_reason"),

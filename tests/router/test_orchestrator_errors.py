@@ -1,0 +1,69 @@
+"""What the orchestrator makes of an error event inside a decode worker's stream: a request the engine
+refused (invalid_request_error) is the client's 400 and leaves the worker healthy; anything else is the
+worker's failure and the request moves to another worker."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from tandem.config import RouterConfig
+from tandem.errors import APIError, error_body
+from tandem.metrics import RouterMetrics
+from tandem.protocol import SamplingParams
+from tandem.router.orchestrator import Orchestrator, Trace
+from tandem.router.pool import Worker, WorkerPool
+
+GOOD = {"token_ids": [7], "text": "x", "finish_reason": "length"}
+
+
+class ScriptedWorkers:
+    """Stands in for WorkerClient: each decode worker answers its scripted chunks."""
+
+    def __init__(self, script: dict[str, list[dict]]):
+        self.script = script
+        self.calls: list[str] = []
+
+    async def events(self, url: str, body: dict):
+        worker = url.removesuffix("/internal/decode")
+        self.calls.append(worker)
+        for chunk in self.script[worker]:
+            yield chunk
+
+
+def orchestrator_over(script: dict[str, list[dict]]) -> tuple[Orchestrator, WorkerPool, ScriptedWorkers]:
+    metrics = RouterMetrics("test")
+    http = ScriptedWorkers(script)
+    decode = WorkerPool("decode", http, metrics)
+    for url in script:
+        decode.workers[url] = Worker(url, healthy=True)
+        decode.ring.add(url)
+    return Orchestrator(RouterConfig(), WorkerPool("prefill", http, metrics), decode, http, metrics, 0), decode, http
+
+
+async def collect(orchestrator: Orchestrator):
+    params = SamplingParams(temperature=0, max_tokens=1)
+    return [d async for d in orchestrator.run("r1", [1, 2, 3], params, Trace())]
+
+
+def test_a_refused_request_is_the_clients_error_and_no_worker_failure():
+    refused = error_body(400, "seed out of range")
+    orchestrator, pool, http = orchestrator_over({"http://a": [refused], "http://b": [refused]})
+    with pytest.raises(APIError) as caught:
+        asyncio.run(collect(orchestrator))
+    assert caught.value.status == 400 and "seed out of range" in str(caught.value.message)
+    assert len(http.calls) == 1  # not retried elsewhere
+    assert all(w.failures == 0 and w.healthy for w in pool.workers.values())
+
+
+def test_a_worker_error_moves_the_request_and_counts_against_the_worker():
+    broken = error_body(503, "engine died")
+    orchestrator, pool, http = orchestrator_over({"http://a": [broken], "http://b": [broken]})
+    first = orchestrator._place(pool, orchestrator.plan([1, 2, 3])[1], [], 3, set(), Trace())
+    other = next(u for u in pool.workers if u != first)
+    http.script[other] = [GOOD]  # the worker tried second answers properly
+    deltas = asyncio.run(collect(orchestrator))
+    assert [d.new_token_ids for d in deltas] == [[7]]
+    assert http.calls == [first, other]
+    assert pool.workers[first].failures == 1 and pool.workers[other].failures == 0
