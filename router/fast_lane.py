@@ -2,8 +2,7 @@
 
 Per request, FastAPI's stack (error middlewares, the body-limit middleware, route matching, dependency
 resolution, request/response wrappers) cost the router more CPU than tokenizing, routing and proxying did
-(a py-spy profile put everything between uvicorn and our handler at about a third of the router's busy
-time). POST /v1/completions and /v1/chat/completions therefore skip it: read the body under the size cap,
+in a profile under benchmarks/router.py (which prints the router's CPU per request, the measure). POST /v1/completions and /v1/chat/completions therefore skip it: read the body under the size cap,
 validate it with the same pydantic model, call the same handler, send its response. FastAPI still declares
 both routes, so /openapi.json documents them, and serves every other path.
 """
@@ -16,7 +15,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from tandem.body_limit import too_large
+from tandem.body_limit import declared_length_error, too_large
 from tandem.errors import APIError, error_body
 
 Handler = Callable[[BaseModel, Request], Awaitable[Response]]
@@ -64,13 +63,9 @@ class FastLane:
     async def _read_body(self, scope, receive) -> bytes:
         """The whole body, refused with 413 past the cap: at once when Content-Length says so, else
         (chunked) as soon as the bytes received pass it."""
-        for name, value in scope["headers"]:
-            if name == b"content-length":
-                if not value.isdigit():
-                    raise APIError(400, "invalid Content-Length header")
-                if int(value) > self.max_body_bytes:
-                    raise APIError(413, too_large(self.max_body_bytes))
-                break
+        refused = declared_length_error(scope, self.max_body_bytes)
+        if refused is not None:
+            raise refused
         chunks, size, more = [], 0, True
         while more:
             message = await receive()

@@ -15,12 +15,9 @@ class BodySizeLimit:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        declared = dict(scope["headers"]).get(b"content-length")
-        if declared is not None:
-            if not declared.isdigit():
-                return await _reply(send, 400, "invalid Content-Length header")
-            if int(declared) > self.max_bytes:
-                return await _reply(send, 413, self._too_large())
+        refused = declared_length_error(scope, self.max_bytes)
+        if refused is not None:
+            return await _reply(send, refused.status, refused.message)
         received = 0
 
         async def counted_receive():
@@ -31,13 +28,22 @@ class BodySizeLimit:
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > self.max_bytes:
-                    raise APIError(413, self._too_large())
+                    raise APIError(413, too_large(self.max_bytes))
             return message
 
         await self.app(scope, counted_receive, send)
 
-    def _too_large(self) -> str:
-        return too_large(self.max_bytes)
+
+def declared_length_error(scope, max_bytes: int) -> APIError | None:
+    """The error for a Content-Length header that is malformed (400) or over the cap (413), else None."""
+    declared = dict(scope["headers"]).get(b"content-length")
+    if declared is None:
+        return None
+    if not declared.isdigit():
+        return APIError(400, "invalid Content-Length header")
+    if int(declared) > max_bytes:
+        return APIError(413, too_large(max_bytes))
+    return None
 
 
 def too_large(max_bytes: int) -> str:
