@@ -5,8 +5,7 @@ looks up, pins and copies the source pages one by one; with 2 MiB pages on both 
 fewer of them (benchmarks/kv_transfer.py prints the rate with and without). Many hosts run THP in `madvise`
 mode, so memory gets huge pages only if it asks. MADV_COLLAPSE (Linux 6.1+) turns the already-filled memory
 of a tensor into huge pages in place, synchronously, whatever the THP mode short of `never`; elsewhere this
-does nothing. (Weights stay as they are: batch-1 decode, which streams them all every step, did not get
-faster on huge pages when tried.)
+does nothing. Only the KV cache asks for it: it is the memory other processes read.
 """
 
 from __future__ import annotations
@@ -46,10 +45,10 @@ def collapse_into_huge_pages(tensors: Iterable[torch.Tensor]) -> int:
         return 0
     done, seen = 0, set()
     for tensor in tensors:
-        if tensor.device.type != "cpu" or tensor.layout != torch.strided or tensor.is_mkldnn or tensor.numel() == 0:
-            continue  # oneDNN's opaque packed weights expose no address
+        if tensor.device.type != "cpu" or tensor.layout != torch.strided or tensor.numel() == 0:
+            continue  # opaque layouts (oneDNN's) expose no address
         begin = tensor.untyped_storage().data_ptr()
-        if begin in seen:  # tied weights share one storage
+        if begin in seen:  # views of one storage
             continue
         seen.add(begin)
         start = -(-begin // HUGE_PAGE) * HUGE_PAGE

@@ -17,7 +17,6 @@ import logging
 import os
 import platform
 import shutil
-import sys
 import threading
 from dataclasses import dataclass, field
 
@@ -51,12 +50,10 @@ def _put_ninja_on_path() -> None:
     on PATH when a virtualenv's programs are run by their full path (.venv/bin/tandem)."""
     if shutil.which("ninja") is None:
         try:
-            import ninja
-
-            bin_dir = ninja.BIN_DIR
-        except (ImportError, AttributeError):
-            bin_dir = os.path.dirname(sys.executable)
-        os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
+            import ninja  # a dependency; without it the build fails and says so
+        except ImportError:
+            return
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
 
 
 def load():
@@ -69,7 +66,7 @@ def load():
                 from torch.utils import cpp_extension
 
                 _put_ninja_on_path()
-                log.info("loading the CPU paged-attention kernel (compiled on first use on a machine, ~30 s)")
+                log.info("loading the CPU paged-attention kernel (compiled on its first use on a machine)")
                 _module = cpp_extension.load(
                     name=f"tandem_paged_decode_cpu_{_cpu_tag()}",
                     sources=[_SOURCE],
@@ -95,7 +92,8 @@ def build_error() -> str | None:
 def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
     """query [B, Hq, D], one token per sequence at position seq_lens[b] - 1 -> [B, Hq, D]."""
-    return load().paged_decode_attention(query.contiguous(), k_cache, v_cache, block_tables, seq_lens, scale)
+    module = _module if _module is not None else load()  # every layer of every step: no lock once loaded
+    return module.paged_decode_attention(query.contiguous(), k_cache, v_cache, block_tables, seq_lens, scale)
 
 
 @dataclass
@@ -106,7 +104,7 @@ class _StepPlan:
     block_tables: torch.Tensor | None  # int32 [decodes, max_blocks], None when the step has no decode
     seq_lens: torch.Tensor | None  # int32 [decodes]
     query_starts: list[int]
-    masks: dict = field(default_factory=dict)  # prefill chunks' causal masks, see attention.prefill_attention
+    masks: dict = field(default_factory=dict)  # prefill chunks' causal masks, see attention.attend_prefill_chunks
 
 
 def _step_plan(meta: AttentionMetadata) -> _StepPlan:
@@ -138,11 +136,5 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         out[plan.decode_rows] = paged_decode_attention(
             query.index_select(0, plan.decode_rows), k_cache, v_cache, plan.block_tables, plan.seq_lens, scale
         )
-    for b, query_len in enumerate(meta.query_lens_list):
-        if query_len > 1:
-            start = plan.query_starts[b]
-            out[start : start + query_len] = attention.prefill_attention(
-                query[start : start + query_len], k_cache, v_cache, meta.block_tables[b], meta.seq_lens_list[b],
-                scale, plan.masks,
-            )
+    attention.attend_prefill_chunks(out, query, k_cache, v_cache, meta, scale, plan.query_starts, plan.masks)
     return out

@@ -199,7 +199,7 @@ def _causal_mask(masks: dict, seq_len: int, query_len: int, dtype: torch.dtype, 
     return mask
 
 
-def prefill_attention(
+def _prefill_attention(
     query: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
@@ -244,12 +244,18 @@ def paged_attention(
     out = torch.empty_like(query)
     for group in groups:
         out[group.token_index] = _decode_attention(query[group.token_index], k_cache, v_cache, group, scale)
-    starts = plan.query_starts
+    attend_prefill_chunks(out, query, k_cache, v_cache, meta, scale, plan.query_starts, plan.masks)
+    return out
+
+
+def attend_prefill_chunks(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          meta: AttentionMetadata, scale: float, query_starts: list[int], masks: dict) -> None:
+    """Writes into `out` the attention of every sequence of the step that brings more than one token (a
+    prefill chunk), one sequence at a time; decode rows are left to the caller."""
     for b, query_len in enumerate(meta.query_lens_list):
         if query_len > 1:
-            start = starts[b]
-            out[start : start + query_len] = prefill_attention(
+            start = query_starts[b]
+            out[start : start + query_len] = _prefill_attention(
                 query[start : start + query_len], k_cache, v_cache, meta.block_tables[b], meta.seq_lens_list[b],
-                scale, plan.masks,
+                scale, masks,
             )
-    return out
