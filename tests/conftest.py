@@ -161,11 +161,14 @@ def hf_smollm2(smollm2_gguf_path, hf_smollm2_tokenizer):
 
 
 @pytest.fixture(scope="session")
-def smollm2(smollm2_gguf_path):
-    """Our LoadedModel for the SmolLM2 GGUF, float32 on CPU."""
+def smollm2(smollm2_gguf_path, cpu_attention_kernel):
+    """Our LoadedModel for the SmolLM2 GGUF, float32 on CPU, on the ops a CPU worker serves with (attention
+    backend "auto": the native kernel where it builds; the torch reference path is covered on the tiny models
+    and against the kernel in tests/kernels)."""
+    from tandem.workers.layers.ops import resolve_backend
     from tandem.workers.models.loader import load_model
 
-    return load_model(smollm2_gguf_path, dtype="float32")
+    return load_model(smollm2_gguf_path, dtype="float32", backend=resolve_backend("auto", "cpu"))
 
 
 # -- tiny random checkpoints -----------------------------------------------------------------------------

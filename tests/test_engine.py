@@ -83,13 +83,12 @@ def mut(request, models_under_test) -> ModelUnderTest:
     name = request.param
     if name not in models_under_test:
         transformers = pytest.importorskip("transformers")
-        backend = resolve_backend("auto", "cpu")
         if name == "smollm2":
-            loaded = load_model(request.getfixturevalue("smollm2_gguf_path"), dtype="float32", backend=backend)
+            loaded = request.getfixturevalue("smollm2")  # already on the serving backend
             hf_model, _ = request.getfixturevalue("hf_smollm2")
         else:
             folder = request.getfixturevalue(f"{name}_dir")
-            loaded = load_model(folder, dtype="float32", backend=backend)
+            loaded = load_model(folder, dtype="float32", backend=resolve_backend("auto", "cpu"))
             hf_model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
         models_under_test[name] = ModelUnderTest(name, loaded, hf_model)
     return models_under_test[name]
