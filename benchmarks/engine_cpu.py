@@ -2,7 +2,9 @@
 
 For each dtype (float32: ours f32 vs HF f32; bfloat16: ours bf16 vs HF bf16):
 (a) batch-1 decode: one request, 32-token prompt, 128 new tokens; tokens/s of the whole request (prefill
-    included, for both), best of 5 runs, ours and HF interleaved.
+    included, for both), best of 5 runs, ours and HF interleaved. Ours serves as a CPU worker does: decode
+    GEMMs read the file's Q4_1/Q8_0 blocks (the same weights to the bit as HF's dequantized ones);
+    --quantized-gemv off reads the float weights, as HF does.
 (b) 32 concurrent requests, prompts 32-512 and outputs 16-256 tokens (seeded): aggregate output tokens/s.
     Ours: all submitted at once, continuous batching. HF: `generate` on the same requests in static,
     left-padded batches (each batch runs until its longest request is done; only the tokens each request
@@ -11,6 +13,9 @@ For each dtype (float32: ours f32 vs HF f32; bfloat16: ours bf16 vs HF bf16):
     2 MiB pages as the engine keeps it), 1 and 32 sequences of seeded lengths 64-700: the torch reference
     path (gather + SDPA) against the native CPU kernel, and the kernel's KV bytes read per second as a
     fraction of the read-only bandwidth measured in the same run.
+(d) all GEMMs of one decode step (the LM head included) at 1-32 rows, from the GGUF file's quantized
+    blocks (the native GEMV ours uses for small batches) against the float weights: where the cut-off
+    workers/models/llama.py MAX_GGUF_BLOCK_ROWS comes from.
 Also: batch-1 decode as a fraction of the memory roofline (weight bytes per token / single-process memory
 bandwidth measured in the same run), and the load average around each measurement.
 Targets (issue 2): (a) >= 1.5x HF, (b) >= 3x HF. Prints conditions and ratios; never asserts.
@@ -38,7 +43,9 @@ import torch  # noqa: E402
 from tandem.config import EngineConfig  # noqa: E402
 from tandem.protocol import SamplingParams  # noqa: E402
 from tandem.workers.engine.llm_engine import LLMEngine  # noqa: E402
+from tandem.workers.kernels.gguf_linear import gguf_linear  # noqa: E402
 from tandem.workers.layers.ops import resolve_backend  # noqa: E402
+from tandem.workers.models.llama import MAX_GGUF_BLOCK_ROWS  # noqa: E402
 from tandem.workers.models.loader import load_model, resolve_model_source  # noqa: E402
 
 Work = list[tuple[list[int], int]]  # (prompt token ids, output length) per request
@@ -89,13 +96,24 @@ def memory_bandwidth(size_bytes: int = 1 << 30) -> tuple[float, float]:
     return size_bytes / copy_s / 1e9, size_bytes / read_s / 1e9
 
 
-def decode_weight_bytes(model) -> int:
-    """Bytes of weights one decode step must read: every GEMM weight (the LM head included) and the norms;
-    the embedding table only contributes the one row it looks up, counted as nothing."""
-    embed = model.model.embed_tokens.weight
-    total = sum(p.numel() * p.element_size() for name, p in model.named_parameters() if "embed_tokens" not in name)
-    if model.lm_head is None:  # tied: the LM head GEMM reads the whole embedding table
-        total += embed.numel() * embed.element_size()
+def decode_weight_bytes(model, gguf_blocks: bool) -> int:
+    """Bytes of weights one batch-1 decode step must read: every GEMM weight (the LM head included) and the
+    norms; the embedding table only contributes the one row it looks up, counted as nothing. With
+    gguf_blocks, a GEMM that has its GGUF blocks (quantized GEMV) reads those instead of its float weight."""
+    from tandem.workers.models.llama import Linear
+
+    def nbytes(t: torch.Tensor) -> int:
+        return t.numel() * t.element_size()
+
+    head = model.model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
+    gemms = {id(m.weight): m.gguf_blocks for m in model.modules() if isinstance(m, Linear)}
+    gemms[id(head)] = model.lm_head_blocks
+    total = 0
+    for name, p in model.named_parameters():
+        if "embed_tokens" in name and p is not head:
+            continue
+        blocks = gemms.get(id(p))
+        total += nbytes(blocks.data) if gguf_blocks and blocks is not None else nbytes(p)
     return total
 
 
@@ -188,11 +206,11 @@ def _attention_step(paged_attention, cache, query, lengths, tables) -> None:
 def bench_decode_attention(dtype: str, read_gbs: float) -> None:
     """(c): see the module docstring."""
     from tandem.workers.engine.huge_pages import collapse_into_huge_pages
-    from tandem.workers.kernels import cpu_attention
+    from tandem.workers.kernels import cpu_attention, cpu_extension
     from tandem.workers.layers import attention
 
-    if not cpu_attention.available():
-        print(f"(c) decode attention: the CPU kernel is unavailable ({cpu_attention.build_error()})")
+    if not cpu_extension.available():
+        print(f"(c) decode attention: the CPU kernel is unavailable ({cpu_extension.build_error()})")
         return
     layers, heads, kv_heads, head_dim, block_size, num_blocks = 30, 9, 3, 64, 16, 2048
     torch_dtype = getattr(torch, dtype)
@@ -224,12 +242,47 @@ def bench_decode_attention(dtype: str, read_gbs: float) -> None:
     gc.collect()
 
 
+def bench_gemms_by_rows(model, dtype: str) -> None:
+    """(d): see the module docstring."""
+    from tandem.workers.models.llama import Linear, PackedWeight, linear
+
+    torch_dtype = getattr(torch, dtype)
+    head = model.model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
+    head_packed = PackedWeight()
+    gemms = [(m.weight, m.bias, m.packed, m.gguf_blocks) for m in model.modules() if isinstance(m, Linear)]
+    gemms.append((head, None, head_packed, model.lm_head_blocks))
+    if any(blocks is None for *_, blocks in gemms):
+        print("(d) GEMMs by rows: skipped, not every GEMM has GGUF blocks here (--quantized-gemv off, or no kernel)")
+        return
+    cutoff = MAX_GGUF_BLOCK_ROWS[torch_dtype]
+    print(f"(d) all {len(gemms)} GEMMs of one decode step by rows: from GGUF blocks vs from the float weights "
+          f"(oneDNN-packed from 4 rows); best of 5; ours reads blocks up to {cutoff} rows")
+    with torch.inference_mode():
+        for rows in (1, 2, 4, 8, 12, 16, 24, 32):
+            x = {k: torch.randn(rows, k).to(torch_dtype) for k in {w.shape[1] for w, *_ in gemms}}
+            times = {}
+            for name, use_blocks in (("blocks", True), ("float", False)):
+                best = float("inf")
+                for _ in range(5):
+                    start = time.perf_counter()
+                    for weight, bias, packed, blocks in gemms:
+                        if use_blocks:
+                            out = gguf_linear(x[weight.shape[1]], blocks)
+                            out = out if bias is None else out.add_(bias)
+                        else:
+                            linear(x[weight.shape[1]], weight, bias, packed)
+                    best = min(best, time.perf_counter() - start)
+                times[name] = best
+            print(f"    {rows:3d} rows: blocks {1e3 * times['blocks']:6.1f} ms, float {1e3 * times['float']:6.1f} ms "
+                  f"= {times['float'] / times['blocks']:.2f}x")
+
+
 def bench_dtype(dtype: str, args, hf_path: str, bandwidth: tuple[float, float]) -> dict:
     from transformers import AutoModelForCausalLM
 
     torch_dtype = getattr(torch, dtype)
     backend = resolve_backend(args.attention_backend, "cpu")
-    loaded = load_model("smollm2", dtype=dtype, device="cpu", backend=backend)
+    loaded = load_model("smollm2", dtype=dtype, device="cpu", backend=backend, quantized_gemv=args.quantized_gemv)
     engine = LLMEngine(loaded, EngineConfig(
         model="smollm2", dtype=dtype, device="cpu", num_kv_blocks=2048, max_num_seqs=64,
         max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=False,
@@ -241,7 +294,8 @@ def bench_dtype(dtype: str, args, hf_path: str, bandwidth: tuple[float, float]) 
     vocab_ids = range(100, 40000)
     cfg = engine.config
     print(f"\n== {dtype}: ours ({loaded.config.name}, block {cfg.block_size}, max_num_batched_tokens "
-          f"{cfg.max_num_batched_tokens}, max_num_seqs {cfg.max_num_seqs}, prefix caching off, attention {backend}) vs HF "
+          f"{cfg.max_num_batched_tokens}, max_num_seqs {cfg.max_num_seqs}, prefix caching off, attention {backend}, "
+          f"{loaded.gguf_block_gemms} GEMMs read GGUF blocks at <= {MAX_GGUF_BLOCK_ROWS[torch_dtype]} rows) vs HF "
           f"transformers {dtype} (attn {hf.config._attn_implementation}) ==")
 
     # Warm-up: first calls pay for oneDNN primitive creation and allocator growth, for both.
@@ -262,7 +316,8 @@ def bench_dtype(dtype: str, args, hf_path: str, bandwidth: tuple[float, float]) 
         hf_runs.append(run_hf(hf, [w], 1, pad_id))
     ours_a, ours_a_cpu = min(r.seconds for r in ours_runs), min(r.cpu_seconds for r in ours_runs)
     hf_a, hf_a_cpu = min(r.seconds for r in hf_runs), min(r.cpu_seconds for r in hf_runs)
-    weight_bytes = decode_weight_bytes(loaded.model)
+    weight_bytes = decode_weight_bytes(loaded.model, gguf_blocks=True)
+    hf_weight_bytes = decode_weight_bytes(loaded.model, gguf_blocks=False)
     ms_per_token = 1e3 * ours_a / new_tokens
     memcpy_gbs, read_gbs = bandwidth
     roofline_ms = weight_bytes / (memcpy_gbs * 1e9) * 1e3
@@ -275,8 +330,14 @@ def bench_dtype(dtype: str, args, hf_path: str, bandwidth: tuple[float, float]) 
           f"{memcpy_gbs:.1f} GB/s that is {roofline_ms:.1f} ms/token -> ours at {100 * roofline_ms / ms_per_token:.0f}% "
           f"of it; at the read-only {read_gbs:.1f} GB/s, {read_roofline_ms:.1f} ms/token -> "
           f"{100 * read_roofline_ms / ms_per_token:.0f}%")
+    if weight_bytes != hf_weight_bytes:
+        hf_ms = 1e3 * hf_a / new_tokens
+        print(f"    HF reads the dequantized {hf_weight_bytes / 1e6:.0f} MB per token: "
+              f"{hf_weight_bytes / (read_gbs * 1e9) * 1e3:.1f} ms/token at the read-only bandwidth -> HF at "
+              f"{100 * hf_weight_bytes / (read_gbs * 1e9) * 1e3 / hf_ms:.0f}% of its own roofline")
 
     bench_decode_attention(dtype, read_gbs)
+    bench_gemms_by_rows(loaded.model, dtype)
 
     # (b) concurrent, mixed lengths.
     n = 8 if args.quick else 32
@@ -322,6 +383,9 @@ def main() -> None:
     ap.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated, each run ours vs HF")
     ap.add_argument("--hf-batch-size", type=int, default=32, help="HF static batch size for (b)")
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048, help="our per-step token budget")
+    ap.add_argument("--quantized-gemv", default="auto", choices=["auto", "off"],
+                    help="ours: auto = decode GEMMs of small batches read the GGUF's Q4_1/Q8_0 blocks (as a CPU "
+                    "worker serves); off = the dequantized weights, as HF")
     ap.add_argument("--attention-backend", default="auto", choices=["auto", "cpu", "torch"],
                     help="ours: auto = what a CPU worker serves with (the native kernel where it builds)")
     args = ap.parse_args()
@@ -337,7 +401,8 @@ def main() -> None:
     print(f"CPU {cpu_description()}")
     print(f"threads {torch.get_num_threads()} (torch.set_num_threads; default is all {os.cpu_count()} cores)")
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, python {platform.python_version()}")
-    print(f"model SmolLM2-135M-Instruct ({os.path.basename(hf_path)}, dequantized to each dtype by both)")
+    print(f"model SmolLM2-135M-Instruct ({os.path.basename(hf_path)}, dequantized to each dtype by both; ours also "
+          f"reads its blocks for small batches: --quantized-gemv {args.quantized_gemv})")
     print(f"{load_average()}")
     bandwidth = memory_bandwidth()
     print(f"memory bandwidth (1 GiB buffers, {torch.get_num_threads()} threads): memcpy {bandwidth[0]:.1f} GB/s, "

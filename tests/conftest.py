@@ -23,13 +23,13 @@ TINY_VOCAB = 49152  # SmolLM2's tokenizer, so the tiny models are servable end t
 
 
 @pytest.fixture(scope="session", autouse=True)
-def cpu_attention_kernel():
-    """Workers that tests start serve with the native CPU paged-attention kernel ("auto" backend). Building it
-    here, once, before any worker starts (about half a minute on a fresh machine, then cached) keeps the
-    build out of every worker's startup time."""
-    from tandem.workers.kernels import cpu_attention
+def cpu_kernels():
+    """Workers that tests start serve with the native CPU kernels (paged attention, GGUF GEMV: "auto").
+    Building them here, once, before any worker starts (about half a minute on a fresh machine, then cached)
+    keeps the build out of every worker's startup time."""
+    from tandem.workers.kernels import cpu_extension
 
-    return cpu_attention.load()
+    return cpu_extension.load()
 
 
 # -- paged-cache helpers ---------------------------------------------------------------------------------
@@ -161,10 +161,11 @@ def hf_smollm2(smollm2_gguf_path, hf_smollm2_tokenizer):
 
 
 @pytest.fixture(scope="session")
-def smollm2(smollm2_gguf_path, cpu_attention_kernel):
-    """Our LoadedModel for the SmolLM2 GGUF, float32 on CPU, on the ops a CPU worker serves with (attention
-    backend "auto": the native kernel where it builds; the torch reference path is covered on the tiny models
-    and against the kernel in tests/kernels)."""
+def smollm2(smollm2_gguf_path, cpu_kernels):
+    """Our LoadedModel for the SmolLM2 GGUF, float32 on CPU, as a CPU worker serves it ("auto"): attention
+    through the native kernel where it builds, and decode GEMMs of up to 8 rows from the file's Q4_1 / Q8_0
+    blocks where the GGUF GEMV runs (the torch reference path and the float weights are covered on the tiny
+    models, the kernels against references in tests/kernels)."""
     from tandem.workers.layers.ops import resolve_backend
     from tandem.workers.models.loader import load_model
 

@@ -168,9 +168,10 @@ def test_unpermute_inverts_llama_cpp_permute():
     assert not np.array_equal(_llama_cpp_permute(weight, 3), weight)
 
 
-def _hf_to_gguf(hf_model, path, arch: str) -> str:
+def _hf_to_gguf(hf_model, path, arch: str, quantize_as=lambda hf_name: None) -> str:
     """Writes an HF Llama/Qwen2 model the way convert_hf_to_gguf.py does (F32, Q/K permuted for llama,
-    no output.weight when tied, llama3 rope scaling as the rope_freqs tensor)."""
+    no output.weight when tied, llama3 rope scaling as the rope_freqs tensor); quantize_as(hf_name) may name
+    a type a tensor is quantized to instead."""
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     config = hf_model.config
@@ -184,7 +185,10 @@ def _hf_to_gguf(hf_model, path, arch: str) -> str:
             array = _llama_cpp_permute(array, config.num_attention_heads)
         elif arch == "llama" and ".k_proj." in hf_name:
             array = _llama_cpp_permute(array, config.num_key_value_heads)
-        tensors[names.get_name(hf_name, try_suffixes=(".weight", ".bias"))] = (np.ascontiguousarray(array), None)
+        qtype = quantize_as(hf_name)
+        if qtype is not None:
+            array = gguf.quants.quantize(np.ascontiguousarray(array), qtype)
+        tensors[names.get_name(hf_name, try_suffixes=(".weight", ".bias"))] = (np.ascontiguousarray(array), qtype)
     rope = config.rope_parameters
     if rope.get("rope_type") == "llama3":
         scaled, _ = ROPE_INIT_FUNCTIONS["llama3"](config)
@@ -223,3 +227,42 @@ def test_gguf_conversion_of_tiny_models_matches_transformers(fixture, arch, requ
         reference = hf_model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 :]
     assert tokens == expected
     torch.testing.assert_close(torch.stack(step_logits), reference[: len(step_logits)], rtol=0, atol=1e-4)
+
+
+def _mixed_quantization(hf_name: str):
+    """GEMM weights in the three types the CPU GEMV reads; layer 0's k_proj in another type than its q and v,
+    so its fused qkv GEMM cannot take blocks."""
+    if hf_name.endswith("norm.weight") or hf_name.endswith(".bias"):
+        return None
+    if "layers.0.self_attn.k_proj" in hf_name:
+        return Q.Q8_0
+    if "self_attn." in hf_name:
+        return Q.Q4_0
+    return Q.Q4_1 if ".mlp." in hf_name else Q.Q8_0  # the rest: embedding and LM head
+
+
+@pytest.mark.parametrize("fixture, arch", [("tiny_llama_dir", "llama"), ("tiny_qwen2_dir", "qwen2")])
+def test_quantized_gguf_serves_from_its_blocks_as_from_its_dequantized_weights(fixture, arch, request, tmp_path,
+                                                                                paged_greedy):
+    """Decode GEMMs read the file's blocks (quantized_gemv "auto", kernels/gguf_linear.py): rows un-permuted
+    like the dequantized weights', fused shards concatenated, and the same greedy tokens and logits."""
+    from tandem.workers.kernels import gguf_linear
+
+    transformers = pytest.importorskip("transformers")
+    if not gguf_linear.supported():
+        pytest.skip("no GGUF GEMV kernel on this machine (no compiler or no AVX-512)")
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(request.getfixturevalue(fixture)).eval()
+    path = _hf_to_gguf(hf_model, tmp_path / f"tiny-{arch}-q.gguf", arch, _mixed_quantization)
+    blocks, floats = load_model(path), load_model(path, quantized_gemv="off")
+    layers = blocks.config.num_layers
+    # Per layer qkv, o, gate_up and down, less layer 0's mixed qkv; plus the LM head (tied: the embedding).
+    assert blocks.gguf_block_gemms == 4 * layers - 1 + 1 and floats.gguf_block_gemms == 0
+    assert blocks.model.model.layers[0].self_attn.qkv_proj.gguf_blocks is None
+    assert blocks.model.model.layers[1].self_attn.qkv_proj.gguf_blocks.ggml_type == Q.Q4_0
+    assert blocks.model.lm_head_blocks.ggml_type == Q.Q8_0
+
+    prompt = [17, 4000, 123, 9, 30000, 77, 5]
+    tokens, step_logits = paged_greedy(blocks.model, prompt, 12, stop_ids=[])
+    expected_tokens, expected_logits = paged_greedy(floats.model, prompt, 12, stop_ids=[])
+    assert tokens == expected_tokens
+    torch.testing.assert_close(torch.stack(step_logits), torch.stack(expected_logits), rtol=0, atol=1e-4)

@@ -10,9 +10,8 @@ import uvicorn
 from tandem.config import WorkerConfig
 from tandem.metrics import EngineMetrics
 from tandem.workers.async_engine import AsyncEngine
-from tandem.workers.engine.llm_engine import LLMEngine, resolve_device
+from tandem.workers.engine.llm_engine import LLMEngine, load_engine_model
 from tandem.workers.kv_transfer import create_kv_transfer
-from tandem.workers.models.loader import load_model
 from tandem.workers.server import ServingContext, build_app
 
 log = logging.getLogger("tandem.worker")
@@ -34,9 +33,7 @@ class _Server(uvicorn.Server):
 
 def build_worker(config: WorkerConfig) -> tuple[ServingContext, AsyncEngine]:
     ec = config.engine
-    device, backend = resolve_device(ec)
-    loaded = load_model(ec.model, dtype=ec.dtype, device=device, backend=backend,
-                        served_name=ec.served_model_name)
+    loaded = load_engine_model(ec)
     if loaded.tokenizer is None:
         raise SystemExit(f"{ec.model} has no tokenizer (tokenizer.json or GGUF metadata); cannot serve it")
     served = ec.served_model_name or loaded.config.name
@@ -54,9 +51,13 @@ def build_worker(config: WorkerConfig) -> tuple[ServingContext, AsyncEngine]:
 
 
 def _engine_summary(async_engine: AsyncEngine) -> str:
-    """Device, dtype and attention backend as resolved from "auto": what a user needs to know is serving."""
+    """Device, dtype, attention backend and GEMV weights as resolved from "auto": what a user needs to know
+    is serving."""
     runner = async_engine.engine.runner
-    return f"{runner.device.type} {str(runner.dtype).removeprefix('torch.')}, attention {runner.model.ops.backend}"
+    summary = f"{runner.device.type} {str(runner.dtype).removeprefix('torch.')}, attention {runner.model.ops.backend}"
+    if runner.gguf_block_gemms:
+        summary += f", {runner.gguf_block_gemms} GEMMs from GGUF blocks at small batches"
+    return summary
 
 
 def run_worker(config: WorkerConfig, log_level: str = "info") -> int:

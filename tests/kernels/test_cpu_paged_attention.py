@@ -16,7 +16,7 @@ import shutil
 import pytest
 import torch
 
-from tandem.workers.kernels import cpu_attention
+from tandem.workers.kernels import cpu_attention, cpu_extension
 from tandem.workers.layers import attention as reference
 from tandem.workers.layers.ops import get_ops, resolve_backend
 
@@ -31,7 +31,7 @@ TOLERANCE = {
 def kernel_built():
     if shutil.which("g++") is None and shutil.which("c++") is None:
         pytest.skip("no C++ compiler here: the CPU kernel cannot be built (workers use the torch path)")
-    assert cpu_attention.available(), f"the CPU kernel did not build: {cpu_attention.build_error()}"
+    assert cpu_extension.available(), f"the CPU kernels did not build: {cpu_extension.build_error()}"
 
 
 @pytest.fixture
@@ -124,8 +124,8 @@ def test_auto_backend_serves_with_the_kernel_on_cpu():
 def test_backend_and_device_must_agree(monkeypatch):
     with pytest.raises(ValueError, match="does not run on device 'cuda'"):
         resolve_backend("cpu", "cuda")
-    monkeypatch.setattr(cpu_attention, "_module", None)
-    monkeypatch.setattr(cpu_attention, "_error", "OSError: no compiler")
+    monkeypatch.setattr(cpu_extension, "_module", None)
+    monkeypatch.setattr(cpu_extension, "_error", "OSError: no compiler")
     with pytest.raises(RuntimeError, match="could not be built here .OSError: no compiler"):
         get_ops("cpu")
     assert resolve_backend("auto", "cpu") == "torch"
@@ -134,7 +134,7 @@ def test_backend_and_device_must_agree(monkeypatch):
 def test_ninja_from_the_virtualenv_is_put_on_path(monkeypatch):
     """The build needs `ninja` on PATH; when only the pip package's copy exists, its folder is added."""
     ninja = pytest.importorskip("ninja")
-    monkeypatch.setattr(cpu_attention.shutil, "which", lambda name: None)
+    monkeypatch.setattr(cpu_extension.shutil, "which", lambda name: None)
     monkeypatch.setenv("PATH", "/nonexistent")
-    cpu_attention._put_ninja_on_path()
+    cpu_extension._put_ninja_on_path()
     assert os.environ["PATH"].split(os.pathsep)[0] == ninja.BIN_DIR

@@ -27,7 +27,7 @@ from tandem.workers.engine.scheduler import Scheduler
 from tandem.workers.engine.sequence import Sequence
 from tandem.workers.kv_transfer import KVTransfer, KVTransferError
 from tandem.workers.layers.ops import resolve_backend
-from tandem.workers.models.loader import load_model
+from tandem.workers.models.loader import LoadedModel, load_model
 
 FINISH_REASONS = ("stop", "length", "abort", "prefill_done")
 
@@ -88,6 +88,13 @@ def resolve_device(config: EngineConfig) -> tuple[str, str]:
     return device, resolve_backend(config.attention_backend, torch.device(device).type)
 
 
+def load_engine_model(config: EngineConfig) -> LoadedModel:
+    """The model an engine with `config` serves, on the device and attention backend "auto" resolves to."""
+    device, backend = resolve_device(config)
+    return load_model(config.model, dtype=config.dtype, device=device, backend=backend,
+                      served_name=config.served_model_name, quantized_gemv=config.quantized_gemv)
+
+
 class LLMEngine:
     def __init__(self, loaded: Any, config: EngineConfig, metrics: EngineMetrics | None = None):
         self.config = config
@@ -134,10 +141,7 @@ class LLMEngine:
     @classmethod
     def from_config(cls, config: EngineConfig, metrics: EngineMetrics | None = None) -> LLMEngine:
         """Load `config.model` (resolving device and attention backend "auto") and build the engine."""
-        device, backend = resolve_device(config)
-        loaded = load_model(config.model, dtype=config.dtype, device=device, backend=backend,
-                            served_name=config.served_model_name)
-        return cls(loaded, config, metrics)
+        return cls(load_engine_model(config), config, metrics)
 
     # ----------------------------------------------------------------- requests
 

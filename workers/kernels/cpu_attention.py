@@ -4,95 +4,27 @@ The kernel (csrc/paged_decode_cpu.cpp) reads each sequence's keys and values in 
 where the torch reference path (layers/attention.py) first gathers them into a contiguous copy and pads
 mixed lengths: that gather and the padded attention were 39% of a 32-request serving run's CPU time.
 
-It is compiled once per machine with torch's cpp_extension (g++ and ninja; ~1 minute) and cached under
-TORCH_EXTENSIONS_DIR. `available()` says whether that worked; the engine's "auto" attention backend falls
-back to the torch path when it did not (no compiler, say), so a worker never fails for want of it.
+It is part of the native CPU extension (cpu_extension.py), built once per machine. The engine's "auto"
+attention backend falls back to the torch path when it did not build (no compiler, say), so a worker never
+fails for want of it.
 """
 
 from __future__ import annotations
 
-import hashlib
 import itertools
-import logging
-import os
-import platform
-import shutil
-import threading
 from dataclasses import dataclass, field
 
 import torch
 
+from tandem.workers.kernels import cpu_extension
 from tandem.workers.layers import attention
 from tandem.workers.layers.metadata import AttentionMetadata
-
-log = logging.getLogger(__name__)
-
-_SOURCE = os.path.join(os.path.dirname(__file__), "csrc", "paged_decode_cpu.cpp")
-_lock = threading.Lock()
-_module = None
-_error: str | None = None
-
-
-def _cpu_tag() -> str:
-    """-march=native code runs only on CPUs with the build machine's instruction sets: the build directory
-    is keyed by them, so a shared home directory across machines never loads a foreign build."""
-    flags = ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        pass
-    return hashlib.sha1(f"{platform.machine()} {flags}".encode()).hexdigest()[:10]
-
-
-def _put_ninja_on_path() -> None:
-    """cpp_extension runs `ninja` from PATH. The pip package installs it beside the interpreter, which is not
-    on PATH when a virtualenv's programs are run by their full path (.venv/bin/tandem)."""
-    if shutil.which("ninja") is None:
-        try:
-            import ninja  # a dependency; without it the build fails and says so
-        except ImportError:
-            return
-        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
-
-
-def load():
-    """The compiled extension module, building it on first use; None (and the reason in `build_error()`)
-    when it cannot be built here."""
-    global _module, _error
-    with _lock:
-        if _module is None and _error is None:
-            try:
-                from torch.utils import cpp_extension
-
-                _put_ninja_on_path()
-                log.info("loading the CPU paged-attention kernel (compiled on its first use on a machine)")
-                _module = cpp_extension.load(
-                    name=f"tandem_paged_decode_cpu_{_cpu_tag()}",
-                    sources=[_SOURCE],
-                    extra_cflags=["-O3", "-march=native", "-fopenmp"],
-                    extra_ldflags=["-fopenmp"],
-                    verbose=False,
-                )
-            except Exception as exc:  # no compiler, no ninja, a build error: the torch path still works
-                last_line = (str(exc).strip().splitlines() or [""])[-1]  # a compiler error's last line says most
-                _error = f"{type(exc).__name__}: {last_line}"
-                log.warning("CPU paged-attention kernel unavailable, using the torch path (%s)", _error)
-        return _module
-
-
-def available() -> bool:
-    return load() is not None
-
-
-def build_error() -> str | None:
-    return _error
 
 
 def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
     """query [B, Hq, D], one token per sequence at position seq_lens[b] - 1 -> [B, Hq, D]."""
-    module = _module if _module is not None else load()  # every layer of every step: no lock once loaded
+    module = cpu_extension._module or cpu_extension.load()  # every layer of every step: no lock once loaded
     return module.paged_decode_attention(query.contiguous(), k_cache, v_cache, block_tables, seq_lens, scale)
 
 

@@ -34,24 +34,24 @@ def get_ops(backend: str = "torch") -> SimpleNamespace:
         else:
             ops[name] = getattr(torch_module, name)
     if backend == "cpu":
-        from tandem.workers.kernels import cpu_attention
+        from tandem.workers.kernels import cpu_attention, cpu_extension
 
-        if not cpu_attention.available():
+        if not cpu_extension.available():
             raise RuntimeError(f"attention backend 'cpu': the CPU kernel could not be built here "
-                               f"({cpu_attention.build_error()}); use 'torch' or 'auto'")
+                               f"({cpu_extension.build_error()}); use 'torch' or 'auto'")
         ops["paged_attention"] = cpu_attention.paged_attention
     return SimpleNamespace(backend=backend, **ops)
 
 
 def resolve_backend(backend: str, device: str) -> str:
     """What "auto" means on `device`: Triton on CUDA; on CPU the native paged-attention kernel when it builds
-    here (see kernels/cpu_attention.py), else the torch path."""
+    here (see kernels/cpu_extension.py), else the torch path."""
     if backend == "cpu" and not device.startswith("cpu"):
         raise ValueError(f"attention backend 'cpu' does not run on device {device!r}")
     if backend != "auto":
         return backend
     if device.startswith("cuda"):
         return "triton"
-    from tandem.workers.kernels import cpu_attention
+    from tandem.workers.kernels import cpu_extension
 
-    return "cpu" if cpu_attention.available() else "torch"
+    return "cpu" if cpu_extension.available() else "torch"

@@ -16,6 +16,7 @@ import torch
 from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
 from gguf.quants import dequantize
 
+from tandem.workers.kernels.gguf_linear import BLOCK_TYPES, GGUFBlocks
 from tandem.workers.models.config import ModelConfig
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
@@ -168,19 +169,34 @@ def unpermute_rotary_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
     return weight.reshape(num_heads, head_half, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
+def _unpermute_for(hf_name: str, array: np.ndarray, config: ModelConfig) -> np.ndarray:
+    """The tensor's rows back in HF order where llama.cpp's converter permuted them (Llama Q and K)."""
+    if config.architecture == "llama":
+        for part, heads in (("self_attn.q_proj", config.num_heads), ("self_attn.k_proj", config.num_kv_heads)):
+            if f".{part}." in hf_name:
+                return unpermute_rotary_rows(array, heads)
+    return array
+
+
 def iter_gguf_tensors(reader: GGUFReader, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF parameter name, float32 tensor) for every weight of the file, dequantized and un-permuted."""
-    permuted_heads = {}
-    if config.architecture == "llama":
-        permuted_heads = {"self_attn.q_proj": config.num_heads, "self_attn.k_proj": config.num_kv_heads}
     for tensor in reader.tensors:
         if tensor.name == _ROPE_FREQS:
             continue  # folded into config.rope_scaling
         hf_name = gguf_to_hf_name(tensor.name)
-        array = dequantize_tensor(tensor)
-        for part, heads in permuted_heads.items():
-            if f".{part}." in hf_name:
-                array = unpermute_rotary_rows(array, heads)
+        array = _unpermute_for(hf_name, dequantize_tensor(tensor), config)
         if not array.flags.writeable:  # unquantized float32 tensors are views of the read-only file mapping
             array = array.copy()
         yield hf_name, torch.from_numpy(array)
+
+
+def iter_gguf_blocks(reader: GGUFReader, config: ModelConfig) -> Iterator[tuple[str, GGUFBlocks]]:
+    """(HF parameter name, the file's quantized blocks, rows un-permuted) for every 2-D weight stored in a
+    type the CPU GEMV kernel reads (kernels/gguf_linear.py)."""
+    for tensor in reader.tensors:
+        if tensor.tensor_type not in BLOCK_TYPES or len(tensor.shape) != 2 or tensor.name == _ROPE_FREQS:
+            continue
+        hf_name = gguf_to_hf_name(tensor.name)
+        rows = int(tensor.shape[1])  # GGUF lists dimensions innermost first
+        array = _unpermute_for(hf_name, np.asarray(tensor.data).reshape(rows, -1), config)
+        yield hf_name, GGUFBlocks(tensor.tensor_type, torch.from_numpy(np.array(array)))  # a copy off the mapping

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tandem.workers.kernels.gguf_linear import GGUFBlocks, gguf_linear
 from tandem.workers.layers.metadata import AttentionMetadata
 from tandem.workers.models.config import ModelConfig
 
@@ -72,8 +73,20 @@ def _use_packed(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return x.dtype == torch.bfloat16 and _ONEDNN_BF16
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: PackedWeight) -> torch.Tensor:
-    """F.linear(x, weight, bias), through the pre-packed oneDNN weight where that is faster."""
+# GEMMs with at most this many rows read GGUF-quantized weights in their blocks when the model has them
+# (attach_gguf_blocks): the decode steps of small batches, which are bound by reading the weights. Beyond,
+# the float weights' GEMM wins: benchmarks/engine_cpu.py (d) times both by rows (float32 breaks even near 32
+# rows; bfloat16, on AMX, beyond 8). docs/benchmarks.md has the figures.
+MAX_GGUF_BLOCK_ROWS = {torch.float32: 16, torch.bfloat16: 8}
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: PackedWeight,
+           blocks: GGUFBlocks | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias): from the weight's GGUF blocks for a few rows when it has them, else through
+    the pre-packed oneDNN weight where that is faster."""
+    if blocks is not None and x.dim() == 2 and x.shape[0] <= MAX_GGUF_BLOCK_ROWS.get(x.dtype, 0):
+        out = gguf_linear(x, blocks)
+        return out if bias is None else out.add_(bias)
     if _use_packed(x, weight):
         return torch.ops.mkldnn._linear_pointwise(x, packed.get(weight), bias, "none", [], "")
     return F.linear(x, weight, bias)
@@ -88,9 +101,10 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.packed = PackedWeight()
+        self.gguf_blocks: GGUFBlocks | None = None  # the same weight as the file's quantized blocks, on CPU
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.packed)
+        return linear(x, self.weight, self.bias, self.packed, self.gguf_blocks)
 
 
 class RMSNorm(nn.Module):
@@ -201,6 +215,7 @@ class LlamaForCausalLM(nn.Module):
         )
         self.cos_sin_cache = self._build_cos_sin_cache()
         self.lm_head_packed = PackedWeight()
+        self.lm_head_blocks: GGUFBlocks | None = None
         self._cache_views: tuple[torch.Tensor, list] | None = None
 
     def _build_cos_sin_cache(self) -> torch.Tensor:
@@ -245,7 +260,7 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [B, hidden_size] -> float32 logits [B, vocab_size]."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return linear(hidden, weight, None, self.lm_head_packed).float()
+        return linear(hidden, weight, None, self.lm_head_packed, self.lm_head_blocks).float()
 
     def pack_weights(self) -> None:
         """Builds the packed oneDNN copies of every GEMM weight now (on CPU), rather than on first use."""
@@ -290,6 +305,37 @@ class LlamaForCausalLM(nn.Module):
         if missing:
             names = sorted(f"{name}[{shard}]" if shard is not None else name for name, shard in missing)
             raise ValueError(f"checkpoint is missing {len(names)} tensors, e.g. {names[:5]}")
+
+    def attach_gguf_blocks(self, blocks: Iterable[tuple[str, GGUFBlocks]]) -> int:
+        """Gives each GEMM whose whole weight the file stores in GGUF blocks (every shard of a fused one, all in
+        one type) those blocks, for linear() to read at small batch sizes; returns how many GEMMs got them.
+        The weights must be loaded already: the blocks serve alongside them, not instead."""
+        head = "model.embed_tokens.weight" if self.lm_head is None else "lm_head.weight"
+        shards: dict[str, dict[int | None, GGUFBlocks]] = {}
+        for hf_name, block_rows in blocks:
+            if hf_name == head:
+                self.lm_head_blocks = block_rows
+                continue
+            name, shard = self._map_name(hf_name)
+            if name.endswith(".weight") and isinstance(self._owner(name), Linear):
+                shards.setdefault(name, {})[shard] = block_rows
+        attached = int(self.lm_head_blocks is not None)
+        for name, parts in shards.items():
+            owner = self._fused_owner(name)
+            order = [None] if owner is None else list(range(len(owner.shard_sizes)))
+            if set(parts) != set(order) or len({parts[i].ggml_type for i in order}) != 1:
+                continue  # a shard in another type (or dequantized-only): this GEMM keeps the float path
+            data = torch.cat([parts[i].data for i in order]) if len(order) > 1 else parts[order[0]].data
+            linear_module = self._owner(name)
+            if data.shape[0] != linear_module.weight.shape[0]:
+                raise ValueError(f"GGUF blocks of {name!r} have {data.shape[0]} rows, the weight has "
+                                 f"{linear_module.weight.shape[0]}")
+            linear_module.gguf_blocks = GGUFBlocks(parts[order[0]].ggml_type, data)
+            attached += 1
+        return attached
+
+    def _owner(self, param_name: str) -> nn.Module:
+        return self.get_submodule(param_name.rpartition(".")[0])
 
     def _fused_owner(self, param_name: str) -> nn.Module | None:
         """The attention or MLP module whose fused projection holds param_name, or None."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from dataclasses import dataclass
 
@@ -10,11 +11,14 @@ import torch
 
 from tandem.model_source import DEFAULT_MODEL_ALIAS, resolve_model_source  # noqa: F401 (re-exported)
 from tandem.tokenizer import Tokenizer
+from tandem.workers.kernels import gguf_linear
 from tandem.workers.layers.ops import get_ops
 from tandem.workers.models.config import ModelConfig
-from tandem.workers.models.gguf_loader import iter_gguf_tensors, load_gguf_config, open_gguf
+from tandem.workers.models.gguf_loader import iter_gguf_blocks, iter_gguf_tensors, load_gguf_config, open_gguf
 from tandem.workers.models.hf_loader import iter_hf_tensors, load_hf_config
 from tandem.workers.models.llama import LlamaForCausalLM
+
+log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -27,6 +31,7 @@ class LoadedModel:
     source: str  # the resolved path
     dtype: torch.dtype
     device: torch.device
+    gguf_block_gemms: int = 0  # GEMMs that read GGUF blocks at small batch sizes (see quantized_gemv)
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
@@ -60,10 +65,15 @@ def load_model(
     device: str | torch.device = "cpu",
     backend: str = "torch",
     served_name: str | None = None,
+    quantized_gemv: str = "auto",
 ) -> LoadedModel:
     """Loads weights, config and tokenizer (None when the checkpoint has none). dtype "auto" is float32 on
     CPU and bfloat16 on CUDA; the served name defaults to "smollm2" for the alias, else the checkpoint's
-    folder or file stem."""
+    folder or file stem. quantized_gemv "auto": on CPU, the GEMMs of a GGUF file's Q4_0 / Q4_1 / Q8_0
+    weights also keep the file's blocks, read instead of the float weights for a few rows (decode steps of
+    small batches) where the native kernel runs (AVX-512); "off": the float weights only."""
+    if quantized_gemv not in ("auto", "off"):
+        raise ValueError(f"quantized_gemv must be 'auto' or 'off', not {quantized_gemv!r}")
     path = resolve_model_source(source)
     device = torch.device(device)
     torch_dtype = resolve_dtype(dtype, device)
@@ -88,4 +98,12 @@ def load_model(
         model = LlamaForCausalLM(config, ops)
     model.load_weights(weights)
     model.eval()
-    return LoadedModel(model=model, config=config, tokenizer=tokenizer, source=path, dtype=torch_dtype, device=device)
+    block_gemms = 0
+    if quantized_gemv == "auto" and device.type == "cpu" and not os.path.isdir(path):
+        if gguf_linear.supported():
+            block_gemms = model.attach_gguf_blocks(iter_gguf_blocks(reader, config))
+        else:
+            log.info("GGUF blocks are not read here (the GEMV needs the native CPU extension and AVX-512): "
+                     "every GEMM uses the dequantized weights")
+    return LoadedModel(model=model, config=config, tokenizer=tokenizer, source=path, dtype=torch_dtype, device=device,
+                       gguf_block_gemms=block_gemms)

@@ -6,11 +6,11 @@
 // in place, for the query heads that share each KV head (GQA), with scores and softmax in float32 as SDPA
 // keeps them.
 //
-// Built by workers/kernels/cpu_attention.py with torch's cpp_extension (-O3 -march=native -fopenmp):
+// Built by workers/kernels/cpu_extension.py with torch's cpp_extension (-O3 -march=native -fopenmp):
 // `#pragma omp simd` marks the loops the compiler should vectorize, `omp parallel` shares the sequences out
 // over torch's own OpenMP threads (the extension links the libgomp torch has already loaded).
 
-#include <torch/extension.h>
+#include "cpu_kernels.h"
 
 #include <ATen/Parallel.h>
 
@@ -181,11 +181,12 @@ void decode_attention(const T* query, const T* k_cache, const T* v_cache, T* out
   }
 }
 
+}  // namespace
+
 // query [B, Hq, D] contiguous; k_cache / v_cache [num_blocks, block_size, Hkv, D], each block's rows contiguous
 // (the block stride may span other layers); block_tables int32 [B, max_blocks]; seq_lens int32 [B] (>= 1).
-torch::Tensor paged_decode_attention(const torch::Tensor& query, const torch::Tensor& k_cache,
-                                     const torch::Tensor& v_cache, const torch::Tensor& block_tables,
-                                     const torch::Tensor& seq_lens, double scale) {
+at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                  const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale) {
   TORCH_CHECK(query.device().is_cpu() && k_cache.device().is_cpu() && block_tables.device().is_cpu() &&
               seq_lens.device().is_cpu(), "CPU tensors only");
   TORCH_CHECK(query.dim() == 3 && query.is_contiguous(), "query must be a contiguous [B, Hq, D] tensor");
@@ -197,11 +198,11 @@ torch::Tensor paged_decode_attention(const torch::Tensor& query, const torch::Te
   TORCH_CHECK(query.size(2) == head_dim && query.size(1) % num_kv_heads == 0 && query.size(1) > 0,
               "query heads do not match the cache");
   TORCH_CHECK(query.scalar_type() == k_cache.scalar_type(), "query and cache dtypes differ");
-  TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && block_tables.is_contiguous() && block_tables.dim() == 2,
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.is_contiguous() && block_tables.dim() == 2,
               "block_tables must be contiguous int32 [B, max_blocks]");
-  TORCH_CHECK(seq_lens.scalar_type() == torch::kInt32 && seq_lens.is_contiguous(), "seq_lens must be contiguous int32");
+  TORCH_CHECK(seq_lens.scalar_type() == at::kInt && seq_lens.is_contiguous(), "seq_lens must be contiguous int32");
   TORCH_CHECK(block_tables.size(0) == query.size(0) && seq_lens.numel() == query.size(0), "one table row and length per query");
-  auto out = torch::empty_like(query);
+  auto out = at::empty_like(query);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_decode_attention", [&] {
     // The usual head sizes get loops unrolled at compile time.
     auto run = [&](auto kernel) {
@@ -215,10 +216,4 @@ torch::Tensor paged_decode_attention(const torch::Tensor& query, const torch::Te
     else run(decode_attention<scalar_t, 0>);
   });
   return out;
-}
-
-}  // namespace
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention, "Decode attention over the paged KV cache (CPU)");
 }
