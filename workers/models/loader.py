@@ -16,7 +16,7 @@ from tandem.workers.layers.ops import get_ops
 from tandem.workers.models.config import ModelConfig
 from tandem.workers.models.gguf_loader import iter_gguf_blocks, iter_gguf_tensors, load_gguf_config, open_gguf
 from tandem.workers.models.hf_loader import iter_hf_tensors, load_hf_config
-from tandem.workers.models.llama import LlamaForCausalLM
+from tandem.workers.models.llama import MAX_GGUF_BLOCK_ROWS, LlamaForCausalLM
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +99,8 @@ def load_model(
     model.load_weights(weights)
     model.eval()
     block_gemms = 0
-    if quantized_gemv == "auto" and device.type == "cpu" and not os.path.isdir(path):
+    if (quantized_gemv == "auto" and device.type == "cpu" and not os.path.isdir(path)
+            and torch_dtype in MAX_GGUF_BLOCK_ROWS):  # float16 activations: the float weights only
         if gguf_linear.supported():
             block_gemms = model.attach_gguf_blocks(iter_gguf_blocks(reader, config))
         else:
