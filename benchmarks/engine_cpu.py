@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import copy
 import datetime
+import functools
 import gc
 import os
 import platform
@@ -98,23 +99,18 @@ def memory_bandwidth(size_bytes: int = 1 << 30) -> tuple[float, float]:
 
 def decode_weight_bytes(model, gguf_blocks: bool) -> int:
     """Bytes of weights one batch-1 decode step must read: every GEMM weight (the LM head included) and the
-    norms; the embedding table only contributes the one row it looks up, counted as nothing. With
-    gguf_blocks, a GEMM that has its GGUF blocks (quantized GEMV) reads those instead of its float weight."""
-    from tandem.workers.models.llama import Linear
+    other parameters (norms, biases); the embedding table only contributes the one row it looks up, counted
+    as nothing unless it is the head. With gguf_blocks, a GEMM that has its GGUF blocks (quantized GEMV)
+    reads those instead of its float weight."""
 
     def nbytes(t: torch.Tensor) -> int:
         return t.numel() * t.element_size()
 
-    head = model.model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
-    gemms = {id(m.weight): m.gguf_blocks for m in model.modules() if isinstance(m, Linear)}
-    gemms[id(head)] = model.lm_head_blocks
-    total = 0
-    for name, p in model.named_parameters():
-        if "embed_tokens" in name and p is not head:
-            continue
-        blocks = gemms.get(id(p))
-        total += nbytes(blocks.data) if gguf_blocks and blocks is not None else nbytes(p)
-    return total
+    gemms = {id(gemm.weight): gemm for gemm in model.gemms()}
+    total = sum(nbytes(gemm.blocks.data) if gguf_blocks and gemm.blocks is not None else nbytes(gemm.weight)
+                for gemm in gemms.values())
+    embedding = model.model.embed_tokens.weight
+    return total + sum(nbytes(p) for p in model.parameters() if id(p) not in gemms and p is not embedding)
 
 
 # ----------------------------------------------------------------------------- workloads
@@ -242,16 +238,22 @@ def bench_decode_attention(dtype: str, read_gbs: float) -> None:
     gc.collect()
 
 
+def _run_gemms(gemms, x: dict[int, torch.Tensor], from_blocks: bool) -> None:
+    """Every GEMM once on x[its input width]: through the GGUF GEMV, or linear() on the float weights."""
+    from tandem.workers.models.llama import linear
+
+    for gemm in gemms:
+        if from_blocks:
+            gguf_linear(x[gemm.weight.shape[1]], gemm.blocks, gemm.bias)
+        else:
+            linear(x[gemm.weight.shape[1]], gemm.weight, gemm.bias, gemm.packed)
+
+
 def bench_gemms_by_rows(model, dtype: str) -> None:
     """(d): see the module docstring."""
-    from tandem.workers.models.llama import Linear, PackedWeight, linear
-
     torch_dtype = getattr(torch, dtype)
-    head = model.model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
-    head_packed = PackedWeight()
-    gemms = [(m.weight, m.bias, m.packed, m.gguf_blocks) for m in model.modules() if isinstance(m, Linear)]
-    gemms.append((head, None, head_packed, model.lm_head_blocks))
-    if any(blocks is None for *_, blocks in gemms):
+    gemms = model.gemms()
+    if any(gemm.blocks is None for gemm in gemms):
         print("(d) GEMMs by rows: skipped, not every GEMM has GGUF blocks here (--quantized-gemv off, or no kernel)")
         return
     cutoff = MAX_GGUF_BLOCK_ROWS[torch_dtype]
@@ -259,22 +261,11 @@ def bench_gemms_by_rows(model, dtype: str) -> None:
           f"(oneDNN-packed from 4 rows); best of 5; ours reads blocks up to {cutoff} rows")
     with torch.inference_mode():
         for rows in (1, 2, 4, 8, 12, 16, 24, 32):
-            x = {k: torch.randn(rows, k).to(torch_dtype) for k in {w.shape[1] for w, *_ in gemms}}
-            times = {}
-            for name, use_blocks in (("blocks", True), ("float", False)):
-                best = float("inf")
-                for _ in range(5):
-                    start = time.perf_counter()
-                    for weight, bias, packed, blocks in gemms:
-                        if use_blocks:
-                            out = gguf_linear(x[weight.shape[1]], blocks)
-                            out = out if bias is None else out.add_(bias)
-                        else:
-                            linear(x[weight.shape[1]], weight, bias, packed)
-                    best = min(best, time.perf_counter() - start)
-                times[name] = best
-            print(f"    {rows:3d} rows: blocks {1e3 * times['blocks']:6.1f} ms, float {1e3 * times['float']:6.1f} ms "
-                  f"= {times['float'] / times['blocks']:.2f}x")
+            x = {k: torch.randn(rows, k).to(torch_dtype) for k in {gemm.weight.shape[1] for gemm in gemms}}
+            blocks_s = best_seconds(functools.partial(_run_gemms, gemms, x, from_blocks=True), 5)
+            floats_s = best_seconds(functools.partial(_run_gemms, gemms, x, from_blocks=False), 5)
+            print(f"    {rows:3d} rows: blocks {1e3 * blocks_s:6.1f} ms, float {1e3 * floats_s:6.1f} ms "
+                  f"= {floats_s / blocks_s:.2f}x")
 
 
 def bench_dtype(dtype: str, args, hf_path: str, bandwidth: tuple[float, float]) -> dict:

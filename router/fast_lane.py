@@ -2,7 +2,8 @@
 
 Per request, FastAPI's stack (error middlewares, the body-limit middleware, route matching, dependency
 resolution, request/response wrappers) cost the router more CPU than tokenizing, routing and proxying did
-in a profile under benchmarks/router.py (which prints the router's CPU per request, the measure). POST /v1/completions and /v1/chat/completions therefore skip it: read the body under the size cap,
+in a profile under benchmarks/router.py (which prints the router's CPU per request, the measure).
+POST /v1/completions and /v1/chat/completions therefore skip it: read the body under the size cap,
 validate it with the same pydantic model, call the same handler, send its response. FastAPI still declares
 both routes, so /openapi.json documents them, and serves every other path.
 """

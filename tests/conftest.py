@@ -163,8 +163,8 @@ def hf_smollm2(smollm2_gguf_path, hf_smollm2_tokenizer):
 @pytest.fixture(scope="session")
 def smollm2(smollm2_gguf_path, cpu_kernels):
     """Our LoadedModel for the SmolLM2 GGUF, float32 on CPU, as a CPU worker serves it ("auto"): attention
-    through the native kernel where it builds, and decode GEMMs of up to 8 rows from the file's Q4_1 / Q8_0
-    blocks where the GGUF GEMV runs (the torch reference path and the float weights are covered on the tiny
+    through the native kernel where it builds, and the GEMMs of small decode batches from the file's Q4_1 /
+    Q8_0 blocks where the GGUF GEMV runs (the torch reference path and the float weights are covered on the tiny
     models, the kernels against references in tests/kernels)."""
     from tandem.workers.layers.ops import resolve_backend
     from tandem.workers.models.loader import load_model

@@ -4,7 +4,8 @@ Covers single requests, many concurrent requests of mixed lengths (continuous ba
 prompt longer than the step budget (chunked prefill), a shared long prefix (prefix-cache hit),
 a KV cache small enough to force preemption, abort, stop conditions, validation and metrics.
 Models: the real SmolLM2-135M GGUF (float32) and tiny random Llama / Qwen2 checkpoints, on the ops a CPU
-worker serves with (attention backend "auto": the native paged-attention kernel where it builds).
+worker serves with ("auto": the native paged-attention kernel where it builds; for the SmolLM2 GGUF, decode
+GEMMs from its blocks where the GGUF GEMV runs).
 HF references are computed once per (model, prompt, length) for the whole session.
 """
 

@@ -55,8 +55,8 @@ def _engine_summary(async_engine: AsyncEngine) -> str:
     is serving."""
     runner = async_engine.engine.runner
     summary = f"{runner.device.type} {str(runner.dtype).removeprefix('torch.')}, attention {runner.model.ops.backend}"
-    if runner.gguf_block_gemms:
-        summary += f", {runner.gguf_block_gemms} GEMMs from GGUF blocks at small batches"
+    if runner.model.gguf_block_gemms:
+        summary += f", {runner.model.gguf_block_gemms} GEMMs from GGUF blocks at small batches"
     return summary
 
 

@@ -11,6 +11,7 @@ there say nothing about the kernels. bf16 is covered by the @pytest.mark.gpu tes
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 
 import pytest
@@ -27,6 +28,18 @@ if not HAS_CUDA and os.environ.get("TRITON_INTERPRET") != "1":
     os.environ["TRITON_INTERPRET"] = "1"
 
 from tandem.workers.layers.metadata import AttentionMetadata  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def cpu_extension_built():
+    """The native CPU kernels' extension, for the modules that test them. Where a C++ compiler is present
+    (CI, a developer's machine) it must build: a build failure fails those tests rather than skipping them,
+    since "auto" would silently serve with the slower torch paths."""
+    from tandem.workers.kernels import cpu_extension
+
+    if shutil.which("g++") is None and shutil.which("c++") is None:
+        pytest.skip("no C++ compiler here: the CPU kernels cannot be built (workers use the torch paths)")
+    assert cpu_extension.available(), f"the CPU kernels did not build: {cpu_extension.build_error()}"
 
 
 @pytest.fixture(autouse=True)

@@ -10,23 +10,18 @@ needs AVX-512, and on a CPU without it these tests skip and say so.
 
 from __future__ import annotations
 
-import shutil
-
 import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize, quantize
 
-from tandem.workers.kernels import cpu_extension, gguf_linear
+from tandem.workers.kernels import gguf_linear
 from tandem.workers.kernels.gguf_linear import GGUFBlocks
 
 
 @pytest.fixture(scope="module", autouse=True)
-def kernel_built():
-    if shutil.which("g++") is None and shutil.which("c++") is None:
-        pytest.skip("no C++ compiler here: the CPU kernels cannot be built (workers use the float weights)")
-    assert cpu_extension.available(), f"the CPU kernels did not build: {cpu_extension.build_error()}"
+def kernel_built(cpu_extension_built):  # tests/kernels/conftest.py: the extension must build here
     if not gguf_linear.supported():
         pytest.skip("this CPU lacks AVX-512: the GGUF GEMV is not built (workers use the float weights)")
 

@@ -11,7 +11,6 @@ these tests rather than skipping them, since "auto" would silently serve with th
 from __future__ import annotations
 
 import os
-import shutil
 
 import pytest
 import torch
@@ -27,11 +26,7 @@ TOLERANCE = {
 }
 
 
-@pytest.fixture(scope="module", autouse=True)
-def kernel_built():
-    if shutil.which("g++") is None and shutil.which("c++") is None:
-        pytest.skip("no C++ compiler here: the CPU kernel cannot be built (workers use the torch path)")
-    assert cpu_extension.available(), f"the CPU kernels did not build: {cpu_extension.build_error()}"
+pytestmark = pytest.mark.usefixtures("cpu_extension_built")  # tests/kernels/conftest.py
 
 
 @pytest.fixture

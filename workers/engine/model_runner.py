@@ -46,7 +46,6 @@ class ModelRunner:
         self.model_config = loaded.config
         self.device = torch.device(loaded.device)
         self.dtype = _as_dtype(loaded.dtype)
-        self.gguf_block_gemms = getattr(loaded, "gguf_block_gemms", 0)
         self.block_size = config.block_size
         mc = self.model_config
         block_bytes = kv_block_bytes(mc.num_layers, self.block_size, mc.num_kv_heads, mc.head_dim, self.dtype)

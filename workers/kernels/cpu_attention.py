@@ -2,7 +2,7 @@
 
 The kernel (csrc/paged_decode_cpu.cpp) reads each sequence's keys and values in place from the paged cache,
 where the torch reference path (layers/attention.py) first gathers them into a contiguous copy and pads
-mixed lengths: that gather and the padded attention were 39% of a 32-request serving run's CPU time.
+mixed lengths; benchmarks/engine_cpu.py (c) times the two.
 
 It is part of the native CPU extension (cpu_extension.py), built once per machine. The engine's "auto"
 attention backend falls back to the torch path when it did not build (no compiler, say), so a worker never
@@ -24,8 +24,7 @@ from tandem.workers.layers.metadata import AttentionMetadata
 def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
     """query [B, Hq, D], one token per sequence at position seq_lens[b] - 1 -> [B, Hq, D]."""
-    module = cpu_extension._module or cpu_extension.load()  # every layer of every step: no lock once loaded
-    return module.paged_decode_attention(query.contiguous(), k_cache, v_cache, block_tables, seq_lens, scale)
+    return cpu_extension.load().paged_decode_attention(query.contiguous(), k_cache, v_cache, block_tables, seq_lens, scale)
 
 
 @dataclass

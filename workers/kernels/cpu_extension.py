@@ -49,8 +49,10 @@ def _put_ninja_on_path() -> None:
 
 def load():
     """The compiled extension module, building it on first use; None (and the reason in `build_error()`)
-    when it cannot be built here."""
+    when it cannot be built here. Kernels call it on every use: once loaded it returns without the lock."""
     global _module, _error
+    if _module is not None:
+        return _module
     with _lock:
         if _module is None and _error is None:
             try:

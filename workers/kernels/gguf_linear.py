@@ -1,7 +1,8 @@
 """x W^T on CPU with W read in a GGUF file's own Q4_0 / Q4_1 / Q8_0 blocks (csrc/gguf_linear_cpu.cpp).
 
-For the few rows of a decode step this reads 5-6x fewer bytes than the dequantized float32 weight, with the
-same weights to the bit (only the summation order differs). The kernel is AVX-512 only and part of the
+For the few rows of a decode step this reads 3.8-7x fewer bytes than the dequantized float32 weight (blocks
+of 32 weights take 34, 20 or 18 bytes against 128), with the same weights to the bit (only the summation
+order differs). The kernel is AVX-512 only and part of the
 native CPU extension (cpu_extension.py); `supported()` says whether this machine has it.
 """
 
@@ -30,7 +31,7 @@ def supported() -> bool:
     return module is not None and module.gguf_linear_supported()
 
 
-def gguf_linear(x: torch.Tensor, weight: GGUFBlocks) -> torch.Tensor:
-    """x [M, K] float32 or bfloat16 -> x W^T [M, rows], in x's dtype."""
-    module = cpu_extension._module or cpu_extension.load()
-    return module.gguf_linear(x, weight.data, int(weight.ggml_type))
+def gguf_linear(x: torch.Tensor, weight: GGUFBlocks, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] float32 or bfloat16 -> x W^T (+ bias) [M, rows], in x's dtype."""
+    out = cpu_extension.load().gguf_linear(x, weight.data, int(weight.ggml_type))
+    return out if bias is None else out.add_(bias)

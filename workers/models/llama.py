@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from types import SimpleNamespace
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -85,11 +86,19 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pac
     """F.linear(x, weight, bias): from the weight's GGUF blocks for a few rows when it has them, else through
     the pre-packed oneDNN weight where that is faster."""
     if blocks is not None and x.dim() == 2 and x.shape[0] <= MAX_GGUF_BLOCK_ROWS.get(x.dtype, 0):
-        out = gguf_linear(x, blocks)
-        return out if bias is None else out.add_(bias)
+        return gguf_linear(x, blocks, bias)
     if _use_packed(x, weight):
         return torch.ops.mkldnn._linear_pointwise(x, packed.get(weight), bias, "none", [], "")
     return F.linear(x, weight, bias)
+
+
+class Gemm(NamedTuple):
+    """One GEMM of the model as linear() takes it: float weight, bias, packed copy, GGUF blocks if any."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    packed: PackedWeight
+    blocks: GGUFBlocks | None
 
 
 class Linear(nn.Module):
@@ -256,22 +265,35 @@ class LlamaForCausalLM(nn.Module):
             cached = self._cache_views = (kv_cache, views)
         return cached[1]
 
+    @property
+    def head_weight(self) -> torch.Tensor:
+        """The LM head's weight: the embedding table when tied."""
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def gemms(self) -> list[Gemm]:
+        """Every GEMM of a step, each once: the decoder layers' and the LM head (read by compute_logits through
+        lm_head_packed and lm_head_blocks, also when untied: the lm_head module's own forward is never run)."""
+        layers = [Gemm(m.weight, m.bias, m.packed, m.gguf_blocks) for m in self.model.modules() if isinstance(m, Linear)]
+        return [*layers, Gemm(self.head_weight, None, self.lm_head_packed, self.lm_head_blocks)]
+
+    @property
+    def gguf_block_gemms(self) -> int:
+        """How many GEMMs read GGUF blocks at small batch sizes (attach_gguf_blocks)."""
+        return sum(gemm.blocks is not None for gemm in self.gemms())
+
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [B, hidden_size] -> float32 logits [B, vocab_size]."""
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return linear(hidden, weight, None, self.lm_head_packed, self.lm_head_blocks).float()
+        return linear(hidden, self.head_weight, None, self.lm_head_packed, self.lm_head_blocks).float()
 
     def pack_weights(self) -> None:
         """Builds the packed oneDNN copies of every GEMM weight now (on CPU), rather than on first use."""
-        head = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        head = self.head_weight
         probe = torch.empty(_MIN_PACKED_F32_ROWS, head.shape[1], dtype=head.dtype, device=head.device)
         if not _use_packed(probe, head):
             return
-        for module in self.modules():
-            if isinstance(module, Linear):
-                module.packed.get(module.weight)
-        self.lm_head_packed.get(head)
+        for gemm in self.gemms():
+            gemm.packed.get(gemm.weight)
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -306,9 +328,9 @@ class LlamaForCausalLM(nn.Module):
             names = sorted(f"{name}[{shard}]" if shard is not None else name for name, shard in missing)
             raise ValueError(f"checkpoint is missing {len(names)} tensors, e.g. {names[:5]}")
 
-    def attach_gguf_blocks(self, blocks: Iterable[tuple[str, GGUFBlocks]]) -> int:
+    def attach_gguf_blocks(self, blocks: Iterable[tuple[str, GGUFBlocks]]) -> None:
         """Gives each GEMM whose whole weight the file stores in GGUF blocks (every shard of a fused one, all in
-        one type) those blocks, for linear() to read at small batch sizes; returns how many GEMMs got them.
+        one type) those blocks, for linear() to read at small batch sizes (gguf_block_gemms counts them).
         The weights must be loaded already: the blocks serve alongside them, not instead."""
         head = "model.embed_tokens.weight" if self.lm_head is None else "lm_head.weight"
         shards: dict[str, dict[int | None, GGUFBlocks]] = {}
@@ -319,7 +341,6 @@ class LlamaForCausalLM(nn.Module):
             name, shard = self._map_name(hf_name)
             if name.endswith(".weight") and isinstance(self._owner(name), Linear):
                 shards.setdefault(name, {})[shard] = block_rows
-        attached = int(self.lm_head_blocks is not None)
         for name, parts in shards.items():
             owner = self._fused_owner(name)
             order = [None] if owner is None else list(range(len(owner.shard_sizes)))
@@ -331,8 +352,6 @@ class LlamaForCausalLM(nn.Module):
                 raise ValueError(f"GGUF blocks of {name!r} have {data.shape[0]} rows, the weight has "
                                  f"{linear_module.weight.shape[0]}")
             linear_module.gguf_blocks = GGUFBlocks(parts[order[0]].ggml_type, data)
-            attached += 1
-        return attached
 
     def _owner(self, param_name: str) -> nn.Module:
         return self.get_submodule(param_name.rpartition(".")[0])

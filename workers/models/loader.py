@@ -31,7 +31,11 @@ class LoadedModel:
     source: str  # the resolved path
     dtype: torch.dtype
     device: torch.device
-    gguf_block_gemms: int = 0  # GEMMs that read GGUF blocks at small batch sizes (see quantized_gemv)
+
+    @property
+    def gguf_block_gemms(self) -> int:
+        """GEMMs that read GGUF blocks at small batch sizes (see quantized_gemv)."""
+        return self.model.gguf_block_gemms
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
@@ -98,13 +102,11 @@ def load_model(
         model = LlamaForCausalLM(config, ops)
     model.load_weights(weights)
     model.eval()
-    block_gemms = 0
     if (quantized_gemv == "auto" and device.type == "cpu" and not os.path.isdir(path)
             and torch_dtype in MAX_GGUF_BLOCK_ROWS):  # float16 activations: the float weights only
         if gguf_linear.supported():
-            block_gemms = model.attach_gguf_blocks(iter_gguf_blocks(reader, config))
+            model.attach_gguf_blocks(iter_gguf_blocks(reader, config))
         else:
             log.info("GGUF blocks are not read here (the GEMV needs the native CPU extension and AVX-512): "
                      "every GEMM uses the dequantized weights")
-    return LoadedModel(model=model, config=config, tokenizer=tokenizer, source=path, dtype=torch_dtype, device=device,
-                       gguf_block_gemms=block_gemms)
+    return LoadedModel(model=model, config=config, tokenizer=tokenizer, source=path, dtype=torch_dtype, device=device)

@@ -9,8 +9,8 @@
 //
 // Rows of W are shared out over torch's threads in contiguous ranges, so each thread streams one run of
 // blocks; a software prefetch ~2 KiB ahead keeps enough reads in flight (the hardware prefetcher alone
-// streamed them at about half the rate in a prototype). x rows are taken in chunks of up to kMaxRows, so that
-// their accumulators stay in registers.
+// kept too few: a prototype without it was clearly slower, in a one-off run). x rows are taken in chunks of
+// up to kMaxRows, so that their accumulators stay in registers.
 //
 // AVX-512 only (with F16C for the block scales): built without it, gguf_linear_supported() is false and
 // callers keep the dequantized weights' path.
@@ -35,7 +35,7 @@ constexpr int64_t kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8;
 constexpr int64_t kGroup = 32;
 constexpr int kMaxRows = 8;
 
-int64_t block_bytes(int64_t ggml_type) {
+constexpr int64_t block_bytes(int64_t ggml_type) {
   switch (ggml_type) {
     case kQ4_0: return 2 + 16;      // f16 d, 32 x 4-bit q
     case kQ4_1: return 2 + 2 + 16;  // f16 d, f16 m, 32 x 4-bit q
@@ -84,7 +84,7 @@ inline void expand_block(const uint8_t* block, __m512& first, __m512& second) {
 template <int64_t kType, int kRows>
 void rows_times_blocks(const float* x, const uint8_t* blocks, float* y, int64_t K, int64_t N, int64_t n0,
                        int64_t n1) {
-  constexpr int64_t kBytes = kType == kQ4_0 ? 18 : kType == kQ4_1 ? 20 : 34;
+  constexpr int64_t kBytes = block_bytes(kType);
   constexpr int64_t kPrefetchAhead = 2048;
   const int64_t blocks_per_row = K / kGroup;
   const uint8_t* block = blocks + n0 * blocks_per_row * kBytes;
