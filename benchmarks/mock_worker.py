@@ -100,11 +100,16 @@ class MockBackend:
         # max_tokens counts the first token too, as a real decode worker counts it.
         end = max(min(len(self.pieces), body["sampling"].get("max_tokens", len(self.pieces))), start + 1)
         resp = await self._sse_response(request)
-        for i in range(start, end):
-            chunk = {"token_ids": [self.token_ids[i % len(self.token_ids)]], "text": self.pieces[i % len(self.pieces)]}
-            if i == end - 1:
+        # One event per token, or (coalesce_after_first) the first at once and the rest in one event.
+        steps = [[i] for i in range(start, end)]
+        if body.get("coalesce_after_first") and len(steps) > 2:
+            steps = [steps[0], list(range(start + 1, end))]
+        for step in steps:
+            chunk = {"token_ids": [self.token_ids[i % len(self.token_ids)] for i in step],
+                     "text": "".join(self.pieces[i % len(self.pieces)] for i in step)}
+            if step[-1] == end - 1:
                 chunk["finish_reason"] = "length"
-            if i == start:
+            if step[0] == start:
                 chunk["kv_source"] = "pulled" if body.get("kv_handle") else "local"
             await resp.write(sse(chunk))
         await resp.write(b"data: [DONE]\n\n")

@@ -16,6 +16,10 @@ workers; p0-p3 are the mock prefill workers of the disaggregated configuration. 
   locality: 32 prefix groups (shared prefix >= 80 tokens, so the 64-token routing key is the group's),
   4 backends, concurrency 16 and 1. Locality = fraction of requests on their group's most-used backend;
   load = requests per backend counted at the mocks, max/mean.
+  long prompts: ~600-token prompts (P/D length, each different), non-streaming, c=1 and c=16, for direct, ours
+  colocated (long prompts tokenized on a thread), the same router with --tokenize-in-thread-chars 10^9 (every
+  prompt tokenized on its event loop), ours disaggregated and sglang-router cache_aware (which routes on text
+  and does not tokenize).
 Targets (issue 5): p99 added <= 1 ms at c=16; non-streaming p50 added <= 1.5x sglang-router's; streaming TTFT
 added <= 1 ms; locality >= 0.95 with max/mean <= 1.25. Prints met / not met; never asserts.
 
@@ -55,6 +59,7 @@ MODEL = "smollm2"
 MOCK_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mock_worker.py")
 BACKEND_TAG = re.compile(r"([bp]\d+):\d+")
 CONCURRENCY = (1, 16, 64)
+LONG_CONCURRENCY = (1, 16)
 WORDS = ("time person year way day thing man world life hand part child eye woman place work week case point "
          "government company number group problem fact river mountain garden window market letter story "
          "question answer paper music table light water money history power city family morning evening "
@@ -207,6 +212,13 @@ def short_bodies(n: int, stream: bool, seed: int) -> list[bytes]:
                         "max_tokens": 4, "temperature": 0, "stream": stream}).encode() for i in range(n)]
 
 
+def long_bodies(n: int, seed: int, words: int = 450) -> list[bytes]:
+    """Non-streaming requests with P/D-length prompts (~600 tokens), each different."""
+    rng = random.Random(seed)
+    return [json.dumps({"model": MODEL, "prompt": f"Document {i}: " + " ".join(rng.choices(WORDS, k=words)),
+                        "max_tokens": 4, "temperature": 0}).encode() for i in range(n)]
+
+
 def group_prompts(groups: int, per_group: int, seed: int, prefix_words: int = 90, tokenizer=None,
                   key_tokens: int = 64) -> list[tuple[int, str]]:
     """(group, prompt) pairs, shuffled: each group's prompts share a long prefix and differ after it."""
@@ -272,6 +284,33 @@ async def latency_suite(target: Target, counts: dict[int, int], warmup: int) -> 
             res.router_cpu_ms = (cpu_seconds(target.pid) - cpu0) * 1000 / counts[c]
             out[(stream, c)] = res
     return out
+
+
+async def long_prompt_suite(target: Target, n: int, warmup: int) -> dict[int, RunResult]:
+    """Non-streaming ~600-token prompts at concurrency 1 and 16: where tokenizing weighs on the router."""
+    await run_load(target.url, long_bodies(warmup, 98), 16, False)
+    out = {}
+    for c in LONG_CONCURRENCY:
+        cpu0 = cpu_seconds(target.pid)
+        out[c] = await run_load(target.url, long_bodies(n // (8 if c == 1 else 1), 100 + c), c, False)
+        out[c].router_cpu_ms = (cpu_seconds(target.pid) - cpu0) * 1000 / len(out[c].latencies_ms or [0])
+    return out
+
+
+def print_long_prompt_table(results: dict[str, dict[int, RunResult]], n_tokens: int) -> None:
+    print(f"\nLong prompts (~{n_tokens} tokens, each different), non-streaming, 4-token completions; +p50/+p99 = "
+          "added over direct")
+    print(f"{'target':<34}" + "".join(f" | c={c:<3} p50     p99   +p50    +p99   req/s  CPU/req" for c in LONG_CONCURRENCY))
+    direct = results["direct"]
+    for name, res in results.items():
+        row = f"{name:<34}"
+        for c in LONG_CONCURRENCY:
+            r, d = res[c], direct[c]
+            a50, a99 = (r.pct(50) - d.pct(50), r.pct(99) - d.pct(99)) if name != "direct" else (0.0, 0.0)
+            row += (f" | {fmt_ms(r.pct(50))} {fmt_ms(r.pct(99))} {fmt_ms(a50)} {fmt_ms(a99)} {r.rps:7.0f} "
+                    f"{r.router_cpu_ms:8.3f}")
+        errs = sum((res[c].errors for c in LONG_CONCURRENCY), Counter())
+        print(row + (f"  errors: {dict(errs)}" if errs else ""))
 
 
 def locality_of(work: list[tuple[int, str]], result: RunResult, pool: str) -> tuple[float, int]:
@@ -363,8 +402,13 @@ async def mock_section(args) -> None:
         ours_pd = ServiceProcess([*common, "--prefill", *[m.url for m in prefill], "--disagg-min-tokens", "1"],
                                  name="router-disagg").start()
         routers += [ours, ours_pd]
+        # The same colocated router tokenizing every prompt on its event loop: what the long-prompt cells compare.
+        ours_inline = ServiceProcess([*common, "--tokenize-in-thread-chars", str(10**9)],
+                                     name="router-inline-tokenize").start()
+        routers.append(ours_inline)
         ours.wait_ready(120)
         ours_pd.wait_ready(120)
+        ours_inline.wait_ready(120)
         targets += [Target("ours colocated", ours.url, pid=ours.proc.pid),
                     Target("ours disagg (P/D)", ours_pd.url, "p", pid=ours_pd.proc.pid)]
         if not args.no_sglang:
@@ -400,6 +444,13 @@ async def mock_section(args) -> None:
 
 
         tokenizer = load_tokenizer(MODEL)
+        if not args.only_locality:
+            long_targets = [targets[0], targets[1],
+                            Target("ours colocated, tokenize in place", ours_inline.url, pid=ours_inline.proc.pid),
+                            *(t for t in targets[2:] if "round_robin" not in t.name)]
+            long_results = {t.name: await long_prompt_suite(t, int(1200 * scale), warmup) for t in long_targets}
+            n_tokens = len(tokenizer.encode(json.loads(long_bodies(1, 0)[0])["prompt"]))
+            print_long_prompt_table(long_results, n_tokens)
         per_group = {16: max(4, int(16 * scale)), 1: max(2, int(8 * scale))}
         work = {c: group_prompts(32, per_group[c], seed=c, tokenizer=tokenizer) for c in (16, 1)}
         locality: dict[str, dict] = {}

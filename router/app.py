@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-import uuid
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -74,7 +73,7 @@ def build_app(router) -> FastLane:
     async def completions_handler(body: CompletionRequest, request: Request) -> Response:
         check_model(router, body.model)
         prompt = body.single_prompt()
-        ids = router.tokenizer.encode(prompt) if isinstance(prompt, str) else check_ids(router, prompt)
+        ids = await tokenize(router, prompt) if isinstance(prompt, str) else check_ids(router, prompt)
         if "max_tokens" not in body.model_fields_set:  # the schema's 16 is a default, not the client's request
             body.max_tokens = None
         params = body.sampling_params(default_max_tokens=default_max_tokens(router, 16))
@@ -86,7 +85,7 @@ def build_app(router) -> FastLane:
         if not router.tokenizer.chat_template:
             raise APIError(400, "this model has no chat template; use /v1/completions")
         text = router.tokenizer.apply_chat_template(body.template_messages(), add_generation_prompt=True)
-        ids = router.tokenizer.encode(text, add_special_tokens=False)
+        ids = await tokenize(router, text, add_special_tokens=False)
         room = max(1, router.max_model_len - len(ids))
         params = body.sampling_params(default_max_tokens=default_max_tokens(router, room))
         fmt = ChatFormatter(new_id("chatcmpl"), router.served_name, now(), router.tokenizer, len(ids))
@@ -104,6 +103,17 @@ def build_app(router) -> FastLane:
     return FastLane(app, {"/v1/completions": (CompletionRequest, completions_handler),
                           "/v1/chat/completions": (ChatCompletionRequest, chat_handler)},
                     router.config.max_body_bytes)
+
+
+async def tokenize(router, text: str, add_special_tokens: bool = True) -> list[int]:
+    """The prompt's token ids. Tokenizing costs about 1 us per token, and held on the event loop it delays every
+    other request. A long text goes to a thread instead: the tokenizer's native part releases the GIL
+    (Tokenizer.encode), so the loop serves other requests meanwhile. A short one is tokenized in place, cheaper
+    than the hand-off (tokenize_in_thread_chars; benchmarks/router.py times both on long prompts)."""
+    if len(text) < router.config.tokenize_in_thread_chars:
+        return router.tokenizer.encode(text, add_special_tokens)
+    return await asyncio.get_running_loop().run_in_executor(router.tokenize_pool, router.tokenizer.encode, text,
+                                                            add_special_tokens)
 
 
 def include_usage(body) -> bool:
@@ -148,7 +158,7 @@ async def serve(router, request: Request, fmt: Formatter, ids: list[int], params
     if slo_name not in router.admission.slo_classes:
         raise APIError(400, f"unknown SLO class {slo_name!r}; known: {sorted(router.admission.slo_classes)}",
                        param=SLO_HEADER)
-    rid = f"{fmt.request_id}-{uuid.uuid4().hex[:6]}"
+    rid = fmt.request_id
     plan = router.orchestrator.plan(ids)  # (block hashes, routing key), reused by the orchestrator
     hashes = plan[0]
     predicted = max((router.orchestrator.predictor.predicted_hit_tokens(w.url, hashes, len(ids))
@@ -163,7 +173,7 @@ async def serve(router, request: Request, fmt: Formatter, ids: list[int], params
             headers["Retry-After"] = str(max(1, math.ceil(decision.retry_after_s)))
         raise APIError(400 if decision.reason in caps else 429, decision.message, code=decision.reason.value,
                        headers=headers)
-    deltas = dispatch(router, rid, ids, params, decision, slo_name, plan)
+    deltas = dispatch(router, rid, ids, params, decision, slo_name, plan, coalesce=not stream)
     if stream:
         return StreamingResponse(openai_stream(fmt, deltas, usage, stream_error_body), media_type="text/event-stream", headers=SSE_HEADERS)
     try:
@@ -175,17 +185,20 @@ async def serve(router, request: Request, fmt: Formatter, ids: list[int], params
     return JSONResponse(fmt.final())
 
 
-async def dispatch(router, rid: str, ids: list[int], params: SamplingParams, ticket, slo_name: str, plan=None):
-    """Waits for the request's turn (EDF), runs it through the pools and records its SLO outcome."""
+async def dispatch(router, rid: str, ids: list[int], params: SamplingParams, ticket, slo_name: str, plan=None,
+                   coalesce: bool = False):
+    """Waits for the request's turn (EDF), runs it through the pools and records its SLO outcome. Inter-token
+    latency is per token: a delta of k tokens after a gap g (coalesced, or from a worker that fell behind)
+    is observed as g / k."""
     metrics, slo = router.metrics, ticket.slo
     await router.dispatcher.acquire(rid)
     trace = Trace()
     arrival = ticket.arrival_s
     first_at = last_at = None
-    gaps: list[float] = []
+    later_tokens = 0  # tokens after the first delta
     released = False
     try:
-        async for delta in router.orchestrator.run(rid, ids, params, trace, plan):
+        async for delta in router.orchestrator.run(rid, ids, params, trace, plan, coalesce):
             t = time.monotonic()
             if first_at is None:
                 first_at = t
@@ -197,8 +210,8 @@ async def dispatch(router, rid: str, ids: list[int], params: SamplingParams, tic
                     router.admission.rates.record_prefill(max(trace.uncached_tokens, 1), t - arrival)
                 metrics.by_class(metrics.ttft, slo_name).observe(t - arrival)
             elif delta.new_token_ids:
-                gaps.append(t - last_at)
-                metrics.by_class(metrics.itl, slo_name).observe(t - last_at)
+                later_tokens += len(delta.new_token_ids)
+                metrics.by_class(metrics.itl, slo_name).observe((t - last_at) / len(delta.new_token_ids))
             last_at = t
             yield delta
     finally:
@@ -208,7 +221,7 @@ async def dispatch(router, rid: str, ids: list[int], params: SamplingParams, tic
         if first_at is not None:
             metrics.by_class(metrics.e2e, slo_name).observe(last_at - arrival)
             metrics.by_class(metrics.requests, slo_name).inc()
-            mean_itl = sum(gaps) / len(gaps) if gaps else 0.0
+            mean_itl = (last_at - first_at) / later_tokens if later_tokens else 0.0
             if first_at - arrival <= slo.ttft_s and mean_itl <= slo.itl_s:
                 metrics.by_class(metrics.goodput, slo_name).inc()
 

@@ -8,6 +8,7 @@ import gc
 import json
 import logging
 import os
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import uvicorn
@@ -65,6 +66,8 @@ class Router:
         self.tokenizer = load_tokenizer(config.model)
         if self.tokenizer is None:
             raise SystemExit(f"{config.model} has no tokenizer; the router needs one to route by prefix")
+        # Long prompts are tokenized here: the tokenizer releases the GIL (tandem.router.app.tokenize).
+        self.tokenize_pool = ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1), thread_name_prefix="tokenize")
         self.served_name = config.served_model_name or _default_served_name(config.model)
         self.max_model_len = DEFAULT_MAX_MODEL_LEN
         self.metrics = RouterMetrics(self.served_name)
@@ -133,6 +136,7 @@ class _Server(uvicorn.Server):
         await super().shutdown(sockets)
         await self.router.http.aclose()
         await self.router.worker_client.close()
+        self.router.tokenize_pool.shutdown(wait=False)
 
 
 def run_router(config: RouterConfig, log_level: str = "info") -> int:

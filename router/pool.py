@@ -50,7 +50,10 @@ class WorkerPool:
             if url not in wanted:
                 self._set_healthy(self.workers.pop(url), False)
         for url in wanted - set(self.workers):
-            self.workers[url] = Worker(url)
+            worker = self.workers[url] = Worker(url)
+            # Read when /metrics is scraped, not set twice per request on the hot path.
+            self.metrics.plain(self.metrics.in_flight, worker=url, role=self.role).set_function(
+                lambda w=worker: w.in_flight)
 
     def healthy(self) -> list[Worker]:
         return [w for w in self.workers.values() if w.healthy]
@@ -113,4 +116,3 @@ class WorkerPool:
         worker = self.workers.get(url)
         if worker is not None:
             worker.in_flight += delta
-            self.metrics.plain(self.metrics.in_flight, worker=url, role=self.role).set(worker.in_flight)

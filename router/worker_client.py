@@ -66,10 +66,19 @@ class WorkerClient:
         async with self.session.post(url, data=_encode(payload), headers=_JSON) as r:
             if r.status != 200:
                 raise WorkerStatusError(r.status, _error_message(await r.read()))
-            async for line in r.content:
-                event = parse_sse_line(line.decode())
-                if event is not None:
-                    yield event
+            # Read as the bytes arrive and split into lines here: aiohttp's line iterator costs a readline per
+            # line, and an event usually comes in one read with its blank line.
+            partial = b""
+            async for data in r.content.iter_any():
+                lines = (partial + data).split(b"\n")
+                partial = lines.pop()
+                for line in lines:
+                    event = parse_sse_line(line.decode())
+                    if event is not None:
+                        yield event
+            event = parse_sse_line(partial.decode())
+            if event is not None:
+                yield event
 
     async def close(self) -> None:
         if self._session is not None:

@@ -92,6 +92,10 @@ class DecodeRequest(BaseModel):
     first_token_id: int | None = None
     kv_handle: KVHandle | None = None
     sampling: SamplingParams
+    coalesce_after_first: bool = Field(
+        False, description="send the first event at once and everything after it as one event at the end: the "
+                           "router asks this for a client that did not ask to stream, whose first token it must "
+                           "time (TTFT, admission) but whose other tokens it would only collect")
 
 
 class DecodeChunk(BaseModel):
@@ -103,6 +107,16 @@ class DecodeChunk(BaseModel):
     finish_reason: str | None = None
     num_cached_tokens: int = 0
     kv_source: str | None = Field(None, description="'pulled', 'local' or a fallback reason; on the first chunk")
+
+    @staticmethod
+    def joined(chunks: list[DecodeChunk]) -> DecodeChunk:
+        """Consecutive chunks of one request as one (coalesce_after_first): tokens, text and logprobs in order,
+        the last chunk's finish."""
+        logprobs = [e for c in chunks for e in c.logprobs or ()]
+        return DecodeChunk(token_ids=[t for c in chunks for t in c.token_ids], text="".join(c.text for c in chunks),
+                           logprobs=logprobs or None, finish_reason=chunks[-1].finish_reason,
+                           num_cached_tokens=chunks[-1].num_cached_tokens,
+                           kv_source=next((c.kv_source for c in chunks if c.kv_source), None))
 
 
 class ReleaseRequest(BaseModel):

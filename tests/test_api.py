@@ -81,6 +81,27 @@ def test_openai_sdk_chat_stream_equals_non_stream(client):
     assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
 
 
+def decode_events(worker, **options) -> list[dict]:
+    """The data events of one greedy /internal/decode answer (colocated: the worker computes the prompt)."""
+    body = {"request_id": f"coalesce-{options}", "prompt_token_ids": [504, 3575, 282, 4649, 314],
+            "sampling": {"temperature": 0, "max_tokens": 8, "logprobs": 2}, **options}
+    with httpx.stream("POST", worker.url + "/internal/decode", json=body, timeout=120) as r:
+        assert r.status_code == 200, r.read()
+        return [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+
+
+def test_internal_decode_coalesces_everything_after_the_first_token(worker):
+    per_token = decode_events(worker)
+    coalesced = decode_events(worker, coalesce_after_first=True)
+    assert len(per_token) == 8 and len(coalesced) == 2
+    first, rest = coalesced
+    assert first == per_token[0] and len(first["token_ids"]) == 1 and "finish_reason" not in first
+    assert rest["token_ids"] == [t for e in per_token[1:] for t in e["token_ids"]]
+    assert rest["text"] == "".join(e["text"] for e in per_token[1:])
+    assert rest["logprobs"] == [lp for e in per_token[1:] for lp in e["logprobs"]]
+    assert rest["finish_reason"] == per_token[-1]["finish_reason"] == "length"
+
+
 def test_token_id_prompt_and_logprobs(client):
     out = client.completions.create(model="smollm2", prompt=[504, 3575, 282, 4649, 314], max_tokens=5,
                                     temperature=0, logprobs=3)

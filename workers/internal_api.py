@@ -157,7 +157,8 @@ def add_internal_routes(app: FastAPI, ctx) -> None:
         options = {"first_token_id": body.first_token_id, "kv_source": kv_source}
         outputs = ctx.engine.generate(body.request_id, body.prompt_token_ids, body.sampling, time.monotonic(),
                                       **options)
-        return StreamingResponse(decode_events(ctx, outputs, handle, fallback), media_type="text/event-stream")
+        return StreamingResponse(decode_events(ctx, outputs, handle, fallback, body.coalesce_after_first),
+                                 media_type="text/event-stream")
 
 
 def check_handle(ctx, body: DecodeRequest, handle: KVHandle) -> None:
@@ -186,9 +187,10 @@ async def release_lease(ctx, handle: KVHandle) -> None:
 
 
 async def decode_events(ctx, outputs: AsyncIterator[RequestOutput], handle: KVHandle | None,
-                        fallback: str | None) -> AsyncIterator[str]:
+                        fallback: str | None, coalesce_after_first: bool = False) -> AsyncIterator[str]:
     released = handle is None
     first = True
+    held: list[DecodeChunk] = []  # outputs after the first, when coalescing, until the last one
     try:
         async for out in outputs:
             if not released:  # the pull is over (done or failed) once the engine reports anything
@@ -200,10 +202,20 @@ async def decode_events(ctx, outputs: AsyncIterator[RequestOutput], handle: KVHa
                                 num_cached_tokens=out.num_cached_tokens,
                                 kv_source=(out.kv_status or fallback or ("local" if handle is None else None))
                                 if first else None)
+            if coalesce_after_first and not first:
+                held.append(chunk)
+                if not out.finished:
+                    continue
+                chunk = DecodeChunk.joined(held)
+                held = []
             first = False
             yield sse_event(chunk.model_dump(exclude_none=True))
+        if held:  # the engine ended without a finished output: still hand over what it made
+            yield sse_event(DecodeChunk.joined(held).model_dump(exclude_none=True))
         yield DONE
     except (ValueError, EngineDeadError) as exc:
+        if held:  # what was made before the failure: a resumed request continues after it
+            yield sse_event(DecodeChunk.joined(held).model_dump(exclude_none=True))
         yield sse_event(error_body(503 if isinstance(exc, EngineDeadError) else 400, str(exc)))
         yield DONE
     finally:

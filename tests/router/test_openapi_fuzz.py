@@ -77,8 +77,10 @@ def test_router_answers_generated_requests_without_5xx(router_schema, router_url
     operation = router_schema.find_operation_by_path(method, path)
     statuses = []
 
+    # derandomize: the same examples every run. Freshly random ones now and then held no servable request at all
+    # (every one a 400), which failed the "reached the worker" check below by chance.
     @given(case=operation.as_strategy(generation_mode=mode))
-    @settings(max_examples=EXAMPLES_PER_OPERATION, deadline=None, database=None,
+    @settings(max_examples=EXAMPLES_PER_OPERATION, deadline=None, database=None, derandomize=True,
               suppress_health_check=list(HealthCheck), phases=[Phase.explicit, Phase.generate])
     def check(case):
         if mode is GenerationMode.POSITIVE and isinstance(case.body, dict) and "model" in case.body:

@@ -24,10 +24,12 @@ class ScriptedWorkers:
     def __init__(self, script: dict[str, list[dict]]):
         self.script = script
         self.calls: list[str] = []
+        self.bodies: list[dict] = []
 
     async def events(self, url: str, body: dict):
         worker = url.removesuffix("/internal/decode")
         self.calls.append(worker)
+        self.bodies.append(body)
         for chunk in self.script[worker]:
             yield chunk
 
@@ -67,3 +69,25 @@ def test_a_worker_error_moves_the_request_and_counts_against_the_worker():
     assert [d.new_token_ids for d in deltas] == [[7]]
     assert http.calls == [first, other]
     assert pool.workers[first].failures == 1 and pool.workers[other].failures == 0
+
+
+def test_a_coalesced_request_that_loses_its_worker_resumes_after_what_arrived():
+    """A non-streaming client's request asks for coalescing; the worker fails after the first token, and the
+    request continues on another worker from prompt + that token, still coalesced."""
+    orchestrator, pool, http = orchestrator_over({"http://a": [], "http://b": []})
+    first = orchestrator._place(pool, orchestrator.plan([1, 2, 3])[1], [], 3, set(), Trace())
+    other = next(u for u in pool.workers if u != first)
+    http.script[first] = [{"token_ids": [7], "text": "x"}, error_body(503, "engine died")]
+    http.script[other] = [{"token_ids": [8, 9], "text": "yz", "finish_reason": "length"}]
+
+    async def run():
+        params = SamplingParams(temperature=0, max_tokens=3)
+        return [d async for d in orchestrator.run("r1", [1, 2, 3], params, Trace(), coalesce=True)]
+
+    deltas = asyncio.run(run())
+    assert [t for d in deltas for t in d.new_token_ids] == [7, 8, 9]
+    assert http.calls == [first, other]
+    assert all(body["coalesce_after_first"] for body in http.bodies)
+    resumed = http.bodies[1]
+    assert resumed["prompt_token_ids"] == [1, 2, 3] and resumed["first_token_id"] == 7
+    assert resumed["sampling"]["max_tokens"] == 3  # the first token counts as output already sent
