@@ -7,8 +7,9 @@ OpenAI API (what sglang-router proxies) and the internal protocol (what our rout
 workers; p0-p3 are the mock prefill workers of the disaggregated configuration. Each answer is a fixed
 4-token completion whose text names the backend, so the client sees where each request landed.
   targets: direct (client -> b0), ours colocated (tandem router -> b0-b3), ours disaggregated
-  (--disagg-min-tokens 1: every request prefills on p0-p3, decodes on b0-b3), sglang-router cache_aware
-  and round_robin (-> b0-b3).
+  (--disagg-min-tokens 1: every request prefills on p0-p3, decodes on b0-b3), the python floor
+  (benchmarks/proxy_floor.py: uvicorn + aiohttp passing each request through to b0-b3 in turn, with none of
+  a router's work: what this stack alone adds), sglang-router cache_aware and round_robin (-> b0-b3).
   latency: concurrency 1, 16, 64, non-streaming (end-to-end) and streaming (TTFT); "added" is the router's
   quantile minus direct's at the same concurrency; req/s is the best throughput over the three concurrencies.
   Requests to our router carry `x-tandem-slo-class: batch` (TTFT target 30 s) so that these cells measure
@@ -57,9 +58,11 @@ from tandem.launcher import ServiceProcess, free_port
 
 MODEL = "smollm2"
 MOCK_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mock_worker.py")
+FLOOR_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "proxy_floor.py")
 BACKEND_TAG = re.compile(r"([bp]\d+):\d+")
 CONCURRENCY = (1, 16, 64)
 LONG_CONCURRENCY = (1, 16)
+FLOOR_NAME = "python floor"
 WORDS = ("time person year way day thing man world life hand part child eye woman place work week case point "
          "government company number group problem fact river mountain garden window market letter story "
          "question answer paper music table light water money history power city family morning evening "
@@ -84,6 +87,29 @@ class Mock:
             self.proc.send_signal(signal.SIGTERM)
             try:
                 self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+class ProxyFloor:
+    """benchmarks/proxy_floor.py: uvicorn + aiohttp passing requests through round robin, nothing else."""
+
+    def __init__(self, backend_urls: list[str]):
+        self.port = free_port()
+        args = [a for url in backend_urls for a in ("--backend", url)]
+        self.proc = subprocess.Popen([sys.executable, FLOOR_SCRIPT, "--port", str(self.port), *args],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
+                                     env={**os.environ, "PYTHONSAFEPATH": "1"}, start_new_session=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(10)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
 
@@ -411,6 +437,10 @@ async def mock_section(args) -> None:
         ours_inline.wait_ready(120)
         targets += [Target("ours colocated", ours.url, pid=ours.proc.pid),
                     Target("ours disagg (P/D)", ours_pd.url, "p", pid=ours_pd.proc.pid)]
+        floor = ProxyFloor([m.url for m in decode])
+        routers.append(floor)
+        await wait_serving(floor.url, 30, floor.proc)
+        targets.append(Target(FLOOR_NAME, floor.url, pid=floor.proc.pid))
         if not args.no_sglang:
             try:
                 for policy in ("cache_aware", "round_robin"):
@@ -455,7 +485,7 @@ async def mock_section(args) -> None:
         work = {c: group_prompts(32, per_group[c], seed=c, tokenizer=tokenizer) for c in (16, 1)}
         locality: dict[str, dict] = {}
         for t in targets:
-            if t.name == "direct":
+            if t.name in ("direct", FLOOR_NAME):  # the floor does not route, it takes turns
                 continue
             locality[t.name] = await locality_suite(t, work, mocks)
         print(f"\nLocality: 32 prefix groups x {per_group[16]} requests at c=16, x {per_group[1]} at c=1; "

@@ -243,13 +243,14 @@ class Dispatcher:
         self._changed = asyncio.Condition()
 
     async def acquire(self, rid: str) -> None:
+        if self._take(rid):  # a free slot and nobody ahead: no lock, no wait (the usual case)
+            if self.waiting:  # the next in line may fit too
+                asyncio.get_running_loop().create_task(self._notify())
+            return
         async with self._changed:
             try:
                 while True:
-                    head = self.admission.queue.peek() if len(self.admission.queue) else None
-                    if self.active < self.limit and head is not None and head.request.request_id == rid:
-                        self.admission.pop()
-                        self.active += 1
+                    if self._take(rid):
                         if self.waiting:
                             self._changed.notify_all()
                         return
@@ -262,6 +263,15 @@ class Dispatcher:
                 self.admission.release(rid)  # cancelled while queued
                 self._changed.notify_all()
                 raise
+
+    def _take(self, rid: str) -> bool:
+        """Dispatch `rid` now if a slot is free and it heads the EDF queue."""
+        queue = self.admission.queue
+        if self.active >= self.limit or not len(queue) or queue.peek().request.request_id != rid:
+            return False
+        self.admission.pop()
+        self.active += 1
+        return True
 
     def release(self) -> None:
         self.active -= 1

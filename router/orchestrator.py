@@ -231,7 +231,6 @@ class Orchestrator:
         if not candidates:
             return None
         preferred = self._key_table(pool).assign(key, candidates)
-        loads = pool.prefill_loads()
         predicted = self.predictor.predicted_hit_tokens(preferred, hashes, prompt_len)
         weight = max(prompt_len - predicted, 1)
         url = preferred
@@ -241,14 +240,17 @@ class Orchestrator:
         # would already split. And a worker holding no more uncached tokens than about one engine step prefills
         # them all in that step, so moving a request off its cache would buy nothing. A diverted request leaves
         # its key assigned where it is: overload is transient, the key's cache is not.
-        capacity = ring.capacity(loads, self.config.balance_eps, weight)
-        preferred_load = loads.get(preferred, 0)
-        if preferred_load > capacity and preferred_load > self.config.overload_min_tokens:
-            ordered = [preferred, *(u for u in candidates if u != preferred)]
-            url = next((u for u in ordered if loads.get(u, 0) + weight <= capacity), None) \
-                or min(ordered, key=lambda u: loads.get(u, 0))
-            if url != preferred:
-                self.metrics.plain(self.metrics.overload_diversions, role=pool.role).inc()
+        # The cheap test first: below one engine step of tokens (the usual case) the bound is not needed.
+        preferred_load = pool.workers[preferred].prefill_tokens_in_flight
+        if preferred_load > self.config.overload_min_tokens:
+            loads = pool.prefill_loads()
+            capacity = ring.capacity(loads, self.config.balance_eps, weight)
+            if preferred_load > capacity:
+                ordered = [preferred, *(u for u in candidates if u != preferred)]
+                url = next((u for u in ordered if loads.get(u, 0) + weight <= capacity), None) \
+                    or min(ordered, key=lambda u: loads.get(u, 0))
+                if url != preferred:
+                    self.metrics.plain(self.metrics.overload_diversions, role=pool.role).inc()
         trace.predicted_hit_tokens = self.predictor.predicted_hit_tokens(url, hashes, prompt_len) \
             if url != preferred else predicted
         trace.uncached_tokens = max(prompt_len - trace.predicted_hit_tokens, 1)
