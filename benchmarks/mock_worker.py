@@ -111,8 +111,8 @@ class MockBackend:
                 chunk["finish_reason"] = "length"
             if step[0] == start:
                 chunk["kv_source"] = "pulled" if body.get("kv_handle") else "local"
-            await resp.write(sse(chunk))
-        await resp.write(b"data: [DONE]\n\n")
+            # The last event and [DONE] in one write, as a real worker sends them.
+            await resp.write(sse(chunk) + (b"data: [DONE]\n\n" if step[-1] == end - 1 else b""))
         await resp.write_eof()
         return resp
 

@@ -26,26 +26,31 @@ def parse_sse_line(line: str) -> dict | None:
 async def openai_stream(
     fmt: Formatter, items: AsyncIterator, usage: bool, error_body_of: Callable[[Exception], dict | None]
 ) -> AsyncIterator[str]:
-    """A request's OpenAI streaming body, one event flushed per item as it comes: the formatter's first chunk,
-    its chunks for each item (engine outputs on a worker, deltas on the router), the usage chunk when asked,
-    then [DONE]. An exception that `error_body_of` maps to a body ends the stream with that error event and
-    [DONE] (the status line is long gone); any other propagates. Closing `items` at the end is what aborts
-    the request upstream when the client goes away (this generator is cancelled then)."""
+    """A request's OpenAI streaming body, flushed item by item as they come: the formatter's first chunk, its
+    chunks for each item (engine outputs on a worker, deltas on the router), the usage chunk when asked, then
+    [DONE]. The finishing item's chunks, the usage chunk and [DONE] leave in one write: they are ready at the
+    same moment, and one write is one send and one wake-up of the client. An exception that `error_body_of`
+    maps to a body ends the stream with that error event and [DONE] (the status line is long gone); any other
+    propagates. Closing `items` at the end is what aborts the request upstream when the client goes away
+    (this generator is cancelled then)."""
+    tail = ""  # the finishing item's events, sent with [DONE]
     try:
         first = fmt.first_chunk()
         if first is not None:
             yield sse_event(first)
         async for item in items:
-            for chunk in fmt.chunks(item):
-                yield sse_event(chunk)
+            events = "".join(sse_event(chunk) for chunk in fmt.chunks(item))
+            if item.finished:
+                tail += events
+            elif events:
+                yield events
         if usage:
-            yield sse_event(fmt.usage_chunk())
-        yield DONE
+            tail += sse_event(fmt.usage_chunk())
+        yield tail + DONE
     except Exception as exc:
         body = error_body_of(exc)
         if body is None:
             raise
-        yield sse_event(body)
-        yield DONE
+        yield tail + sse_event(body) + DONE
     finally:
         await items.aclose()

@@ -209,7 +209,11 @@ async def decode_events(ctx, outputs: AsyncIterator[RequestOutput], handle: KVHa
                 chunk = DecodeChunk.joined(held)
                 held = []
             first = False
-            yield sse_event(chunk.model_dump(exclude_none=True))
+            event = sse_event(chunk.model_dump(exclude_none=True))
+            if out.finished:  # [DONE] in the same write: one send, and one wake-up of the reader, fewer
+                yield event + DONE
+                return
+            yield event
         if held:  # the engine ended without a finished output: still hand over what it made
             yield sse_event(DecodeChunk.joined(held).model_dump(exclude_none=True))
         yield DONE
