@@ -481,6 +481,12 @@ async def mock_section(args) -> None:
             long_results = {t.name: await long_prompt_suite(t, int(1200 * scale), warmup) for t in long_targets}
             n_tokens = len(tokenizer.encode(json.loads(long_bodies(1, 0)[0])["prompt"]))
             print_long_prompt_table(long_results, n_tokens)
+            texts = [json.loads(b)["prompt"] for b in long_bodies(200, 7)]
+            started = time.perf_counter()
+            for text in texts:
+                tokenizer.encode(text)
+            print(f"The tokenizer alone (this process, one thread): "
+                  f"{(time.perf_counter() - started) * 1000 / len(texts):.3f} ms per long prompt")
         per_group = {16: max(4, int(16 * scale)), 1: max(2, int(8 * scale))}
         work = {c: group_prompts(32, per_group[c], seed=c, tokenizer=tokenizer) for c in (16, 1)}
         locality: dict[str, dict] = {}
