@@ -70,34 +70,12 @@ WORDS = ("time person year way day thing man world life hand part child eye woma
 
 
 # -- processes ------------------------------------------------------------------------------------------
-class Mock:
-    def __init__(self, name: str):
-        self.name = name
+class ScriptProcess:
+    """A script of benchmarks/ (a mock backend, the python floor) as its own process on a free loopback port."""
+
+    def __init__(self, script: str, *args: str):
         self.port = free_port()
-        self.proc = subprocess.Popen([sys.executable, MOCK_SCRIPT, "--port", str(self.port), "--name", name],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
-                                     env={**os.environ, "PYTHONSAFEPATH": "1"}, start_new_session=True)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-
-
-class ProxyFloor:
-    """benchmarks/proxy_floor.py: uvicorn + aiohttp passing requests through round robin, nothing else."""
-
-    def __init__(self, backend_urls: list[str]):
-        self.port = free_port()
-        args = [a for url in backend_urls for a in ("--backend", url)]
-        self.proc = subprocess.Popen([sys.executable, FLOOR_SCRIPT, "--port", str(self.port), *args],
+        self.proc = subprocess.Popen([sys.executable, script, "--port", str(self.port), *args],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
                                      env={**os.environ, "PYTHONSAFEPATH": "1"}, start_new_session=True)
 
@@ -112,6 +90,19 @@ class ProxyFloor:
                 self.proc.wait(10)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
+
+
+class Mock(ScriptProcess):
+    def __init__(self, name: str):
+        self.name = name
+        super().__init__(MOCK_SCRIPT, "--name", name)
+
+
+class ProxyFloor(ScriptProcess):
+    """benchmarks/proxy_floor.py: uvicorn + aiohttp passing requests through round robin, nothing else."""
+
+    def __init__(self, backend_urls: list[str]):
+        super().__init__(FLOOR_SCRIPT, *(a for url in backend_urls for a in ("--backend", url)))
 
 
 class SglangRouter:
