@@ -14,7 +14,7 @@ import time
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -26,7 +26,7 @@ from tandem.protocol import SamplingParams
 from tandem.router.admission import AdmissionRequest, Reject, RejectReason
 from tandem.router.fast_lane import FastLane, api_error_response, validation_error_response
 from tandem.router.orchestrator import Trace
-from tandem.sse import openai_stream
+from tandem.sse import EventStreamResponse, openai_stream
 
 SLO_HEADER = "x-tandem-slo-class"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -175,7 +175,7 @@ async def serve(router, request: Request, fmt: Formatter, ids: list[int], params
                        headers=headers)
     deltas = dispatch(router, rid, ids, params, decision, slo_name, plan, coalesce=not stream)
     if stream:
-        return StreamingResponse(openai_stream(fmt, deltas, usage, stream_error_body), media_type="text/event-stream", headers=SSE_HEADERS)
+        return EventStreamResponse(openai_stream(fmt, deltas, usage, stream_error_body), headers=SSE_HEADERS)
     try:
         async for delta in deltas:
             fmt.add(delta)

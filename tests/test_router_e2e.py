@@ -180,6 +180,33 @@ def test_overload_is_refused_early_with_retry_after(fleet, tmp_path, tokenizer):
     assert max(ttft for _, ttft, _ in admitted) <= 4.0 * 1.5
 
 
+def test_a_client_that_leaves_mid_stream_stops_the_work(fleet, tokenizer):
+    """Disaggregated (a prompt over DISAGG_MIN tokens): the client reads a few events and closes the connection;
+    the decode worker aborts the request and frees its KV blocks, and the router has nothing left in flight."""
+    decode_urls = [d.url for d in fleet["decode"]]
+
+    def aborted() -> float:
+        return sum(metric(u, "tandem_requests_finished_total", 'finish_reason="abort"') for u in decode_urls)
+
+    before = aborted()
+    body = {"model": "smollm2", "prompt": long_text(7), "max_tokens": 1000, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    assert len(tokenizer.encode(body["prompt"])) > DISAGG_MIN
+    router_url = fleet["disagg"].url
+    with httpx.Client(timeout=60) as http, http.stream("POST", router_url + "/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        assert sum(line.startswith("data: {") for line in (next(lines) for _ in range(12))) >= 3
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and not (
+            aborted() == before + 1 and all(metric(u, "tandem_num_requests_running") == 0 for u in decode_urls)
+            and all(metric(u, "tandem_kv_blocks_used") == 0 for u in decode_urls)):
+        time.sleep(0.1)
+    assert aborted() == before + 1
+    assert all(metric(u, "tandem_kv_blocks_used") == 0 for u in decode_urls)
+    assert metric(router_url, "tandem_router_worker_in_flight") == 0
+
+
 def test_decode_worker_killed_mid_stream_the_stream_continues():
     decode = [worker("both"), worker("both")]
     start_all(*decode)

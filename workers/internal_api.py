@@ -15,7 +15,6 @@ from collections.abc import AsyncIterator
 
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.responses import StreamingResponse
 
 from tandem.errors import APIError, error_body
 from tandem.protocol import (
@@ -28,7 +27,7 @@ from tandem.protocol import (
     ReleaseRequest,
     TokenLogprob,
 )
-from tandem.sse import DONE, sse_event
+from tandem.sse import DONE, EventStreamResponse, sse_event
 from tandem.workers.async_engine import EngineDeadError
 from tandem.workers.engine.llm_engine import RemoteKV, RequestOutput
 from tandem.workers.request_checks import check_length, check_token_ids, parse_body
@@ -157,8 +156,7 @@ def add_internal_routes(app: FastAPI, ctx) -> None:
         options = {"first_token_id": body.first_token_id, "kv_source": kv_source}
         outputs = ctx.engine.generate(body.request_id, body.prompt_token_ids, body.sampling, time.monotonic(),
                                       **options)
-        return StreamingResponse(decode_events(ctx, outputs, handle, fallback, body.coalesce_after_first),
-                                 media_type="text/event-stream")
+        return EventStreamResponse(decode_events(ctx, outputs, handle, fallback, body.coalesce_after_first))
 
 
 def check_handle(ctx, body: DecodeRequest, handle: KVHandle) -> None:

@@ -10,7 +10,7 @@ import time
 
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from tandem.body_limit import BodySizeLimit
@@ -20,7 +20,7 @@ from tandem.metrics import EngineMetrics
 from tandem.openai_format import ChatFormatter, CompletionFormatter, Formatter
 from tandem.openai_protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, new_id, now
 from tandem.protocol import LayoutFingerprint, SamplingParams
-from tandem.sse import openai_stream
+from tandem.sse import EventStreamResponse, openai_stream
 from tandem.tokenizer import Tokenizer
 from tandem.workers.async_engine import AsyncEngine, EngineDeadError
 from tandem.workers.internal_api import AgentDirectory, add_internal_routes
@@ -127,8 +127,7 @@ async def respond(ctx: ServingContext, request: Request, fmt: Formatter, prompt_
                   params: SamplingParams, stream: bool, usage_in_stream: bool):
     outputs = ctx.engine.generate(fmt.request_id, prompt_ids, params, time.monotonic())
     if stream:
-        return StreamingResponse(openai_stream(fmt, outputs, usage_in_stream, stream_error_body), media_type="text/event-stream",
-                                 headers=SSE_HEADERS)
+        return EventStreamResponse(openai_stream(fmt, outputs, usage_in_stream, stream_error_body), headers=SSE_HEADERS)
     try:
         async for out in outputs:
             fmt.add(out)
