@@ -20,6 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tandem.body_limit import BodySizeLimit
 from tandem.errors import APIError, error_body
+from tandem.json_response import FastJSONResponse
 from tandem.openai_format import ChatFormatter, CompletionFormatter, Formatter
 from tandem.openai_protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, new_id, now
 from tandem.protocol import SamplingParams
@@ -181,8 +182,8 @@ async def serve(router, request: Request, fmt: Formatter, ids: list[int], params
             fmt.add(delta)
     finally:
         await deltas.aclose()
-    # Already plain JSON types: a JSONResponse skips FastAPI's recursive jsonable_encoder pass (measured waste).
-    return JSONResponse(fmt.final())
+    # Already plain JSON types: a response object skips FastAPI's recursive jsonable_encoder pass (measured waste).
+    return FastJSONResponse(fmt.final())
 
 
 async def dispatch(router, rid: str, ids: list[int], params: SamplingParams, ticket, slo_name: str, plan=None,

@@ -9,10 +9,10 @@ headers and body sent as separate writes). The health probes stay on httpx: once
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import AsyncIterator
 
 import aiohttp
+import orjson
 from yarl import URL
 
 from tandem.sse import parse_sse_line
@@ -20,7 +20,6 @@ from tandem.sse import parse_sse_line
 # What a worker that is down, unreachable or too slow raises; the orchestrator moves the request elsewhere.
 TRANSPORT_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError)
 
-_encode = json.JSONEncoder(separators=(",", ":")).encode
 _JSON = {"Content-Type": "application/json"}
 
 
@@ -35,7 +34,7 @@ class WorkerStatusError(Exception):
 
 def _error_message(raw: bytes) -> str:
     try:
-        return json.loads(raw)["error"]["message"]
+        return orjson.loads(raw)["error"]["message"]
     except (ValueError, KeyError, TypeError):
         return raw[:500].decode(errors="replace")
 
@@ -56,16 +55,16 @@ class WorkerClient:
     async def post_json(self, url: str, payload: dict, timeout_s: float | None = None) -> dict:
         """The JSON answer of a 200; WorkerStatusError otherwise."""
         timeout = aiohttp.ClientTimeout(total=timeout_s) if timeout_s is not None else None
-        async with self.session.post(self._url(url), data=_encode(payload), headers=_JSON, timeout=timeout) as r:
+        async with self.session.post(self._url(url), data=orjson.dumps(payload), headers=_JSON, timeout=timeout) as r:
             raw = await r.read()
             if r.status != 200:
                 raise WorkerStatusError(r.status, _error_message(raw))
-            return json.loads(raw)
+            return orjson.loads(raw)
 
     async def events(self, url: str, payload: dict) -> AsyncIterator[dict]:
         """Each `data:` event of an SSE answer as JSON, read to the end of the stream; WorkerStatusError before
         the first event when the answer is not 200."""
-        async with self.session.post(self._url(url), data=_encode(payload), headers=_JSON) as r:
+        async with self.session.post(self._url(url), data=orjson.dumps(payload), headers=_JSON) as r:
             if r.status != 200:
                 raise WorkerStatusError(r.status, _error_message(await r.read()))
             # Read as the bytes arrive and split into lines here: aiohttp's line iterator costs a readline per
@@ -75,10 +74,10 @@ class WorkerClient:
                 lines = (partial + data).split(b"\n")
                 partial = lines.pop()
                 for line in lines:
-                    event = parse_sse_line(line.decode())
+                    event = parse_sse_line(line)
                     if event is not None:
                         yield event
-            event = parse_sse_line(partial.decode())
+            event = parse_sse_line(partial)
             if event is not None:
                 yield event
 

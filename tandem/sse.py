@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING
 
+import orjson
 from starlette.responses import StreamingResponse
 
 if TYPE_CHECKING:
@@ -17,14 +17,15 @@ DONE = "data: [DONE]\n\n"
 
 
 def sse_event(payload: dict) -> str:
-    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+    return f"data: {orjson.dumps(payload).decode()}\n\n"
 
 
-def parse_sse_line(line: str) -> dict | None:
-    """One `data:` line as JSON; None for [DONE], blank and non-data lines."""
-    if not line.startswith("data: ") or line.strip() == "data: [DONE]":
+def parse_sse_line(line: str | bytes) -> dict | None:
+    """One `data:` line (text or bytes) as JSON; None for [DONE], blank and non-data lines."""
+    data = line[6:] if line[:6] in ("data: ", b"data: ") else None
+    if data is None or data.strip() in ("[DONE]", b"[DONE]"):
         return None
-    return json.loads(line[6:])
+    return orjson.loads(data)
 
 
 async def openai_stream(

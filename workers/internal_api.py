@@ -17,6 +17,7 @@ import httpx
 from fastapi import FastAPI, Request
 
 from tandem.errors import APIError, error_body
+from tandem.json_response import FastJSONResponse
 from tandem.protocol import (
     AbortRequest,
     DecodeChunk,
@@ -131,11 +132,11 @@ def add_internal_routes(app: FastAPI, ctx) -> None:
             handle = KVHandle(source_url=ctx.advertise_url, agent_name=ctx.kv_transfer.agent_name,
                               lease_id=lease.lease_id, block_ids=lease.block_ids, num_tokens=lease.num_tokens,
                               layout=ctx.layout, expires_at=lease.expires_at)
-        return PrefillResponse(
+        return FastJSONResponse(PrefillResponse(
             request_id=body.request_id, first_token_id=last.new_token_ids[0], first_token_text=last.new_text,
             first_token_logprob=logprob_entry(last.new_logprobs[0]) if last.new_logprobs else None,
             finish_reason=last.finish_reason, kv_handle=handle, num_cached_tokens=last.num_cached_tokens,
-        ).model_dump()
+        ).model_dump())
 
     @app.post("/internal/decode")
     async def decode(request: Request):

@@ -16,6 +16,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from tandem.body_limit import BodySizeLimit
 from tandem.config import WorkerConfig
 from tandem.errors import APIError, error_body
+from tandem.json_response import FastJSONResponse
 from tandem.metrics import EngineMetrics
 from tandem.openai_format import ChatFormatter, CompletionFormatter, Formatter
 from tandem.openai_protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, new_id, now
@@ -137,7 +138,7 @@ async def respond(ctx: ServingContext, request: Request, fmt: Formatter, prompt_
         raise APIError(400, str(exc)) from None
     finally:
         await outputs.aclose()
-    return fmt.final()
+    return FastJSONResponse(fmt.final())  # plain JSON types: no jsonable_encoder pass
 
 
 def stream_error_body(exc: Exception) -> dict | None:
