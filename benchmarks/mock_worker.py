@@ -1,7 +1,7 @@
 """A zero-think-time backend for router benchmarks: speaks the OpenAI API and Tandem's internal protocol.
 
-One process per backend. Every answer is a fixed short completion whose text names the backend
-("<name>:0 <name>:1 ..."), so a client can tell where its request landed through any router; the
+One process per backend. Every answer is a fixed completion, cut to the request's max_tokens, whose text names
+the backend ("<name>:0 <name>:1 ..."), so a client can tell where its request landed through any router; the
 backend also counts what it served (GET /stats, POST /stats/reset).
 
   OpenAI (what sglang-router proxies):   POST /v1/completions, /v1/chat/completions, GET /v1/models,
@@ -43,27 +43,28 @@ class MockBackend:
                        "num_kv_heads": 3, "head_dim": 64, "tp_rank": 0}
 
     # -- OpenAI ------------------------------------------------------------------------------
-    def _openai_body(self, chat: bool, n_prompt: int) -> dict:
-        text = "".join(self.pieces)
+    def _openai_body(self, chat: bool, n_prompt: int, pieces: list[str]) -> dict:
+        text = "".join(pieces)
         choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"}
                   if chat else {"index": 0, "text": text, "logprobs": None, "finish_reason": "length"})
         return {"id": "cmpl-mock", "object": "chat.completion" if chat else "text_completion",
                 "created": int(time.time()), "model": MODEL, "choices": [choice],
-                "usage": {"prompt_tokens": n_prompt, "completion_tokens": len(self.pieces),
-                          "total_tokens": n_prompt + len(self.pieces)}}
+                "usage": {"prompt_tokens": n_prompt, "completion_tokens": len(pieces),
+                          "total_tokens": n_prompt + len(pieces)}}
 
     async def openai(self, request: web.Request, chat: bool) -> web.StreamResponse:
         body = await request.json()
         self.served["openai"] += 1
         prompt = body.get("prompt") if not chat else body.get("messages")
         n_prompt = len(prompt) if isinstance(prompt, list) else len(str(prompt).split())
+        pieces = self.pieces[:max(1, body.get("max_tokens") or len(self.pieces))]
         if not body.get("stream"):
-            return web.Response(body=_dumps(self._openai_body(chat, n_prompt)).encode(),
+            return web.Response(body=_dumps(self._openai_body(chat, n_prompt, pieces)).encode(),
                                 content_type="application/json")
         resp = await self._sse_response(request)
         obj = "chat.completion.chunk" if chat else "text_completion"
-        for i, piece in enumerate(self.pieces):
-            last = i == len(self.pieces) - 1
+        for i, piece in enumerate(pieces):
+            last = i == len(pieces) - 1
             choice = ({"index": 0, "delta": {"content": piece}, "finish_reason": "length" if last else None}
                       if chat else {"index": 0, "text": piece, "logprobs": None,
                                     "finish_reason": "length" if last else None})
@@ -176,7 +177,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--name", default="b0")
-    ap.add_argument("--tokens", type=int, default=4, help="completion length in tokens (one SSE event each)")
+    ap.add_argument("--tokens", type=int, default=4,
+                    help="longest completion in tokens (one SSE event each); a request's max_tokens asks for fewer")
     args = ap.parse_args()
     try:
         asyncio.run(serve(args.name, args.port, args.tokens))

@@ -17,6 +17,8 @@ workers; p0-p3 are the mock prefill workers of the disaggregated configuration. 
   locality: 32 prefix groups (shared prefix >= 80 tokens, so the 64-token routing key is the group's),
   4 backends, concurrency 16 and 1. Locality = fraction of requests on their group's most-used backend;
   load = requests per backend counted at the mocks, max/mean.
+  long streams: 64-token streamed completions at c=16 for direct, ours colocated, the floor and sglang-router
+  cache_aware: end-to-end latency and the router's CPU per relayed token.
   long prompts: ~600-token prompts (P/D length, each different), non-streaming, c=1 and c=16, for direct, ours
   colocated (long prompts tokenized on a thread), the same router with --tokenize-in-thread-chars 10^9 (every
   prompt tokenized on its event loop), ours disaggregated and sglang-router cache_aware (which routes on text
@@ -63,6 +65,7 @@ BACKEND_TAG = re.compile(r"([bp]\d+):\d+")
 CONCURRENCY = (1, 16, 64)
 LONG_CONCURRENCY = (1, 16)
 FLOOR_NAME = "python floor"
+LONG_STREAM_TOKENS = 64
 WORDS = ("time person year way day thing man world life hand part child eye woman place work week case point "
          "government company number group problem fact river mountain garden window market letter story "
          "question answer paper music table light water money history power city family morning evening "
@@ -95,7 +98,7 @@ class ScriptProcess:
 class Mock(ScriptProcess):
     def __init__(self, name: str):
         self.name = name
-        super().__init__(MOCK_SCRIPT, "--name", name)
+        super().__init__(MOCK_SCRIPT, "--name", name, "--tokens", str(LONG_STREAM_TOKENS))
 
 
 class ProxyFloor(ScriptProcess):
@@ -155,6 +158,7 @@ async def wait_serving(url: str, timeout_s: float = 60.0, proc: subprocess.Popen
 @dataclass
 class RunResult:
     latencies_ms: list[float] = field(default_factory=list)  # end-to-end, or TTFT when streaming
+    e2e_ms: list[float] = field(default_factory=list)  # end-to-end (to the last byte), streaming or not
     backends: list[str] = field(default_factory=list)  # where each request landed (first tag in the text)
     errors: Counter = field(default_factory=Counter)
     elapsed_s: float = 0.0
@@ -174,6 +178,7 @@ async def run_load(url: str, bodies: list[bytes], concurrency: int, stream: bool
     result = RunResult()
     landed: list[str | None] = [None] * len(bodies)
     lat: list[float | None] = [None] * len(bodies)
+    e2e: list[float | None] = [None] * len(bodies)
     next_index = 0
     endpoint = f"{url}/v1/completions"
     headers = {"Content-Type": "application/json", "x-tandem-slo-class": slo_class}
@@ -206,10 +211,11 @@ async def run_load(url: str, bodies: list[bytes], concurrency: int, stream: bool
                             result.errors["stream without text"] += 1
                             continue
                         lat[i] = (first - start) * 1000
+                        e2e[i] = (time.perf_counter() - start) * 1000
                         landed[i] = "".join(text)
                     else:
                         body = json.loads(await r.read())
-                        lat[i] = (time.perf_counter() - start) * 1000
+                        lat[i] = e2e[i] = (time.perf_counter() - start) * 1000
                         landed[i] = body["choices"][0]["text"]
             except (aiohttp.ClientError, asyncio.TimeoutError, KeyError, ValueError) as exc:
                 result.errors[type(exc).__name__] += 1
@@ -219,14 +225,15 @@ async def run_load(url: str, bodies: list[bytes], concurrency: int, stream: bool
         await asyncio.gather(*(client(session) for _ in range(concurrency)))
         result.elapsed_s = time.perf_counter() - t0
     result.latencies_ms = [v for v in lat if v is not None]
+    result.e2e_ms = [v for v in e2e if v is not None]
     result.backends = [tags[0] if (tags := BACKEND_TAG.findall(t or "")) else "?" for t in landed]
     return result
 
 
-def short_bodies(n: int, stream: bool, seed: int) -> list[bytes]:
+def short_bodies(n: int, stream: bool, seed: int, max_tokens: int = 4) -> list[bytes]:
     rng = random.Random(seed)
     return [json.dumps({"model": MODEL, "prompt": f"Request {i}: " + " ".join(rng.choices(WORDS, k=12)),
-                        "max_tokens": 4, "temperature": 0, "stream": stream}).encode() for i in range(n)]
+                        "max_tokens": max_tokens, "temperature": 0, "stream": stream}).encode() for i in range(n)]
 
 
 def long_bodies(n: int, seed: int, words: int = 450) -> list[bytes]:
@@ -328,6 +335,32 @@ def print_long_prompt_table(results: dict[str, dict[int, RunResult]], n_tokens: 
                     f"{r.router_cpu_ms:8.3f}")
         errs = sum((res[c].errors for c in LONG_CONCURRENCY), Counter())
         print(row + (f"  errors: {dict(errs)}" if errs else ""))
+
+
+async def long_stream_suite(target: Target, n: int, warmup: int) -> RunResult:
+    """Streamed LONG_STREAM_TOKENS-token completions at concurrency 16: where relaying each token weighs."""
+    await run_load(target.url, short_bodies(warmup, True, 97, LONG_STREAM_TOKENS), 16, True)
+    cpu0 = cpu_seconds(target.pid)
+    result = await run_load(target.url, short_bodies(n, True, 96, LONG_STREAM_TOKENS), 16, True)
+    result.router_cpu_ms = (cpu_seconds(target.pid) - cpu0) * 1000 / len(result.latencies_ms or [0])
+    return result
+
+
+def print_long_stream_table(results: dict[str, RunResult], short: dict[str, dict]) -> None:
+    """`short`: the latency suite's results, for the CPU of a 4-token stream at c=16."""
+    print(f"\nLong streams: {LONG_STREAM_TOKENS}-token streamed completions, c=16; end-to-end = to the last event; "
+          "CPU/token = (CPU/request - a 4-token stream's) / (tokens - 4)")
+    print(f"{'target':<26} | e2e p50   e2e p99   +p50     +p99  | TTFT p50 |   req/s | CPU/req  CPU/token")
+    direct = results["direct"]
+    for name, r in results.items():
+        p50, p99 = np.percentile(r.e2e_ms, 50), np.percentile(r.e2e_ms, 99)
+        d50, d99 = np.percentile(direct.e2e_ms, 50), np.percentile(direct.e2e_ms, 99)
+        a50, a99 = (p50 - d50, p99 - d99) if name != "direct" else (0.0, 0.0)
+        base = short.get(name, {}).get((True, 16))
+        per_token = ((r.router_cpu_ms - base.router_cpu_ms) / (LONG_STREAM_TOKENS - 4)
+                     if base is not None else float("nan"))
+        print(f"{name:<26} | {p50:8.2f} {p99:8.2f} {a50:8.2f} {a99:8.2f} | {r.pct(50):8.2f} | {r.rps:7.0f} | "
+              f"{r.router_cpu_ms:7.3f} {per_token * 1000:7.1f} us" + (f"  errors: {dict(r.errors)}" if r.errors else ""))
 
 
 def locality_of(work: list[tuple[int, str]], result: RunResult, pool: str) -> tuple[float, int]:
@@ -466,6 +499,10 @@ async def mock_section(args) -> None:
 
         tokenizer = load_tokenizer(MODEL)
         if not args.only_locality:
+            stream_targets = [t for t in targets if t.name in ("direct", "ours colocated", FLOOR_NAME)
+                              or t.name == "sglang-router cache_aware"]
+            long_streams = {t.name: await long_stream_suite(t, int(1000 * scale), warmup) for t in stream_targets}
+            print_long_stream_table(long_streams, latency)
             long_targets = [targets[0], targets[1],
                             Target("ours colocated, tokenize in place", ours_inline.url, pid=ours_inline.proc.pid),
                             *(t for t in targets[2:] if "round_robin" not in t.name)]
