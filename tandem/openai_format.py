@@ -38,14 +38,14 @@ class Formatter:
         self.tokenizer = tokenizer
         self.num_prompt_tokens = num_prompt_tokens
         self.num_cached_tokens = 0
-        self.text = ""
+        self.pieces: list[str] = []  # joined once at the end: += on an attribute copies the whole text each time
         self.token_ids: list[int] = []
         self.logprobs: list = []
         self.wants_logprobs = False
         self.finish_reason: str | None = None
 
     def add(self, out: RequestOutput) -> None:
-        self.text += out.new_text
+        self.pieces.append(out.new_text)
         self.token_ids.extend(out.new_token_ids)
         if out.new_logprobs is not None:
             self.wants_logprobs = True
@@ -53,6 +53,10 @@ class Formatter:
         self.num_cached_tokens = out.num_cached_tokens
         if out.finished:
             self.finish_reason = out.finish_reason
+
+    @property
+    def text(self) -> str:
+        return "".join(self.pieces)
 
     def usage(self) -> dict:
         n = len(self.token_ids)
