@@ -5,7 +5,8 @@ hit rate through the router vs round-robin.
 Mock section (default). Backends are `benchmarks/mock_worker.py` processes on loopback: b0-b3 serve the
 OpenAI API (what sglang-router proxies) and the internal protocol (what our router speaks) as decode/colocated
 workers; p0-p3 are the mock prefill workers of the disaggregated configuration. Each answer is a fixed
-4-token completion whose text names the backend, so the client sees where each request landed.
+completion cut to the request's max_tokens (4 unless said) whose text names the backend, so the client sees
+where each request landed.
   targets: direct (client -> b0), ours colocated (tandem router -> b0-b3), ours disaggregated
   (--disagg-min-tokens 1: every request prefills on p0-p3, decodes on b0-b3), the python floor
   (benchmarks/proxy_floor.py: uvicorn + aiohttp passing each request through to b0-b3 in turn, with none of
@@ -19,7 +20,7 @@ workers; p0-p3 are the mock prefill workers of the disaggregated configuration. 
   load = requests per backend counted at the mocks, max/mean.
   long streams: 64-token streamed completions at c=16 for direct, ours colocated, the floor and sglang-router
   cache_aware: end-to-end latency and the router's CPU per relayed token.
-  long prompts: ~600-token prompts (P/D length, each different), non-streaming, c=1 and c=16, for direct, ours
+  long prompts: ~460-token prompts (450 words, each different), non-streaming, c=1 and c=16, for direct, ours
   colocated (long prompts tokenized on a thread), the same router with --tokenize-in-thread-chars 10^9 (every
   prompt tokenized on its event loop), ours disaggregated and sglang-router cache_aware (which routes on text
   and does not tokenize).
@@ -237,7 +238,8 @@ def short_bodies(n: int, stream: bool, seed: int, max_tokens: int = 4) -> list[b
 
 
 def long_bodies(n: int, seed: int, words: int = 450) -> list[bytes]:
-    """Non-streaming requests with P/D-length prompts (~600 tokens), each different."""
+    """Non-streaming requests with long prompts (450 words: ~460 tokens, the script prints the count), each
+    different."""
     rng = random.Random(seed)
     return [json.dumps({"model": MODEL, "prompt": f"Document {i}: " + " ".join(rng.choices(WORDS, k=words)),
                         "max_tokens": 4, "temperature": 0}).encode() for i in range(n)]
@@ -298,27 +300,25 @@ async def reset_stats(mocks: list[Mock]) -> None:
                 await r.read()
 
 
+async def measured_load(target: Target, bodies: list[bytes], concurrency: int, stream: bool) -> RunResult:
+    """run_load, with the router process's CPU time per request sent."""
+    cpu0 = cpu_seconds(target.pid)
+    result = await run_load(target.url, bodies, concurrency, stream)
+    result.router_cpu_ms = (cpu_seconds(target.pid) - cpu0) * 1000 / len(bodies)
+    return result
+
+
 async def latency_suite(target: Target, counts: dict[int, int], warmup: int) -> dict:
     await run_load(target.url, short_bodies(warmup, False, 99), 16, False)
-    out = {}
-    for stream in (False, True):
-        for c in CONCURRENCY:
-            cpu0 = cpu_seconds(target.pid)
-            res = await run_load(target.url, short_bodies(counts[c], stream, c), c, stream)
-            res.router_cpu_ms = (cpu_seconds(target.pid) - cpu0) * 1000 / counts[c]
-            out[(stream, c)] = res
-    return out
+    return {(stream, c): await measured_load(target, short_bodies(counts[c], stream, c), c, stream)
+            for stream in (False, True) for c in CONCURRENCY}
 
 
 async def long_prompt_suite(target: Target, n: int, warmup: int) -> dict[int, RunResult]:
-    """Non-streaming ~600-token prompts at concurrency 1 and 16: where tokenizing weighs on the router."""
+    """Non-streaming long prompts at concurrency 1 and 16: where tokenizing weighs on the router."""
     await run_load(target.url, long_bodies(warmup, 98), 16, False)
-    out = {}
-    for c in LONG_CONCURRENCY:
-        cpu0 = cpu_seconds(target.pid)
-        out[c] = await run_load(target.url, long_bodies(n // (8 if c == 1 else 1), 100 + c), c, False)
-        out[c].router_cpu_ms = (cpu_seconds(target.pid) - cpu0) * 1000 / len(out[c].latencies_ms or [0])
-    return out
+    return {c: await measured_load(target, long_bodies(n // (8 if c == 1 else 1), 100 + c), c, False)
+            for c in LONG_CONCURRENCY}
 
 
 def print_long_prompt_table(results: dict[str, dict[int, RunResult]], n_tokens: int) -> None:
@@ -340,10 +340,7 @@ def print_long_prompt_table(results: dict[str, dict[int, RunResult]], n_tokens: 
 async def long_stream_suite(target: Target, n: int, warmup: int) -> RunResult:
     """Streamed LONG_STREAM_TOKENS-token completions at concurrency 16: where relaying each token weighs."""
     await run_load(target.url, short_bodies(warmup, True, 97, LONG_STREAM_TOKENS), 16, True)
-    cpu0 = cpu_seconds(target.pid)
-    result = await run_load(target.url, short_bodies(n, True, 96, LONG_STREAM_TOKENS), 16, True)
-    result.router_cpu_ms = (cpu_seconds(target.pid) - cpu0) * 1000 / len(result.latencies_ms or [0])
-    return result
+    return await measured_load(target, short_bodies(n, True, 96, LONG_STREAM_TOKENS), 16, True)
 
 
 def print_long_stream_table(results: dict[str, RunResult], short: dict[str, dict]) -> None:
@@ -499,8 +496,8 @@ async def mock_section(args) -> None:
 
         tokenizer = load_tokenizer(MODEL)
         if not args.only_locality:
-            stream_targets = [t for t in targets if t.name in ("direct", "ours colocated", FLOOR_NAME)
-                              or t.name == "sglang-router cache_aware"]
+            stream_targets = [t for t in targets
+                              if t.name in ("direct", "ours colocated", FLOOR_NAME, "sglang-router cache_aware")]
             long_streams = {t.name: await long_stream_suite(t, int(1000 * scale), warmup) for t in stream_targets}
             print_long_stream_table(long_streams, latency)
             long_targets = [targets[0], targets[1],

@@ -107,10 +107,11 @@ def build_app(router) -> FastLane:
 
 
 async def tokenize(router, text: str, add_special_tokens: bool = True) -> list[int]:
-    """The prompt's token ids. Tokenizing costs about 1 us per token, and held on the event loop it delays every
-    other request. A long text goes to a thread instead: the tokenizer's native part releases the GIL
-    (Tokenizer.encode), so the loop serves other requests meanwhile. A short one is tokenized in place, cheaper
-    than the hand-off (tokenize_in_thread_chars; benchmarks/router.py times both on long prompts)."""
+    """The prompt's token ids. Tokenizing grows with the prompt (benchmarks/router.py times the tokenizer alone
+    on its long prompts), and held on the event loop it delays every other request. A long text goes to a thread
+    instead: the tokenizer's native part releases the GIL (Tokenizer.encode), so the loop serves other requests
+    meanwhile. A short one is tokenized in place, sparing the hand-off (tokenize_in_thread_chars;
+    benchmarks/router.py times both ways on long prompts)."""
     if len(text) < router.config.tokenize_in_thread_chars:
         return router.tokenizer.encode(text, add_special_tokens)
     return await asyncio.get_running_loop().run_in_executor(router.tokenize_pool, router.tokenizer.encode, text,
@@ -192,6 +193,7 @@ async def dispatch(router, rid: str, ids: list[int], params: SamplingParams, tic
     latency is per token: a delta of k tokens after a gap g (coalesced, or from a worker that fell behind)
     is observed as g / k."""
     metrics, slo = router.metrics, ticket.slo
+    ttft, itl = metrics.by_class(metrics.ttft, slo_name), metrics.by_class(metrics.itl, slo_name)
     await router.dispatcher.acquire(rid)
     trace = Trace()
     arrival = ticket.arrival_s
@@ -209,10 +211,10 @@ async def dispatch(router, rid: str, ids: list[int], params: SamplingParams, tic
                     router.admission.rates.record_prefill(max(trace.uncached_tokens, 1), trace.prefill_seconds)
                 elif trace.path == "colocated":
                     router.admission.rates.record_prefill(max(trace.uncached_tokens, 1), t - arrival)
-                metrics.by_class(metrics.ttft, slo_name).observe(t - arrival)
+                ttft.observe(t - arrival)
             elif delta.new_token_ids:
                 later_tokens += len(delta.new_token_ids)
-                metrics.by_class(metrics.itl, slo_name).observe((t - last_at) / len(delta.new_token_ids))
+                itl.observe((t - last_at) / len(delta.new_token_ids))
             last_at = t
             yield delta
     finally:

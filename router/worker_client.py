@@ -13,7 +13,6 @@ from collections.abc import AsyncIterator
 
 import aiohttp
 import orjson
-from yarl import URL
 
 from tandem.sse import parse_sse_line
 
@@ -43,7 +42,6 @@ class WorkerClient:
     def __init__(self, connect_timeout_s: float = 2.0, read_timeout_s: float = 600.0):
         self.timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout_s, sock_read=read_timeout_s)
         self._session: aiohttp.ClientSession | None = None
-        self._urls: dict[str, URL] = {}  # parsed once: a handful of worker endpoints, each used per request
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -55,7 +53,7 @@ class WorkerClient:
     async def post_json(self, url: str, payload: dict, timeout_s: float | None = None) -> dict:
         """The JSON answer of a 200; WorkerStatusError otherwise."""
         timeout = aiohttp.ClientTimeout(total=timeout_s) if timeout_s is not None else None
-        async with self.session.post(self._url(url), data=orjson.dumps(payload), headers=_JSON, timeout=timeout) as r:
+        async with self.session.post(url, data=orjson.dumps(payload), headers=_JSON, timeout=timeout) as r:
             raw = await r.read()
             if r.status != 200:
                 raise WorkerStatusError(r.status, _error_message(raw))
@@ -64,7 +62,7 @@ class WorkerClient:
     async def events(self, url: str, payload: dict) -> AsyncIterator[dict]:
         """Each `data:` event of an SSE answer as JSON, read to the end of the stream; WorkerStatusError before
         the first event when the answer is not 200."""
-        async with self.session.post(self._url(url), data=orjson.dumps(payload), headers=_JSON) as r:
+        async with self.session.post(url, data=orjson.dumps(payload), headers=_JSON) as r:
             if r.status != 200:
                 raise WorkerStatusError(r.status, _error_message(await r.read()))
             # Read as the bytes arrive and split into lines here: aiohttp's line iterator costs a readline per
@@ -80,14 +78,6 @@ class WorkerClient:
             event = parse_sse_line(partial)
             if event is not None:
                 yield event
-
-    def _url(self, url: str) -> URL:
-        parsed = self._urls.get(url)
-        if parsed is None:
-            if len(self._urls) > 4096:  # workers come and go; request ids are never in these paths
-                self._urls.clear()
-            parsed = self._urls[url] = URL(url)
-        return parsed
 
     async def close(self) -> None:
         if self._session is not None:

@@ -21,11 +21,13 @@ def sse_event(payload: dict) -> str:
 
 
 def parse_sse_line(line: str | bytes) -> dict | None:
-    """One `data:` line (text or bytes) as JSON; None for [DONE], blank and non-data lines."""
-    data = line[6:] if line[:6] in ("data: ", b"data: ") else None
-    if data is None or data.strip() in ("[DONE]", b"[DONE]"):
+    """One `data:` line (text, or bytes as read off the socket) as JSON; None for [DONE], blank and non-data
+    lines."""
+    if isinstance(line, str):
+        line = line.encode()
+    if not line.startswith(b"data: ") or line[6:].strip() == b"[DONE]":
         return None
-    return orjson.loads(data)
+    return orjson.loads(line[6:])
 
 
 async def openai_stream(
@@ -64,9 +66,10 @@ async def openai_stream(
 class EventStreamResponse(StreamingResponse):
     """A text/event-stream answer that stops when the client goes away (closing the body iterator is what
     aborts the request upstream). Starlette's StreamingResponse does this with an anyio task group and cancel
-    scope around a disconnect listener, which cost a streamed request more CPU than the router's routing in a
-    profile under benchmarks/router.py; two plain tasks do it here. When the answer completes, uvicorn tells
-    `receive` the request is over, so the listener ends by itself."""
+    scope around a disconnect listener (uvicorn speaks ASGI 2.3, so starlette cannot rely on send failing);
+    two plain tasks do it here for less CPU per stream (benchmarks/router.py prints the router's CPU per
+    streamed request; docs/benchmarks.md has the runs before and after). When the answer completes, uvicorn
+    tells `receive` the request is over, so the listener ends by itself."""
 
     media_type = "text/event-stream"
 

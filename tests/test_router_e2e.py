@@ -11,7 +11,7 @@ import time
 import httpx
 import openai
 import pytest
-from test_api import BAD_INPUTS, MAX_BODY
+from test_api import BAD_INPUTS, MAX_BODY, wait_for
 
 from tandem.launcher import ServiceProcess
 from tandem.tokenizer import load_tokenizer
@@ -197,11 +197,8 @@ def test_a_client_that_leaves_mid_stream_stops_the_work(fleet, tokenizer):
         assert r.status_code == 200
         lines = r.iter_lines()
         assert sum(line.startswith("data: {") for line in (next(lines) for _ in range(12))) >= 3
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and not (
-            aborted() == before + 1 and all(metric(u, "tandem_num_requests_running") == 0 for u in decode_urls)
-            and all(metric(u, "tandem_kv_blocks_used") == 0 for u in decode_urls)):
-        time.sleep(0.1)
+    wait_for(lambda: aborted() == before + 1 and all(metric(u, "tandem_num_requests_running") == 0
+                                                     and metric(u, "tandem_kv_blocks_used") == 0 for u in decode_urls))
     assert aborted() == before + 1
     assert all(metric(u, "tandem_kv_blocks_used") == 0 for u in decode_urls)
     assert metric(router_url, "tandem_router_worker_in_flight") == 0

@@ -185,6 +185,10 @@ async def release_lease(ctx, handle: KVHandle) -> None:
         log.info("could not release lease %s at %s: %s", handle.lease_id, handle.source_url, exc)
 
 
+def chunk_event(chunk: DecodeChunk) -> str:
+    return sse_event(chunk.model_dump(exclude_none=True))
+
+
 async def decode_events(ctx, outputs: AsyncIterator[RequestOutput], handle: KVHandle | None,
                         fallback: str | None, coalesce_after_first: bool = False) -> AsyncIterator[str]:
     released = handle is None
@@ -208,17 +212,17 @@ async def decode_events(ctx, outputs: AsyncIterator[RequestOutput], handle: KVHa
                 chunk = DecodeChunk.joined(held)
                 held = []
             first = False
-            event = sse_event(chunk.model_dump(exclude_none=True))
+            event = chunk_event(chunk)
             if out.finished:  # [DONE] in the same write: one send, and one wake-up of the reader, fewer
                 yield event + DONE
                 return
             yield event
         if held:  # the engine ended without a finished output: still hand over what it made
-            yield sse_event(DecodeChunk.joined(held).model_dump(exclude_none=True))
+            yield chunk_event(DecodeChunk.joined(held))
         yield DONE
     except (ValueError, EngineDeadError) as exc:
         if held:  # what was made before the failure: a resumed request continues after it
-            yield sse_event(DecodeChunk.joined(held).model_dump(exclude_none=True))
+            yield chunk_event(DecodeChunk.joined(held))
         yield sse_event(error_body(503 if isinstance(exc, EngineDeadError) else 400, str(exc)))
         yield DONE
     finally:

@@ -8,8 +8,8 @@
 // GEMM's.
 //
 // Rows of W are shared out over torch's threads in contiguous ranges, so each thread streams one run of
-// blocks; a software prefetch ~2 KiB ahead keeps enough reads in flight (the hardware prefetcher alone
-// kept too few: a prototype without it was clearly slower, in a one-off run). x rows are taken in chunks of
+// blocks; a software prefetch ~2 KiB ahead is there to keep more reads in flight than the hardware prefetcher
+// alone (a distance chosen by trying; no benchmark here times it). x rows are taken in chunks of
 // up to kMaxRows, so that their accumulators stay in registers.
 //
 // AVX-512 only (with F16C for the block scales): built without it, gguf_linear_supported() is false and
