@@ -7,7 +7,8 @@ backend also counts what it served (GET /stats, POST /stats/reset).
   OpenAI (what sglang-router proxies):   POST /v1/completions, /v1/chat/completions, GET /v1/models,
                                           /health, /health_generate, /get_server_info, /get_model_info
   Tandem internal (what our router uses): GET /ready, /internal/load, POST /internal/prefill,
-                                          /internal/decode (SSE), /internal/abort, /internal/kv/release
+                                          /internal/decode (SSE), /internal/abort, /internal/kv/release,
+                                          and the first three multiplexed on GET /internal/ws
 
     PYTHONSAFEPATH=1 .venv/bin/python benchmarks/mock_worker.py --port 9001 --name b0 [--tokens 4]
 """
@@ -21,7 +22,7 @@ import socket
 import time
 from collections import Counter
 
-from aiohttp import web
+from aiohttp import WSMsgType, web
 
 MODEL = "smollm2"
 _dumps = json.JSONEncoder(separators=(",", ":")).encode
@@ -80,31 +81,29 @@ class MockBackend:
         return resp
 
     # -- Tandem internal protocol --------------------------------------------------------------
-    async def prefill(self, request: web.Request) -> web.Response:
-        body = await request.json()
+    def prefill_answer(self, body: dict, host: str) -> dict:
         self.served["prefill"] += 1
         n = len(body["prompt_token_ids"])
         self.leases += 1
-        handle = {"source_url": f"http://{request.host}", "agent_name": f"mock-{self.name}",
+        handle = {"source_url": f"http://{host}", "agent_name": f"mock-{self.name}",
                   "lease_id": f"{self.name}-{self.leases}", "block_ids": list(range(-(-n // self.block_size))),
                   "num_tokens": n, "layout": self.layout, "expires_at": time.time() + 30}
-        return web.Response(body=_dumps({
-            "request_id": body["request_id"], "first_token_id": self.token_ids[0], "first_token_text": self.pieces[0],
-            "first_token_logprob": None, "finish_reason": None, "kv_handle": handle,
-            "num_cached_tokens": 0}).encode(), content_type="application/json")
+        return {"request_id": body["request_id"], "first_token_id": self.token_ids[0],
+                "first_token_text": self.pieces[0], "first_token_logprob": None, "finish_reason": None,
+                "kv_handle": handle, "num_cached_tokens": 0}
 
-    async def decode(self, request: web.Request) -> web.StreamResponse:
-        body = await request.json()
+    def decode_events(self, body: dict) -> list[dict]:
+        """The stream's events; the last one carries the finish."""
         self.served["decode"] += 1
         # With a first token (disaggregated, or resumed) that token is already out: continue after it.
         start = 1 if body.get("first_token_id") is not None else 0
         # max_tokens counts the first token too, as a real decode worker counts it.
         end = max(min(len(self.pieces), body["sampling"].get("max_tokens", len(self.pieces))), start + 1)
-        resp = await self._sse_response(request)
         # One event per token, or (coalesce_after_first) the first at once and the rest in one event.
         steps = [[i] for i in range(start, end)]
         if body.get("coalesce_after_first") and len(steps) > 2:
             steps = [steps[0], list(range(start + 1, end))]
+        events = []
         for step in steps:
             chunk = {"token_ids": [self.token_ids[i % len(self.token_ids)] for i in step],
                      "text": "".join(self.pieces[i % len(self.pieces)] for i in step)}
@@ -112,10 +111,42 @@ class MockBackend:
                 chunk["finish_reason"] = "length"
             if step[0] == start:
                 chunk["kv_source"] = "pulled" if body.get("kv_handle") else "local"
+            events.append(chunk)
+        return events
+
+    async def prefill(self, request: web.Request) -> web.Response:
+        return web.Response(body=_dumps(self.prefill_answer(await request.json(), request.host)).encode(),
+                            content_type="application/json")
+
+    async def decode(self, request: web.Request) -> web.StreamResponse:
+        events = self.decode_events(await request.json())
+        resp = await self._sse_response(request)
+        for i, event in enumerate(events):
             # The last event and [DONE] in one write, as a real worker sends them.
-            await resp.write(sse(chunk) + (b"data: [DONE]\n\n" if step[-1] == end - 1 else b""))
+            await resp.write(sse(event) + (b"data: [DONE]\n\n" if i == len(events) - 1 else b""))
         await resp.write_eof()
         return resp
+
+    async def channel(self, request: web.Request) -> web.WebSocketResponse:
+        """/internal/ws: the same calls multiplexed on one WebSocket (tandem.workers.channel's format)."""
+        ws = web.WebSocketResponse(max_msg_size=0)
+        await ws.prepare(request)
+        async for message in ws:
+            if message.type not in (WSMsgType.BINARY, WSMsgType.TEXT):
+                continue
+            call = json.loads(message.data)
+            answer_id, path, body = call["id"], call["path"], call["body"]
+            if path == "/internal/decode":
+                events = self.decode_events(body)
+                for i, event in enumerate(events):
+                    await ws.send_bytes(_dumps({"id": answer_id, "event": event,
+                                                "done": i == len(events) - 1}).encode())
+            elif path == "/internal/prefill":
+                answer = self.prefill_answer(body, request.host)
+                await ws.send_bytes(_dumps({"id": answer_id, "body": answer}).encode())
+            else:  # /internal/abort
+                await ws.send_bytes(_dumps({"id": answer_id, "body": {"ok": True}}).encode())
+        return ws
 
     async def load(self, _: web.Request) -> web.Response:
         return web.json_response({"role": "both", "free_blocks": 10000, "total_blocks": 10000, "running": 0,
@@ -155,6 +186,7 @@ class MockBackend:
             web.post("/v1/completions", lambda r: self.openai(r, chat=False)),
             web.post("/v1/chat/completions", lambda r: self.openai(r, chat=True)),
             web.post("/internal/prefill", self.prefill), web.post("/internal/decode", self.decode),
+            web.get("/internal/ws", self.channel),
             web.post("/internal/abort", empty_ok), web.post("/internal/kv/release", empty_ok),
             web.get("/stats", self.stats), web.post("/stats/reset", self.reset),
         ])

@@ -7,8 +7,9 @@ OpenAI API (what sglang-router proxies) and the internal protocol (what our rout
 workers; p0-p3 are the mock prefill workers of the disaggregated configuration. Each answer is a fixed
 completion cut to the request's max_tokens (4 unless said) whose text names the backend, so the client sees
 where each request landed.
-  targets: direct (client -> b0), ours colocated (tandem router -> b0-b3), ours disaggregated
-  (--disagg-min-tokens 1: every request prefills on p0-p3, decodes on b0-b3), the python floor
+  targets: direct (client -> b0), ours colocated (tandem router -> b0-b3, one multiplexed WebSocket per
+  backend), ours disaggregated (--disagg-min-tokens 1: every request prefills on p0-p3, decodes on b0-b3),
+  ours colocated, HTTP (--worker-transport http: an HTTP request per worker call), the python floor
   (benchmarks/proxy_floor.py: uvicorn + aiohttp passing each request through to b0-b3 in turn, with none of
   a router's work: what this stack alone adds), sglang-router cache_aware and round_robin (-> b0-b3).
   latency: concurrency 1, 16, 64, non-streaming (end-to-end) and streaming (TTFT); "added" is the router's
@@ -18,8 +19,8 @@ where each request landed.
   locality: 32 prefix groups (shared prefix >= 80 tokens, so the 64-token routing key is the group's),
   4 backends, concurrency 16 and 1. Locality = fraction of requests on their group's most-used backend;
   load = requests per backend counted at the mocks, max/mean.
-  long streams: 64-token streamed completions at c=16 for direct, ours colocated, the floor and sglang-router
-  cache_aware: end-to-end latency and the router's CPU per relayed token.
+  long streams: 64-token streamed completions at c=16 for direct, ours colocated (channel and HTTP), the
+  floor and sglang-router cache_aware: end-to-end latency and the router's CPU per relayed token.
   long prompts: ~460-token prompts (450 words, each different), non-streaming, c=1 and c=16, for direct, ours
   colocated (long prompts tokenized on a thread), the same router with --tokenize-in-thread-chars 10^9 (every
   prompt tokenized on its event loop), ours disaggregated and sglang-router cache_aware (which routes on text
@@ -66,6 +67,7 @@ BACKEND_TAG = re.compile(r"([bp]\d+):\d+")
 CONCURRENCY = (1, 16, 64)
 LONG_CONCURRENCY = (1, 16)
 FLOOR_NAME = "python floor"
+HTTP_NAME = "ours colocated, HTTP"  # --worker-transport http
 LONG_STREAM_TOKENS = 64
 WORDS = ("time person year way day thing man world life hand part child eye woman place work week case point "
          "government company number group problem fact river mountain garden window market letter story "
@@ -453,11 +455,14 @@ async def mock_section(args) -> None:
         ours_inline = ServiceProcess([*common, "--tokenize-in-thread-chars", str(10**9)],
                                      name="router-inline-tokenize").start()
         routers.append(ours_inline)
-        ours.wait_ready(120)
-        ours_pd.wait_ready(120)
-        ours_inline.wait_ready(120)
+        # The same colocated router with an HTTP request per worker call instead of the multiplexed channel.
+        ours_http = ServiceProcess([*common, "--worker-transport", "http"], name="router-http").start()
+        routers.append(ours_http)
+        for r in (ours, ours_pd, ours_inline, ours_http):
+            r.wait_ready(120)
         targets += [Target("ours colocated", ours.url, pid=ours.proc.pid),
-                    Target("ours disagg (P/D)", ours_pd.url, "p", pid=ours_pd.proc.pid)]
+                    Target("ours disagg (P/D)", ours_pd.url, "p", pid=ours_pd.proc.pid),
+                    Target(HTTP_NAME, ours_http.url, pid=ours_http.proc.pid)]
         floor = ProxyFloor([m.url for m in decode])
         routers.append(floor)
         await wait_serving(floor.url, 30, floor.proc)
@@ -497,12 +502,13 @@ async def mock_section(args) -> None:
         tokenizer = load_tokenizer(MODEL)
         if not args.only_locality:
             stream_targets = [t for t in targets
-                              if t.name in ("direct", "ours colocated", FLOOR_NAME, "sglang-router cache_aware")]
+                              if t.name in ("direct", "ours colocated", HTTP_NAME, FLOOR_NAME,
+                                            "sglang-router cache_aware")]
             long_streams = {t.name: await long_stream_suite(t, int(1000 * scale), warmup) for t in stream_targets}
             print_long_stream_table(long_streams, latency)
             long_targets = [targets[0], targets[1],
                             Target("ours colocated, tokenize in place", ours_inline.url, pid=ours_inline.proc.pid),
-                            *(t for t in targets[2:] if "round_robin" not in t.name)]
+                            *(t for t in targets[2:] if "round_robin" not in t.name and t.name != HTTP_NAME)]
             long_results = {t.name: await long_prompt_suite(t, int(1200 * scale), warmup) for t in long_targets}
             n_tokens = len(tokenizer.encode(json.loads(long_bodies(1, 0)[0])["prompt"]))
             print_long_prompt_table(long_results, n_tokens)
@@ -516,7 +522,7 @@ async def mock_section(args) -> None:
         work = {c: group_prompts(32, per_group[c], seed=c, tokenizer=tokenizer) for c in (16, 1)}
         locality: dict[str, dict] = {}
         for t in targets:
-            if t.name in ("direct", FLOOR_NAME):  # the floor does not route, it takes turns
+            if t.name in ("direct", FLOOR_NAME, HTTP_NAME):  # the floor takes turns; HTTP routes as ours does
                 continue
             locality[t.name] = await locality_suite(t, work, mocks)
         print(f"\nLocality: 32 prefix groups x {per_group[16]} requests at c=16, x {per_group[1]} at c=1; "

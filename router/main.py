@@ -80,7 +80,7 @@ class Router:
             max_input_tokens=config.max_input_tokens, max_output_tokens=config.max_output_tokens,
             rate_limiter=rate_limiter, rates=ServiceRates(initial_prefill_tps=config.initial_prefill_tps))
         self.dispatcher = Dispatcher(self.admission, config.max_in_flight, self.metrics)
-        self.worker_client = WorkerClient()  # the data path; self.http (httpx) only probes
+        self.worker_client = WorkerClient(transport=config.worker_transport)  # the data path; httpx only probes
         self.orchestrator = Orchestrator(config, self.prefill, self.decode, self.worker_client, self.metrics,
                                          model_seed(self.served_name))
         self.discovery = make_discovery(config)

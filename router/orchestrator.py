@@ -127,7 +127,7 @@ class Orchestrator:
             worker.prefill_tokens_in_flight += weight
             self.prefill.track(url, +1)
             try:
-                body = await self.http.post_json(f"{url}/internal/prefill", {
+                body = await self.http.post_json(url, "/internal/prefill", {
                     "request_id": rid, "prompt_token_ids": prompt, "sampling": params.model_dump()})
                 self.prefill.record_success(url)
                 trace.prefill_worker = url
@@ -204,7 +204,7 @@ class Orchestrator:
 
     async def _stream(self, url: str, body: dict) -> AsyncIterator[Delta]:
         try:
-            async for chunk in self.http.events(f"{url}/internal/decode", body):
+            async for chunk in self.http.events(url, "/internal/decode", body):
                 if "error" in chunk:
                     error = chunk["error"]
                     if error.get("type") == "invalid_request_error":
@@ -274,7 +274,7 @@ class Orchestrator:
 
     async def _abort(self, url: str, rid: str) -> None:
         try:
-            await self.http.post_json(f"{url}/internal/abort", {"request_id": rid}, timeout_s=2.0)
+            await self.http.post_json(url, "/internal/abort", {"request_id": rid}, timeout_s=2.0)
         except (*TRANSPORT_ERRORS, WorkerStatusError):
             pass
 

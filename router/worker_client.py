@@ -1,4 +1,6 @@
-"""The router's data path to its workers' internal API: JSON posts and SSE streams over kept-alive connections.
+"""The router's data path to its workers' internal API: on one multiplexed WebSocket per worker
+(router/worker_channel.py) where the worker offers it, else JSON posts and SSE streams over kept-alive HTTP
+connections. Either way a call answers the same dicts and raises the same errors.
 
 aiohttp rather than httpx here because this runs once or twice per request: profiled with py-spy under
 benchmarks/router.py (zero-think-time mocks), httpx's streaming POST took about half of the router's CPU per
@@ -9,12 +11,17 @@ headers and body sent as separate writes). The health probes stay on httpx: once
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator
+from typing import Literal
 
 import aiohttp
 import orjson
 
+from tandem.router.worker_channel import ChannelClosed, WorkerChannel
 from tandem.sse import parse_sse_line
+
+log = logging.getLogger(__name__)
 
 # What a worker that is down, unreachable or too slow raises; the orchestrator moves the request elsewhere.
 TRANSPORT_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError)
@@ -39,9 +46,17 @@ def _error_message(raw: bytes) -> str:
 
 
 class WorkerClient:
-    def __init__(self, connect_timeout_s: float = 2.0, read_timeout_s: float = 600.0):
+    """`transport` "websocket" uses a worker's channel when it has one (HTTP for a worker that has none);
+    "http" never does."""
+
+    def __init__(self, connect_timeout_s: float = 2.0, read_timeout_s: float = 600.0,
+                 transport: Literal["websocket", "http"] = "websocket"):
         self.timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout_s, sock_read=read_timeout_s)
+        self.transport = transport
         self._session: aiohttp.ClientSession | None = None
+        self._channels: dict[str, WorkerChannel] = {}
+        self._connecting: dict[str, asyncio.Task] = {}
+        self._http_only: set[str] = set()  # workers that answered the upgrade with an HTTP error
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -50,8 +65,63 @@ class WorkerClient:
             self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=self.timeout)
         return self._session
 
-    async def post_json(self, url: str, payload: dict, timeout_s: float | None = None) -> dict:
+    async def post_json(self, worker: str, path: str, payload: dict, timeout_s: float | None = None) -> dict:
         """The JSON answer of a 200; WorkerStatusError otherwise."""
+        channel = await self._channel(worker)
+        if channel is None:
+            return await self._post_http(f"{worker}{path}", payload, timeout_s)
+        request_id, answers = await channel.send(path, payload)
+        try:
+            answer = await (asyncio.wait_for(answers.get(), timeout_s) if timeout_s is not None else answers.get())
+        finally:
+            channel.forget(request_id)
+        return _checked(answer)["body"]
+
+    async def events(self, worker: str, path: str, payload: dict) -> AsyncIterator[dict]:
+        """Each event of a streamed answer, to the end of the stream; WorkerStatusError before the first event
+        when the worker refuses the request."""
+        channel = await self._channel(worker)
+        if channel is None:
+            async for event in self._events_http(f"{worker}{path}", payload):
+                yield event
+            return
+        request_id, answers = await channel.send(path, payload)
+        try:
+            while True:
+                answer = _checked(await answers.get())
+                if "event" in answer:
+                    yield answer["event"]
+                if answer.get("done"):
+                    return
+        finally:
+            channel.forget(request_id)
+
+    async def _channel(self, worker: str) -> WorkerChannel | None:
+        """The worker's open channel, connecting it on first use (one connect however many requests wait for
+        it); None to use HTTP. A connect failure raises the transport error an HTTP request would have."""
+        if self.transport == "http" or worker in self._http_only:
+            return None
+        channel = self._channels.get(worker)
+        if channel is not None and not channel.closed:
+            return channel
+        connecting = self._connecting.get(worker)
+        if connecting is None:
+            connecting = self._connecting[worker] = asyncio.get_running_loop().create_task(self._connect(worker))
+        # Shielded: a request cancelled while it waits must not cancel the connect the others wait for.
+        return await asyncio.shield(connecting)
+
+    async def _connect(self, worker: str) -> WorkerChannel | None:
+        try:
+            self._channels[worker] = channel = await WorkerChannel.connect(self.session, worker)
+            return channel
+        except aiohttp.WSServerHandshakeError as exc:
+            log.info("%s has no internal channel (%s); using HTTP", worker, exc.status)
+            self._http_only.add(worker)
+            return None
+        finally:
+            del self._connecting[worker]
+
+    async def _post_http(self, url: str, payload: dict, timeout_s: float | None) -> dict:
         timeout = aiohttp.ClientTimeout(total=timeout_s) if timeout_s is not None else None
         async with self.session.post(url, data=orjson.dumps(payload), headers=_JSON, timeout=timeout) as r:
             raw = await r.read()
@@ -59,9 +129,7 @@ class WorkerClient:
                 raise WorkerStatusError(r.status, _error_message(raw))
             return orjson.loads(raw)
 
-    async def events(self, url: str, payload: dict) -> AsyncIterator[dict]:
-        """Each `data:` event of an SSE answer as JSON, read to the end of the stream; WorkerStatusError before
-        the first event when the answer is not 200."""
+    async def _events_http(self, url: str, payload: dict) -> AsyncIterator[dict]:
         async with self.session.post(url, data=orjson.dumps(payload), headers=_JSON) as r:
             if r.status != 200:
                 raise WorkerStatusError(r.status, _error_message(await r.read()))
@@ -80,5 +148,19 @@ class WorkerClient:
                 yield event
 
     async def close(self) -> None:
+        for channel in list(self._channels.values()):
+            await channel.close()
         if self._session is not None:
             await self._session.close()
+
+
+def _checked(answer: dict | None) -> dict:
+    """A channel answer; ChannelClosed for the connection's end, WorkerStatusError for a refusal."""
+    if answer is None:
+        raise ChannelClosed("the worker's channel closed")
+    status = answer.get("status", 200)
+    if status != 200:
+        body = answer.get("body")
+        message = body["error"]["message"] if isinstance(body, dict) and "error" in body else str(body)
+        raise WorkerStatusError(status, message)
+    return answer

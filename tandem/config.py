@@ -78,6 +78,9 @@ class RouterConfig(BaseModel):
     max_body_bytes: int = Field(1 << 20, ge=1, description="larger request bodies get 413")
     tokenize_in_thread_chars: int = Field(512, ge=0, description="prompt texts at least this long are tokenized "
                                           "on a thread, off the event loop (shorter ones in place, sparing the hand-off)")
+    worker_transport: Literal["websocket", "http"] = Field(
+        "websocket", description="how requests reach workers: multiplexed on one WebSocket per worker (HTTP to a "
+        "worker that has none), or an HTTP request each")
     max_in_flight: int = Field(512, ge=1, description="requests dispatched at once; more wait in the EDF queue")
     max_queue: int = Field(1024, ge=1, description="admitted requests waiting for dispatch")
     initial_prefill_tps: float | None = Field(None, gt=0, description="prefill tokens/s per worker before measuring")

@@ -1,9 +1,10 @@
 """The P/D wire protocol on a worker (ARCHITECTURE.md §3): prefill, decode, KV agent, lease release.
 
 The router (or a test) drives it: POST /internal/prefill returns the first token and a kv handle;
-POST /internal/decode with that handle pulls the blocks and streams the rest. A decode worker
-refuses a handle whose layout differs from its own, and falls back to computing the prompt
-itself whenever the pull cannot happen; the client never sees a transfer failure.
+POST /internal/decode with that handle pulls the blocks and streams the rest. A decode worker refuses a
+handle whose layout differs from its own, and falls back to computing the prompt itself whenever the pull
+cannot happen; the client never sees a transfer failure. The three calls a router makes (prefill, decode,
+abort) also travel multiplexed on one WebSocket per router (tandem.workers.channel).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from tandem.protocol import (
 )
 from tandem.sse import DONE, EventStreamResponse, sse_event
 from tandem.workers.async_engine import EngineDeadError
+from tandem.workers.channel import add_channel_route
 from tandem.workers.engine.llm_engine import RemoteKV, RequestOutput
 from tandem.workers.request_checks import check_length, check_token_ids, parse_body
 
@@ -63,12 +65,13 @@ def logprob_entry(entry) -> TokenLogprob:
     return TokenLogprob(token_id=entry.token_id, logprob=entry.logprob, top_logprobs=list(entry.top_logprobs))
 
 
-def add_internal_routes(app: FastAPI, ctx) -> None:
-    def require_role(wanted: str) -> None:
-        if ctx.config.role not in (wanted, "both"):
-            raise APIError(400, f"this is a {ctx.config.role} worker; /internal/{wanted} is served by "
-                                f"{wanted} and both workers", code="wrong_role")
+def require_role(ctx, wanted: str) -> None:
+    if ctx.config.role not in (wanted, "both"):
+        raise APIError(400, f"this is a {ctx.config.role} worker; /internal/{wanted} is served by "
+                            f"{wanted} and both workers", code="wrong_role")
 
+
+def add_internal_routes(app: FastAPI, ctx) -> None:
     @app.get("/internal/kv/agent")
     async def kv_agent():
         if ctx.kv_transfer is None:
@@ -93,10 +96,7 @@ def add_internal_routes(app: FastAPI, ctx) -> None:
 
     @app.post("/internal/abort")
     async def abort(request: Request):
-        """The client went away: drop the request here too (unknown ids are fine)."""
-        body: AbortRequest = await parse_body(request, AbortRequest)
-        ctx.engine.abort(body.request_id)
-        return {"aborted": body.request_id}
+        return await serve_abort(ctx, await parse_body(request, AbortRequest))
 
     @app.post("/internal/kv/release")
     async def kv_release(request: Request):
@@ -108,56 +108,88 @@ def add_internal_routes(app: FastAPI, ctx) -> None:
 
     @app.post("/internal/prefill")
     async def prefill(request: Request):
-        require_role("prefill")
-        body: PrefillRequest = await parse_body(request, PrefillRequest)
-        check_token_ids(ctx.tokenizer.vocab_size, body.prompt_token_ids)
-        check_length(ctx.max_model_len, len(body.prompt_token_ids), body.sampling)
-        if ctx.kv_transfer is None:
-            raise APIError(503, "this worker has no KV transfer backend; it cannot serve prefills")
-        outputs = ctx.engine.generate(body.request_id, body.prompt_token_ids, body.sampling, time.monotonic(),
-                                      prefill_only=True)
-        last: RequestOutput | None = None
-        try:
-            async for out in outputs:
-                last = out
-        except ValueError as exc:
-            raise APIError(400, str(exc)) from None
-        finally:
-            await outputs.aclose()
-        if last is None or not last.new_token_ids:
-            raise APIError(503, "the prefill was aborted")
-        handle = None
-        if last.kv_lease is not None:
-            lease = last.kv_lease
-            handle = KVHandle(source_url=ctx.advertise_url, agent_name=ctx.kv_transfer.agent_name,
-                              lease_id=lease.lease_id, block_ids=lease.block_ids, num_tokens=lease.num_tokens,
-                              layout=ctx.layout, expires_at=lease.expires_at)
-        return FastJSONResponse(PrefillResponse(
-            request_id=body.request_id, first_token_id=last.new_token_ids[0], first_token_text=last.new_text,
-            first_token_logprob=logprob_entry(last.new_logprobs[0]) if last.new_logprobs else None,
-            finish_reason=last.finish_reason, kv_handle=handle, num_cached_tokens=last.num_cached_tokens,
-        ).model_dump())
+        return FastJSONResponse(await serve_prefill(ctx, await parse_body(request, PrefillRequest)))
 
     @app.post("/internal/decode")
     async def decode(request: Request):
-        require_role("decode")
-        body: DecodeRequest = await parse_body(request, DecodeRequest)
-        check_token_ids(ctx.tokenizer.vocab_size, body.prompt_token_ids)
-        check_length(ctx.max_model_len, len(body.prompt_token_ids), body.sampling)
-        handle = body.kv_handle
-        kv_source, fallback = None, None
-        if handle is not None:
-            check_handle(ctx, body, handle)
-            agent = await ctx.agents.get(handle)
-            if agent is None:
-                fallback = "agent_unreachable"
-                ctx.metrics.fallback(fallback)
-            else:
-                kv_source = RemoteKV(agent, handle.block_ids, handle.expires_at)
-        options = {"first_token_id": body.first_token_id, "kv_source": kv_source}
-        outputs = ctx.engine.generate(body.request_id, body.prompt_token_ids, body.sampling, time.monotonic(),
-                                      **options)
-        return EventStreamResponse(decode_events(ctx, outputs, handle, fallback, body.coalesce_after_first))
+        return EventStreamResponse(sse_stream(await serve_decode(ctx, await parse_body(request, DecodeRequest))))
+
+    add_channel_route(app, {
+        "/internal/prefill": (PrefillRequest, lambda body: serve_prefill(ctx, body)),
+        "/internal/decode": (DecodeRequest, lambda body: serve_decode(ctx, body)),
+        "/internal/abort": (AbortRequest, lambda body: serve_abort(ctx, body)),
+    })
+
+
+async def serve_abort(ctx, body: AbortRequest) -> dict:
+    """The client went away: drop the request here too (unknown ids are fine)."""
+    ctx.engine.abort(body.request_id)
+    return {"aborted": body.request_id}
+
+
+async def serve_prefill(ctx, body: PrefillRequest) -> dict:
+    """The first token and a handle on the prompt's KV blocks, leased for a decode worker to pull."""
+    require_role(ctx, "prefill")
+    check_token_ids(ctx.tokenizer.vocab_size, body.prompt_token_ids)
+    check_length(ctx.max_model_len, len(body.prompt_token_ids), body.sampling)
+    if ctx.kv_transfer is None:
+        raise APIError(503, "this worker has no KV transfer backend; it cannot serve prefills")
+    outputs = ctx.engine.generate(body.request_id, body.prompt_token_ids, body.sampling, time.monotonic(),
+                                  prefill_only=True)
+    last: RequestOutput | None = None
+    try:
+        async for out in outputs:
+            last = out
+    except ValueError as exc:
+        raise APIError(400, str(exc)) from None
+    finally:
+        await outputs.aclose()
+    if last is None or not last.new_token_ids:
+        raise APIError(503, "the prefill was aborted")
+    handle = None
+    if last.kv_lease is not None:
+        lease = last.kv_lease
+        handle = KVHandle(source_url=ctx.advertise_url, agent_name=ctx.kv_transfer.agent_name,
+                          lease_id=lease.lease_id, block_ids=lease.block_ids, num_tokens=lease.num_tokens,
+                          layout=ctx.layout, expires_at=lease.expires_at)
+    return PrefillResponse(
+        request_id=body.request_id, first_token_id=last.new_token_ids[0], first_token_text=last.new_text,
+        first_token_logprob=logprob_entry(last.new_logprobs[0]) if last.new_logprobs else None,
+        finish_reason=last.finish_reason, kv_handle=handle, num_cached_tokens=last.num_cached_tokens,
+    ).model_dump()
+
+
+async def serve_decode(ctx, body: DecodeRequest) -> AsyncIterator[tuple[dict, bool]]:
+    """The request's decode events (see decode_events), once the request is checked (an APIError before any
+    event) and its KV source is known: pulled from the prefill worker's handle, or computed here."""
+    require_role(ctx, "decode")
+    check_token_ids(ctx.tokenizer.vocab_size, body.prompt_token_ids)
+    check_length(ctx.max_model_len, len(body.prompt_token_ids), body.sampling)
+    handle = body.kv_handle
+    kv_source, fallback = None, None
+    if handle is not None:
+        check_handle(ctx, body, handle)
+        agent = await ctx.agents.get(handle)
+        if agent is None:
+            fallback = "agent_unreachable"
+            ctx.metrics.fallback(fallback)
+        else:
+            kv_source = RemoteKV(agent, handle.block_ids, handle.expires_at)
+    options = {"first_token_id": body.first_token_id, "kv_source": kv_source}
+    outputs = ctx.engine.generate(body.request_id, body.prompt_token_ids, body.sampling, time.monotonic(),
+                                  **options)
+    return decode_events(ctx, outputs, handle, fallback, body.coalesce_after_first)
+
+
+async def sse_stream(events: AsyncIterator[tuple[dict, bool]]) -> AsyncIterator[str]:
+    """Decode events as /internal/decode's SSE body. [DONE] leaves in the same write as the last event: one
+    send, and one wake-up of the reader, fewer."""
+    async for payload, last in events:
+        if last:
+            yield sse_event(payload) + DONE
+            return
+        yield sse_event(payload)
+    yield DONE
 
 
 def check_handle(ctx, body: DecodeRequest, handle: KVHandle) -> None:
@@ -185,12 +217,16 @@ async def release_lease(ctx, handle: KVHandle) -> None:
         log.info("could not release lease %s at %s: %s", handle.lease_id, handle.source_url, exc)
 
 
-def chunk_event(chunk: DecodeChunk) -> str:
-    return sse_event(chunk.model_dump(exclude_none=True))
+def chunk_payload(chunk: DecodeChunk) -> dict:
+    return chunk.model_dump(exclude_none=True)
 
 
 async def decode_events(ctx, outputs: AsyncIterator[RequestOutput], handle: KVHandle | None,
-                        fallback: str | None, coalesce_after_first: bool = False) -> AsyncIterator[str]:
+                        fallback: str | None, coalesce_after_first: bool = False
+                        ) -> AsyncIterator[tuple[dict, bool]]:
+    """(event, last) pairs: a DecodeChunk per engine output (or, coalescing, the first one and then the rest as
+    one), and an error event when the engine fails. `last` marks the event that ends the stream; a stream the
+    engine ends without a finished output ends with no event marked."""
     released = handle is None
     first = True
     held: list[DecodeChunk] = []  # outputs after the first, when coalescing, until the last one
@@ -212,19 +248,15 @@ async def decode_events(ctx, outputs: AsyncIterator[RequestOutput], handle: KVHa
                 chunk = DecodeChunk.joined(held)
                 held = []
             first = False
-            event = chunk_event(chunk)
-            if out.finished:  # [DONE] in the same write: one send, and one wake-up of the reader, fewer
-                yield event + DONE
+            yield chunk_payload(chunk), out.finished
+            if out.finished:
                 return
-            yield event
         if held:  # the engine ended without a finished output: still hand over what it made
-            yield chunk_event(DecodeChunk.joined(held))
-        yield DONE
+            yield chunk_payload(DecodeChunk.joined(held)), False
     except (ValueError, EngineDeadError) as exc:
         if held:  # what was made before the failure: a resumed request continues after it
-            yield chunk_event(DecodeChunk.joined(held))
-        yield sse_event(error_body(503 if isinstance(exc, EngineDeadError) else 400, str(exc)))
-        yield DONE
+            yield chunk_payload(DecodeChunk.joined(held)), False
+        yield error_body(503 if isinstance(exc, EngineDeadError) else 400, str(exc)), True
     finally:
         await outputs.aclose()
         if not released:

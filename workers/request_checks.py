@@ -17,6 +17,11 @@ async def parse_body(request: Request, model: type[BaseModel]) -> BaseModel:
         payload = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise APIError(400, f"request body is not valid JSON: {exc}") from None
+    return validate_payload(payload, model)
+
+
+def validate_payload(payload, model: type[BaseModel]) -> BaseModel:
+    """A decoded JSON body as `model`, or an OpenAI-style 400 naming the first bad parameter."""
     if not isinstance(payload, dict):
         raise APIError(400, "request body must be a JSON object")
     try:

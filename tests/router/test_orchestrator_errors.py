@@ -26,8 +26,8 @@ class ScriptedWorkers:
         self.calls: list[str] = []
         self.bodies: list[dict] = []
 
-    async def events(self, url: str, body: dict):
-        worker = url.removesuffix("/internal/decode")
+    async def events(self, worker: str, path: str, body: dict):
+        assert path == "/internal/decode"
         self.calls.append(worker)
         self.bodies.append(body)
         for chunk in self.script[worker]:

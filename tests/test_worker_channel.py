@@ -1,0 +1,151 @@
+"""The internal API multiplexed on one WebSocket (tandem.workers.channel) against a real `tandem worker`,
+driven by the router's own client (tandem.router.worker_client), and that client's HTTP fallback."""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+import httpx
+import orjson
+import pytest
+from aiohttp import web
+from test_api import metric, wait_for
+
+from tandem.launcher import ServiceProcess, free_port
+from tandem.router.worker_client import TRANSPORT_ERRORS, WorkerClient, WorkerStatusError
+
+PROMPTS = [[504, 3575, 282, 4649, 314], [504, 3575, 282], [1274, 260, 2134, 28, 339, 5765]]
+
+
+@pytest.fixture(scope="module")
+def worker():
+    proc = ServiceProcess(["worker", "--role", "both", "--model", "smollm2", "--num-kv-blocks", "128",
+                           "--max-model-len", "1024"], name="channel-worker")
+    with proc:
+        yield proc
+
+
+def decode_body(request_id: str, prompt: list[int], max_tokens: int = 8) -> dict:
+    return {"request_id": request_id, "prompt_token_ids": prompt,
+            "sampling": {"temperature": 0, "max_tokens": max_tokens, "logprobs": 1}}
+
+
+async def collect(client: WorkerClient, url: str, body: dict) -> list[dict]:
+    return [event async for event in client.events(url, "/internal/decode", body)]
+
+
+def outputs(events: list[dict]) -> list[tuple]:
+    """What a decode stream says, less its prefix-cache counts (a repeated prompt hits the cache)."""
+    return [(e["token_ids"], e["text"], e.get("finish_reason"), e["logprobs"]) for e in events]
+
+
+def test_concurrent_requests_share_one_channel_and_get_their_own_streams(worker):
+    async def run():
+        channel_client, http_client = WorkerClient(), WorkerClient(transport="http")
+        try:
+            over_http = [await collect(http_client, worker.url, decode_body(f"http-{i}", p))
+                         for i, p in enumerate(PROMPTS)]
+            over_channel = await asyncio.gather(*(collect(channel_client, worker.url, decode_body(f"ws-{i}", p))
+                                                  for i, p in enumerate(PROMPTS)))
+            return over_http, over_channel, len(channel_client._channels)
+        finally:
+            await channel_client.close()
+            await http_client.close()
+
+    over_http, over_channel, channels = asyncio.run(run())
+    assert channels == 1  # one connection carried the three requests at once
+    assert [outputs(e) for e in over_channel] == [outputs(e) for e in over_http]
+    assert all(sum(len(e["token_ids"]) for e in events) == 8 for events in over_channel)
+    assert all(events[-1]["finish_reason"] == "length" for events in over_channel)
+
+
+def test_a_refused_request_fails_alone_with_the_http_status(worker):
+    async def run():
+        client = WorkerClient()
+        try:
+            with pytest.raises(WorkerStatusError) as bad_token:
+                await collect(client, worker.url, decode_body("bad", [504, 10**9]))
+            with pytest.raises(WorkerStatusError) as bad_body:
+                await client.post_json(worker.url, "/internal/abort", {"no_request_id": 1})
+            with pytest.raises(WorkerStatusError) as unknown:
+                await client.post_json(worker.url, "/internal/nothing", {})
+            aborted = await client.post_json(worker.url, "/internal/abort", {"request_id": "never-sent"})
+            after = await collect(client, worker.url, decode_body("after", PROMPTS[0], max_tokens=2))
+            open_channels = [c for c in client._channels.values() if not c.closed]
+            return bad_token.value, bad_body.value, unknown.value, aborted, after, open_channels
+        finally:
+            await client.close()
+
+    bad_token, bad_body, unknown, aborted, after, channels = asyncio.run(run())
+    assert bad_token.status == 400 and "outside the vocabulary" in bad_token.message
+    assert bad_body.status == 400 and "request_id" in bad_body.message
+    assert unknown.status == 404
+    assert aborted == {"aborted": "never-sent"}
+    assert sum(len(e["token_ids"]) for e in after) == 2  # the same channel still serves
+    assert len(channels) == 1  # and it stayed open
+
+
+def test_a_closed_channel_stops_its_requests_on_the_worker(worker):
+    aborted_before = metric(worker, "tandem_requests_finished_total", 'finish_reason="abort"', default=0)
+
+    async def run():
+        async with aiohttp.ClientSession() as session, session.ws_connect(f"{worker.url}/internal/ws") as ws:
+            body = decode_body("left-behind", PROMPTS[0], max_tokens=900)  # minutes of decoding on a CPU
+            await ws.send_bytes(orjson.dumps({"id": 7, "path": "/internal/decode", "body": body}))
+            first = orjson.loads((await ws.receive()).data)
+            assert first["id"] == 7 and first["event"]["token_ids"]
+        # leaving the block closed the connection after one token
+
+    asyncio.run(run())
+    assert wait_for(lambda: httpx.get(f"{worker.url}/internal/load").json()["in_flight"] == 0, timeout=20)
+    assert metric(worker, "tandem_requests_finished_total", 'finish_reason="abort"') == aborted_before + 1
+
+
+async def serve_http_only_worker(port: int) -> web.AppRunner:
+    """An older worker: /internal/decode over HTTP (SSE) and no /internal/ws."""
+    async def decode(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        await response.write(b'data: {"token_ids": [5], "text": "a"}\n\n')
+        await response.write(b'data: {"token_ids": [6], "text": "b", "finish_reason": "length"}\n\ndata: [DONE]\n\n')
+        return response
+
+    app = web.Application()
+    app.add_routes([web.post("/internal/decode", decode)])
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    return runner
+
+
+def test_a_worker_without_a_channel_is_served_over_http():
+    async def run():
+        port = free_port()
+        runner = await serve_http_only_worker(port)
+        client = WorkerClient()
+        try:
+            url = f"http://127.0.0.1:{port}"
+            events = [await collect(client, url, decode_body(f"old-{i}", [1, 2])) for i in range(2)]
+            return events, client._http_only, client._channels
+        finally:
+            await client.close()
+            await runner.cleanup()
+
+    events, http_only, channels = asyncio.run(run())
+    assert events[0] == events[1] == [{"token_ids": [5], "text": "a"},
+                                      {"token_ids": [6], "text": "b", "finish_reason": "length"}]
+    assert len(http_only) == 1 and not channels
+
+
+def test_a_worker_that_is_down_raises_a_transport_error():
+    async def run():
+        client = WorkerClient()
+        try:
+            await collect(client, f"http://127.0.0.1:{free_port()}", decode_body("nobody", [1, 2]))
+        finally:
+            await client.close()
+
+    with pytest.raises(TRANSPORT_ERRORS):
+        asyncio.run(run())

@@ -1,0 +1,107 @@
+"""The internal API multiplexed on one WebSocket per router: GET /internal/ws.
+
+Over HTTP every prefill and decode is a request of its own: headers to build and parse, a chunked SSE body,
+a connection taken from and returned to a pool. benchmarks/router.py prints what that costs the router per
+request next to this channel, where a router keeps one connection to each worker and each request is a
+message under an id of the router's choosing:
+
+  router -> worker  {"id": n, "path": "/internal/decode", "body": <the POST body>}
+  worker -> router  {"id": n, "event": <one decode event>, "done": true on the last}  (a stream)
+                    {"id": n, "body": <the JSON answer>}                                (a plain answer)
+                    {"id": n, "status": 4xx/5xx, "body": <OpenAI error body>}           (a refusal)
+
+A stream the worker ends with no event marked last ends with {"id": n, "done": true}. The routes, bodies,
+answers and errors are those of the HTTP routes, which stay (curl, tests, older routers). When the router's
+connection drops, the requests it carried stop here, as HTTP requests stop when their client leaves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import orjson
+from fastapi import FastAPI, WebSocket, WebSocketDisconnect
+from pydantic import BaseModel
+
+from tandem.errors import APIError, error_body
+from tandem.workers.request_checks import validate_payload
+
+log = logging.getLogger(__name__)
+
+# path -> (body model, handler); a handler answers a dict, or an async iterator of (event, last) for a stream.
+ChannelRoutes = dict[str, tuple[type[BaseModel], Callable[[BaseModel], Awaitable]]]
+
+
+def add_channel_route(app: FastAPI, routes: ChannelRoutes) -> None:
+    @app.websocket("/internal/ws")
+    async def channel(ws: WebSocket):
+        await ws.accept()
+        in_flight: set[asyncio.Task] = set()
+        try:
+            while True:
+                message = await ws.receive()
+                if message["type"] == "websocket.disconnect":
+                    break
+                raw = message.get("bytes") or message.get("text") or b""
+                task = asyncio.get_running_loop().create_task(serve_message(ws, routes, raw))
+                in_flight.add(task)
+                task.add_done_callback(in_flight.discard)
+        except WebSocketDisconnect:
+            pass
+        finally:
+            for task in in_flight:  # the router is gone: nobody reads these answers
+                task.cancel()
+
+
+async def serve_message(ws: WebSocket, routes: ChannelRoutes, raw: bytes | str) -> None:
+    request_id = None
+    try:
+        try:
+            message = orjson.loads(raw)
+            request_id = message["id"]
+            route = routes.get(message.get("path"))
+        except (orjson.JSONDecodeError, KeyError, TypeError, AttributeError):
+            raise APIError(400, "a channel message is a JSON object with an id, a path and a body") from None
+        if route is None:
+            raise APIError(404, f"no channel route {message.get('path')!r}; known: {sorted(routes)}")
+        model, handler = route
+        answer = await handler(validate_payload(message.get("body"), model))
+    except APIError as exc:
+        await send(ws, {"id": request_id, "status": exc.status, "body": exc.body()})
+        return
+    except Exception:  # a bug must fail this request only, never the channel and the others on it
+        log.exception("channel request %s failed", request_id)
+        await send(ws, {"id": request_id, "status": 500, "body": error_body(500, "internal error")})
+        return
+    if isinstance(answer, dict):
+        await send(ws, {"id": request_id, "body": answer})
+    else:
+        await send_stream(ws, request_id, answer)
+
+
+async def send_stream(ws: WebSocket, request_id, events: AsyncIterator[tuple[dict, bool]]) -> None:
+    """A stream's events, then its end. A failure mid-stream ends it with a 500 error event (the router takes
+    the request elsewhere); a router that left ends it here, which stops the request."""
+    try:
+        async for event, last in events:
+            if not await send(ws, {"id": request_id, "event": event, "done": last}):
+                return
+            if last:
+                return
+        await send(ws, {"id": request_id, "done": True})
+    except Exception:
+        log.exception("channel stream %s failed", request_id)
+        await send(ws, {"id": request_id, "event": error_body(500, "internal error"), "done": True})
+    finally:
+        await events.aclose()
+
+
+async def send(ws: WebSocket, message: dict) -> bool:
+    """False when the router's connection is gone."""
+    try:
+        await ws.send_bytes(orjson.dumps(message))
+        return True
+    except (WebSocketDisconnect, RuntimeError, OSError):  # RuntimeError: a send after the close
+        return False
