@@ -173,7 +173,7 @@ class Orchestrator:
             try:
                 finished = False
                 async for delta in self._stream(url, body):
-                    if finished:  # only [DONE] follows a finish; reading it lets httpx reuse the connection
+                    if finished:  # only the stream's end follows a finish; reading it frees the connection
                         continue
                     if colocated_weight:
                         worker.prefill_tokens_in_flight -= colocated_weight
@@ -203,19 +203,19 @@ class Orchestrator:
         raise APIError(503, "the request failed on every decode worker tried", code="decode_failed")
 
     async def _stream(self, url: str, body: dict) -> AsyncIterator[Delta]:
+        """The worker's decode events as deltas; the token events of one batch (what had arrived together) as
+        one delta, so a router that falls behind relays several tokens for the cost of one (the client gets a
+        chunk of several tokens, as from an engine step that made several)."""
         try:
-            async for chunk in self.http.events(url, "/internal/decode", body):
-                if "error" in chunk:
-                    error = chunk["error"]
-                    if error.get("type") == "invalid_request_error":
-                        # The engine refused the request itself: the client's error, and no reason to try
-                        # another worker or to count it against this one.
-                        raise APIError(400, error.get("message") or "invalid request", code=error.get("code"))
-                    raise WorkerFailure(error.get("message", "worker error"))
-                yield Delta(chunk["token_ids"], chunk.get("text", ""),
-                            [_entry(e) for e in chunk["logprobs"]] if chunk.get("logprobs") else None,
-                            chunk.get("finish_reason") is not None, chunk.get("finish_reason"),
-                            chunk.get("num_cached_tokens", 0))
+            async for batch in self.http.event_batches(url, "/internal/decode", body):
+                tokens = []
+                for chunk in batch:
+                    if "error" in chunk:
+                        if tokens:  # what came before the failure is the client's: a resume continues after it
+                            yield _delta(tokens)
+                        raise _worker_error(chunk["error"])
+                    tokens.append(chunk)
+                yield _delta(tokens)
         except WorkerStatusError as exc:
             if 400 <= exc.status < 500:
                 raise APIError(exc.status, exc.message) from None
@@ -289,4 +289,25 @@ class _Entry:
 
 def _entry(d: dict) -> _Entry:
     return _Entry(d)
+
+
+def _delta(chunks: list[dict]) -> Delta:
+    """Consecutive decode events (tandem.protocol.DecodeChunk as JSON) as one delta."""
+    last = chunks[-1]
+    if len(chunks) == 1:
+        token_ids, text, logprobs = last["token_ids"], last.get("text", ""), last.get("logprobs")
+    else:
+        token_ids = [t for c in chunks for t in c["token_ids"]]
+        text = "".join(c.get("text", "") for c in chunks)
+        logprobs = [e for c in chunks for e in c.get("logprobs") or ()]
+    return Delta(token_ids, text, [_entry(e) for e in logprobs] if logprobs else None,
+                 last.get("finish_reason") is not None, last.get("finish_reason"), last.get("num_cached_tokens", 0))
+
+
+def _worker_error(error: dict) -> Exception:
+    if error.get("type") == "invalid_request_error":
+        # The engine refused the request itself: the client's error, and no reason to try another worker or to
+        # count it against this one.
+        return APIError(400, error.get("message") or "invalid request", code=error.get("code"))
+    return WorkerFailure(error.get("message", "worker error"))
 

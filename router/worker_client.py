@@ -27,6 +27,10 @@ log = logging.getLogger(__name__)
 TRANSPORT_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError)
 
 _JSON = {"Content-Type": "application/json"}
+_NOTHING = object()
+# How a worker without /internal/ws refuses the upgrade: starlette closes an unknown WebSocket route (403),
+# aiohttp and others answer 404, or 405 for a path served for other methods.
+NO_CHANNEL_STATUSES = (403, 404, 405)
 
 
 class WorkerStatusError(Exception):
@@ -77,21 +81,35 @@ class WorkerClient:
             channel.forget(request_id)
         return _checked(answer)["body"]
 
-    async def events(self, worker: str, path: str, payload: dict) -> AsyncIterator[dict]:
-        """Each event of a streamed answer, to the end of the stream; WorkerStatusError before the first event
-        when the worker refuses the request."""
+    async def event_batches(self, worker: str, path: str, payload: dict) -> AsyncIterator[list[dict]]:
+        """The events of a streamed answer, to the end of the stream, in lists: each list holds the events that
+        had arrived by the time it was taken, so one event while the router keeps up and several when it falls
+        behind (the caller can then relay them as one). WorkerStatusError before the first event when the
+        worker refuses the request; a transport error after the events that arrived before it."""
         channel = await self._channel(worker)
         if channel is None:
-            async for event in self._events_http(f"{worker}{path}", payload):
-                yield event
+            async for batch in self._event_batches_http(f"{worker}{path}", payload):
+                yield batch
             return
         request_id, answers = await channel.send(path, payload)
         try:
+            held = _NOTHING  # an answer taken while batching that must wait for the next turn: a failure
             while True:
-                answer = _checked(await answers.get())
-                if "event" in answer:
-                    yield answer["event"]
-                if answer.get("done"):
+                answer = _checked(await answers.get() if held is _NOTHING else held)
+                held = _NOTHING
+                batch = [answer["event"]] if "event" in answer else []
+                done = answer.get("done", False)
+                while not done and not answers.empty():
+                    answer = answers.get_nowait()
+                    if answer is None or answer.get("status", 200) != 200:
+                        held = answer
+                        break
+                    if "event" in answer:
+                        batch.append(answer["event"])
+                    done = answer.get("done", False)
+                if batch:
+                    yield batch
+                if done:
                     return
         finally:
             channel.forget(request_id)
@@ -115,6 +133,8 @@ class WorkerClient:
             self._channels[worker] = channel = await WorkerChannel.connect(self.session, worker)
             return channel
         except aiohttp.WSServerHandshakeError as exc:
+            if exc.status not in NO_CHANNEL_STATUSES:
+                raise  # e.g. a proxy's 502: a transport failure, not an answer about the worker
             log.info("%s has no internal channel (%s); using HTTP", worker, exc.status)
             self._http_only.add(worker)
             return None
@@ -129,23 +149,22 @@ class WorkerClient:
                 raise WorkerStatusError(r.status, _error_message(raw))
             return orjson.loads(raw)
 
-    async def _events_http(self, url: str, payload: dict) -> AsyncIterator[dict]:
+    async def _event_batches_http(self, url: str, payload: dict) -> AsyncIterator[list[dict]]:
         async with self.session.post(url, data=orjson.dumps(payload), headers=_JSON) as r:
             if r.status != 200:
                 raise WorkerStatusError(r.status, _error_message(await r.read()))
             # Read as the bytes arrive and split into lines here: aiohttp's line iterator costs a readline per
-            # line, and an event usually comes in one read with its blank line.
+            # line, and the events of one read make one batch.
             partial = b""
             async for data in r.content.iter_any():
                 lines = (partial + data).split(b"\n")
                 partial = lines.pop()
-                for line in lines:
-                    event = parse_sse_line(line)
-                    if event is not None:
-                        yield event
+                batch = [event for line in lines if (event := parse_sse_line(line)) is not None]
+                if batch:
+                    yield batch
             event = parse_sse_line(partial)
             if event is not None:
-                yield event
+                yield [event]
 
     async def close(self) -> None:
         for channel in list(self._channels.values()):

@@ -32,7 +32,7 @@ def decode_body(request_id: str, prompt: list[int], max_tokens: int = 8) -> dict
 
 
 async def collect(client: WorkerClient, url: str, body: dict) -> list[dict]:
-    return [event async for event in client.events(url, "/internal/decode", body)]
+    return [event async for batch in client.event_batches(url, "/internal/decode", body) for event in batch]
 
 
 def outputs(events: list[dict]) -> list[tuple]:
