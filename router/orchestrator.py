@@ -67,7 +67,7 @@ class Orchestrator:
     def plan(self, prompt: list[int]) -> tuple[list[int], int]:
         """(block hashes, routing key) of a prompt."""
         hashes = block_hashes(prompt, self.config.block_size, self.hash_seed)
-        return hashes, routing_key(prompt, self.config.block_size, self.hash_seed, self.config.routing_blocks)
+        return hashes, routing_key(prompt, self.config.block_size, self.hash_seed, self.config.routing_blocks, hashes)
 
     async def run(self, rid: str, prompt: list[int], params: SamplingParams, trace: Trace,
                   plan: tuple[list[int], int] | None = None, coalesce: bool = False) -> AsyncIterator[Delta]:

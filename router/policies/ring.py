@@ -43,17 +43,20 @@ def point(label: str) -> int:
     return int.from_bytes(hashlib.blake2b(label.encode(), digest_size=8).digest(), "little")
 
 
-def routing_key(token_ids: Sequence[int], block_size: int, seed: int, k: int) -> int:
+def routing_key(token_ids: Sequence[int], block_size: int, seed: int, k: int,
+                hashes: Sequence[int] | None = None) -> int:
     """Ring key of a prompt: the chained hash of its first `k` full blocks (the last of those hashes, which
     names the whole prefix), or of fewer when the prompt is shorter. A prompt with no full block is hashed
     whole as one short block on the seed (its payload is shorter than any full block's, so it cannot stand
-    for a cached block except by a 64-bit collision)."""
+    for a cached block except by a 64-bit collision). `hashes`: the prompt's block hashes, when the caller
+    has them already."""
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     if k < 1:
         raise ValueError(f"k (blocks in the routing key) must be >= 1, got {k}")
-    hashes = block_hashes(token_ids[: k * block_size], block_size, seed)
-    return hashes[-1] if hashes else hash_block(seed, token_ids)
+    if hashes is None:
+        hashes = block_hashes(token_ids[: k * block_size], block_size, seed)
+    return hashes[min(k, len(hashes)) - 1] if hashes else hash_block(seed, token_ids)
 
 
 class HashRing:

@@ -36,6 +36,9 @@ def test_routing_key_is_last_of_first_k_block_hashes():
     assert routing_key(prompt[:63] + [7] + prompt[64:], 16, seed, k=4) != routing_key(prompt, 16, seed, k=4)
     # Fewer than k full blocks: the last full one.
     assert routing_key(prompt[:40], 16, seed, k=4) == block_hashes(prompt[:40], 16, seed)[1]
+    # The same keys from block hashes the caller already has (the router hashes each prompt once).
+    for p in (prompt, prompt[:40], prompt[:64] + [7, 8, 9], [5, 6, 7]):
+        assert routing_key(p, 16, seed, k=4, hashes=block_hashes(p, 16, seed)) == routing_key(p, 16, seed, k=4)
 
 
 def test_short_prompt_key_hashes_the_whole_prompt():
