@@ -4,7 +4,8 @@ build, no response headers to parse, no chunked body, no pooled connection to ta
 
 The connection failing fails every request on it at once, with the transport error an HTTP request to a dead
 worker raises, so the orchestrator retries or resumes them as it would have. Heartbeats find a worker that
-stopped answering without closing its socket.
+stopped answering without closing its socket; a watchdog fails a request that heard nothing for the read
+timeout, as an HTTP read times out, when the worker still answers pings but not that request.
 """
 
 from __future__ import annotations
@@ -22,26 +23,36 @@ class ChannelClosed(aiohttp.ServerDisconnectedError):
     """The worker's connection closed before the request's answer came (a transport error, like HTTP's)."""
 
 
+CLOSED = None  # what a request's queue gets when the connection closes
+TIMED_OUT = "timed out"  # ... and when the watchdog gives up on it
+
+
 class WorkerChannel:
-    def __init__(self, ws: aiohttp.ClientWebSocketResponse):
+    def __init__(self, ws: aiohttp.ClientWebSocketResponse, read_timeout_s: float):
         self.ws = ws
         self.closed = False
+        self.read_timeout_s = read_timeout_s
         self._answers: dict[int, asyncio.Queue] = {}
+        self._heard: dict[int, float] = {}  # request id -> when it was sent or last answered
         self._ids = itertools.count()
-        self._reader = asyncio.get_running_loop().create_task(self._read())
+        loop = asyncio.get_running_loop()
+        self._watchdog = loop.create_task(self._watch())
+        self._reader = loop.create_task(self._read())  # cancels the watchdog when the connection ends
 
     @classmethod
-    async def connect(cls, session: aiohttp.ClientSession, worker_url: str) -> WorkerChannel:
+    async def connect(cls, session: aiohttp.ClientSession, worker_url: str, read_timeout_s: float) -> WorkerChannel:
         """aiohttp.WSServerHandshakeError when the worker has no channel (an older worker)."""
-        return cls(await session.ws_connect(f"{worker_url}/internal/ws", heartbeat=HEARTBEAT_S, max_msg_size=0))
+        ws = await session.ws_connect(f"{worker_url}/internal/ws", heartbeat=HEARTBEAT_S, max_msg_size=0)
+        return cls(ws, read_timeout_s)
 
     async def send(self, path: str, body: dict) -> tuple[int, asyncio.Queue]:
-        """Sends a request; its answers (dicts, then None if the connection closes) arrive on the queue. The
-        caller must call forget(id) when done with them."""
+        """Sends a request; its answers (dicts, then CLOSED or TIMED_OUT if it comes to that) arrive on the
+        queue. The caller must call forget(id) when done with them."""
         if self.closed:
             raise ChannelClosed("the worker's channel is closed")
         request_id = next(self._ids)
         answers = self._answers[request_id] = asyncio.Queue()
+        self._heard[request_id] = asyncio.get_running_loop().time()
         try:
             await self.ws.send_bytes(orjson.dumps({"id": request_id, "path": path, "body": body}))
         except (ConnectionError, RuntimeError) as exc:  # closing or closed under us
@@ -51,21 +62,35 @@ class WorkerChannel:
 
     def forget(self, request_id: int) -> None:
         self._answers.pop(request_id, None)
+        self._heard.pop(request_id, None)
 
     async def _read(self) -> None:
+        loop = asyncio.get_running_loop()
         try:
             async for message in self.ws:
                 if message.type in (aiohttp.WSMsgType.BINARY, aiohttp.WSMsgType.TEXT):
                     answer = orjson.loads(message.data)
-                    answers = self._answers.get(answer.get("id"))
+                    request_id = answer.get("id")
+                    answers = self._answers.get(request_id)
                     if answers is not None:  # else a request its caller gave up on
                         answers.put_nowait(answer)
+                        self._heard[request_id] = loop.time()
         except (aiohttp.ClientError, ValueError):
             pass
         finally:
             self.closed = True
+            self._watchdog.cancel()
             for answers in self._answers.values():
-                answers.put_nowait(None)
+                answers.put_nowait(CLOSED)
+
+    async def _watch(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(self.read_timeout_s / 4)
+            silent_since = loop.time() - self.read_timeout_s
+            for request_id in [r for r, heard in self._heard.items() if heard < silent_since]:
+                self._answers[request_id].put_nowait(TIMED_OUT)
+                del self._heard[request_id]  # once is enough
 
     async def close(self) -> None:
         await self.ws.close()

@@ -18,7 +18,7 @@ from typing import Literal
 import aiohttp
 import orjson
 
-from tandem.router.worker_channel import ChannelClosed, WorkerChannel
+from tandem.router.worker_channel import CLOSED, TIMED_OUT, ChannelClosed, WorkerChannel
 from tandem.sse import parse_sse_line
 
 log = logging.getLogger(__name__)
@@ -56,6 +56,7 @@ class WorkerClient:
     def __init__(self, connect_timeout_s: float = 2.0, read_timeout_s: float = 600.0,
                  transport: Literal["websocket", "http"] = "websocket"):
         self.timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout_s, sock_read=read_timeout_s)
+        self.read_timeout_s = read_timeout_s
         self.transport = transport
         self._session: aiohttp.ClientSession | None = None
         self._channels: dict[str, WorkerChannel] = {}
@@ -101,7 +102,7 @@ class WorkerClient:
                 done = answer.get("done", False)
                 while not done and not answers.empty():
                     answer = answers.get_nowait()
-                    if answer is None or answer.get("status", 200) != 200:
+                    if answer is CLOSED or answer is TIMED_OUT or answer.get("status", 200) != 200:
                         held = answer
                         break
                     if "event" in answer:
@@ -130,7 +131,7 @@ class WorkerClient:
 
     async def _connect(self, worker: str) -> WorkerChannel | None:
         try:
-            self._channels[worker] = channel = await WorkerChannel.connect(self.session, worker)
+            self._channels[worker] = channel = await WorkerChannel.connect(self.session, worker, self.read_timeout_s)
             return channel
         except aiohttp.WSServerHandshakeError as exc:
             if exc.status not in NO_CHANNEL_STATUSES:
@@ -173,10 +174,13 @@ class WorkerClient:
             await self._session.close()
 
 
-def _checked(answer: dict | None) -> dict:
-    """A channel answer; ChannelClosed for the connection's end, WorkerStatusError for a refusal."""
-    if answer is None:
+def _checked(answer: dict | str | None) -> dict:
+    """A channel answer; the transport errors for the connection's end and for silence past the read timeout,
+    WorkerStatusError for a refusal."""
+    if answer is CLOSED:
         raise ChannelClosed("the worker's channel closed")
+    if answer is TIMED_OUT:
+        raise asyncio.TimeoutError("the worker sent nothing for this request within the read timeout")
     status = answer.get("status", 200)
     if status != 200:
         body = answer.get("body")

@@ -139,6 +139,38 @@ def test_a_worker_without_a_channel_is_served_over_http():
     assert len(http_only) == 1 and not channels
 
 
+def test_a_request_the_worker_leaves_unanswered_times_out_as_a_transport_error():
+    """A worker that keeps its channel open (and answers pings) but never answers one request: the request
+    fails after the read timeout, as an HTTP read would, so the orchestrator can take it elsewhere."""
+    async def silent(request: web.Request) -> web.WebSocketResponse:
+        ws = web.WebSocketResponse()
+        await ws.prepare(request)
+        async for _ in ws:  # read, never answer
+            pass
+        return ws
+
+    async def run():
+        port = free_port()
+        app = web.Application()
+        app.add_routes([web.get("/internal/ws", silent)])
+        runner = web.AppRunner(app)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        client = WorkerClient(read_timeout_s=0.4)
+        started = asyncio.get_running_loop().time()
+        try:
+            with pytest.raises(TRANSPORT_ERRORS) as caught:
+                await collect(client, f"http://127.0.0.1:{port}", decode_body("unanswered", [1, 2]))
+            return caught.value, asyncio.get_running_loop().time() - started
+        finally:
+            await client.close()
+            await runner.cleanup()
+
+    error, waited = asyncio.run(run())
+    assert isinstance(error, asyncio.TimeoutError)
+    assert 0.4 <= waited < 5
+
+
 def test_a_worker_that_is_down_raises_a_transport_error():
     async def run():
         client = WorkerClient()
