@@ -171,6 +171,51 @@ def test_a_request_the_worker_leaves_unanswered_times_out_as_a_transport_error()
     assert 0.4 <= waited < 5
 
 
+async def serve_channel_only_worker(port: int, name: str) -> web.AppRunner:
+    """A worker reduced to its channel: every decode is one event naming the worker."""
+    async def channel(request: web.Request) -> web.WebSocketResponse:
+        ws = web.WebSocketResponse()
+        await ws.prepare(request)
+        async for message in ws:
+            call = orjson.loads(message.data)
+            event = {"token_ids": [1], "text": name, "finish_reason": "length"}
+            await ws.send_bytes(orjson.dumps({"id": call["id"], "event": event, "done": True}))
+        return ws
+
+    app = web.Application()
+    app.add_routes([web.get("/internal/ws", channel)])
+    runner = web.AppRunner(app, shutdown_timeout=0.1)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    return runner
+
+
+def test_a_worker_restarted_at_the_same_address_gets_a_new_channel():
+    async def run():
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        client = WorkerClient()
+        try:
+            first = await serve_channel_only_worker(port, "first")
+            before = await collect(client, url, decode_body("a", [1, 2]))
+            await first.cleanup()  # the worker goes away: its channel closes
+            for _ in range(100):
+                if client._channels[url].closed:
+                    break
+                await asyncio.sleep(0.01)
+            second = await serve_channel_only_worker(port, "second")
+            try:
+                after = await collect(client, url, decode_body("b", [1, 2]))
+            finally:
+                await second.cleanup()
+            return before, after
+        finally:
+            await client.close()
+
+    before, after = asyncio.run(run())
+    assert [e["text"] for e in before] == ["first"] and [e["text"] for e in after] == ["second"]
+
+
 def test_a_worker_that_is_down_raises_a_transport_error():
     async def run():
         client = WorkerClient()
