@@ -122,6 +122,7 @@ class AdmissionController:
         self.prefill_workers = prefill_workers
         self.queue: EDFQueue[Admit] = EDFQueue(max_queue)
         self._in_flight: dict[str, int] = {}  # request id -> uncached prompt tokens, dispatched, not released
+        self._in_flight_total = 0  # their sum, kept as they come and go: every admission reads it
         self._clock = clock
 
     @property
@@ -141,7 +142,7 @@ class AdmissionController:
 
     @property
     def in_flight_tokens(self) -> int:
-        return sum(self._in_flight.values())
+        return self._in_flight_total
 
     def _worker_tps(self) -> float | None:
         rate = self.rates.prefill_tps
@@ -207,11 +208,14 @@ class AdmissionController:
             return None
         ticket = self.queue.pop()
         self._in_flight[ticket.request.request_id] = ticket.request.prefill_tokens
+        self._in_flight_total += ticket.request.prefill_tokens
         return ticket
 
     def release(self, request_id: str) -> bool:
         """Forget a request whose prefill finished or failed, or that was cancelled while queued or in
         flight; False when the id is not known (already released)."""
-        if self._in_flight.pop(request_id, None) is not None:
+        tokens = self._in_flight.pop(request_id, None)
+        if tokens is not None:
+            self._in_flight_total -= tokens
             return True
         return self.queue.remove(request_id) is not None

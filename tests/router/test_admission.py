@@ -266,3 +266,17 @@ def test_bad_requests_raise(clock):
         AdmissionController(slo_classes={"fast": INTERACTIVE})
     with pytest.raises(ValueError, match="max_input_tokens"):
         AdmissionController(max_input_tokens=0)
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 5000), st.booleans()), max_size=30))
+def test_in_flight_tokens_are_those_dispatched_and_not_released(make_clock, requests):
+    """The running total admission reads equals the sum over what is in flight, however requests come and go
+    (released once, twice, or never)."""
+    control = AdmissionController(clock=make_clock())
+    with_in_flight(control, [size for size, _ in requests])
+    for i, (_, release) in enumerate(requests):
+        if release:
+            assert control.release(f"busy{i}")
+            assert not control.release(f"busy{i}")  # a second release changes nothing
+    assert control.in_flight_tokens == sum(size for size, release in requests if not release)
