@@ -58,6 +58,9 @@ class WorkerChannel:
         except (ConnectionError, RuntimeError) as exc:  # closing or closed under us
             self.forget(request_id)
             raise ChannelClosed(str(exc)) from None
+        except BaseException:  # cancelled while the send waited for the socket to drain
+            self.forget(request_id)
+            raise
         return request_id, answers
 
     def forget(self, request_id: int) -> None:
