@@ -102,6 +102,16 @@ def test_a_closed_channel_stops_its_requests_on_the_worker(worker):
     assert metric(worker, "tandem_requests_finished_total", 'finish_reason="abort"') == aborted_before + 1
 
 
+async def serve_routes(port: int, *routes: web.RouteDef) -> web.AppRunner:
+    """A small aiohttp server on 127.0.0.1:port standing in for a worker; cleanup() stops it."""
+    app = web.Application()
+    app.add_routes(routes)
+    runner = web.AppRunner(app, shutdown_timeout=0.1)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    return runner
+
+
 async def serve_http_only_worker(port: int) -> web.AppRunner:
     """An older worker: /internal/decode over HTTP (SSE) and no /internal/ws."""
     async def decode(request: web.Request) -> web.StreamResponse:
@@ -112,12 +122,7 @@ async def serve_http_only_worker(port: int) -> web.AppRunner:
         await response.write(b'data: {"token_ids": [6], "text": "b", "finish_reason": "length"}\n\ndata: [DONE]\n\n')
         return response
 
-    app = web.Application()
-    app.add_routes([web.post("/internal/decode", decode)])
-    runner = web.AppRunner(app)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    return runner
+    return await serve_routes(port, web.post("/internal/decode", decode))
 
 
 def test_a_worker_without_a_channel_is_served_over_http():
@@ -151,11 +156,7 @@ def test_a_request_the_worker_leaves_unanswered_times_out_as_a_transport_error()
 
     async def run():
         port = free_port()
-        app = web.Application()
-        app.add_routes([web.get("/internal/ws", silent)])
-        runner = web.AppRunner(app)
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", port).start()
+        runner = await serve_routes(port, web.get("/internal/ws", silent))
         client = WorkerClient(read_timeout_s=0.4)
         started = asyncio.get_running_loop().time()
         try:
@@ -182,12 +183,7 @@ async def serve_channel_only_worker(port: int, name: str) -> web.AppRunner:
             await ws.send_bytes(orjson.dumps({"id": call["id"], "event": event, "done": True}))
         return ws
 
-    app = web.Application()
-    app.add_routes([web.get("/internal/ws", channel)])
-    runner = web.AppRunner(app, shutdown_timeout=0.1)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    return runner
+    return await serve_routes(port, web.get("/internal/ws", channel))
 
 
 def test_a_worker_restarted_at_the_same_address_gets_a_new_channel():
