@@ -20,7 +20,7 @@ from tandem.errors import APIError
 from tandem.hashing import block_hashes
 from tandem.metrics import RouterMetrics
 from tandem.openai_format import Delta
-from tandem.protocol import SamplingParams
+from tandem.protocol import SamplingParams, join_decode_events
 from tandem.router.policies.key_table import KeyAssignments
 from tandem.router.policies.p2c import PowerOfTwoChoices
 from tandem.router.policies.ring import routing_key
@@ -293,15 +293,10 @@ def _entry(d: dict) -> _Entry:
 
 def _delta(chunks: list[dict]) -> Delta:
     """Consecutive decode events (tandem.protocol.DecodeChunk as JSON) as one delta."""
-    last = chunks[-1]
-    if len(chunks) == 1:
-        token_ids, text, logprobs = last["token_ids"], last.get("text", ""), last.get("logprobs")
-    else:
-        token_ids = [t for c in chunks for t in c["token_ids"]]
-        text = "".join(c.get("text", "") for c in chunks)
-        logprobs = [e for c in chunks for e in c.get("logprobs") or ()]
-    return Delta(token_ids, text, [_entry(e) for e in logprobs] if logprobs else None,
-                 last.get("finish_reason") is not None, last.get("finish_reason"), last.get("num_cached_tokens", 0))
+    event = join_decode_events(chunks)
+    logprobs = event.get("logprobs")
+    return Delta(event["token_ids"], event.get("text", ""), [_entry(e) for e in logprobs] if logprobs else None,
+                 event.get("finish_reason") is not None, event.get("finish_reason"), event.get("num_cached_tokens", 0))
 
 
 def _worker_error(error: dict) -> Exception:

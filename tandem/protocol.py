@@ -108,15 +108,26 @@ class DecodeChunk(BaseModel):
     num_cached_tokens: int = 0
     kv_source: str | None = Field(None, description="'pulled', 'local' or a fallback reason; on the first chunk")
 
-    @staticmethod
-    def joined(chunks: list[DecodeChunk]) -> DecodeChunk:
-        """Consecutive chunks of one request as one (coalesce_after_first): tokens, text and logprobs in order,
-        the last chunk's finish."""
-        logprobs = [e for c in chunks for e in c.logprobs or ()]
-        return DecodeChunk(token_ids=[t for c in chunks for t in c.token_ids], text="".join(c.text for c in chunks),
-                           logprobs=logprobs or None, finish_reason=chunks[-1].finish_reason,
-                           num_cached_tokens=chunks[-1].num_cached_tokens,
-                           kv_source=next((c.kv_source for c in chunks if c.kv_source), None))
+
+def join_decode_events(events: list[dict]) -> dict:
+    """Consecutive decode events of one request (DecodeChunk as JSON) as one: tokens, text and logprobs in
+    order, the last event's finish and cached-token count, the first kv_source. A worker joins what it holds
+    back (coalesce_after_first); a router joins what arrived together, to relay it once."""
+    if len(events) == 1:
+        return events[0]
+    last = events[-1]
+    joined = {"token_ids": [t for e in events for t in e["token_ids"]],
+              "text": "".join(e.get("text", "") for e in events)}
+    logprobs = [entry for e in events for entry in e.get("logprobs") or ()]
+    if logprobs:
+        joined["logprobs"] = logprobs
+    for key in ("finish_reason", "num_cached_tokens"):
+        if key in last:
+            joined[key] = last[key]
+    kv_source = next((e["kv_source"] for e in events if e.get("kv_source")), None)
+    if kv_source is not None:
+        joined["kv_source"] = kv_source
+    return joined
 
 
 class ReleaseRequest(BaseModel):

@@ -28,6 +28,7 @@ from tandem.protocol import (
     PrefillResponse,
     ReleaseRequest,
     TokenLogprob,
+    join_decode_events,
 )
 from tandem.sse import DONE, EventStreamResponse, sse_event
 from tandem.workers.async_engine import EngineDeadError
@@ -217,10 +218,6 @@ async def release_lease(ctx, handle: KVHandle) -> None:
         log.info("could not release lease %s at %s: %s", handle.lease_id, handle.source_url, exc)
 
 
-def chunk_payload(chunk: DecodeChunk) -> dict:
-    return chunk.model_dump(exclude_none=True)
-
-
 async def decode_events(ctx, outputs: AsyncIterator[RequestOutput], handle: KVHandle | None,
                         fallback: str | None, coalesce_after_first: bool = False
                         ) -> AsyncIterator[tuple[dict, bool]]:
@@ -229,33 +226,33 @@ async def decode_events(ctx, outputs: AsyncIterator[RequestOutput], handle: KVHa
     engine ends without a finished output ends with no event marked."""
     released = handle is None
     first = True
-    held: list[DecodeChunk] = []  # outputs after the first, when coalescing, until the last one
+    held: list[dict] = []  # events after the first, when coalescing, until the last one
     try:
         async for out in outputs:
             if not released:  # the pull is over (done or failed) once the engine reports anything
                 released = True
                 asyncio.get_running_loop().create_task(release_lease(ctx, handle))
-            chunk = DecodeChunk(token_ids=out.new_token_ids, text=out.new_text,
+            event = DecodeChunk(token_ids=out.new_token_ids, text=out.new_text,
                                 logprobs=[logprob_entry(e) for e in out.new_logprobs] if out.new_logprobs else None,
                                 finish_reason=out.finish_reason if out.finished else None,
                                 num_cached_tokens=out.num_cached_tokens,
                                 kv_source=(out.kv_status or fallback or ("local" if handle is None else None))
-                                if first else None)
+                                if first else None).model_dump(exclude_none=True)
             if coalesce_after_first and not first:
-                held.append(chunk)
+                held.append(event)
                 if not out.finished:
                     continue
-                chunk = DecodeChunk.joined(held)
+                event = join_decode_events(held)
                 held = []
             first = False
-            yield chunk_payload(chunk), out.finished
+            yield event, out.finished
             if out.finished:
                 return
         if held:  # the engine ended without a finished output: still hand over what it made
-            yield chunk_payload(DecodeChunk.joined(held)), False
+            yield join_decode_events(held), False
     except (ValueError, EngineDeadError) as exc:
         if held:  # what was made before the failure: a resumed request continues after it
-            yield chunk_payload(DecodeChunk.joined(held)), False
+            yield join_decode_events(held), False
         yield error_body(503 if isinstance(exc, EngineDeadError) else 400, str(exc)), True
     finally:
         await outputs.aclose()
