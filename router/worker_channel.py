@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import math
 
 import aiohttp
 import orjson
@@ -23,8 +24,35 @@ class ChannelClosed(aiohttp.ServerDisconnectedError):
     """The worker's connection closed before the request's answer came (a transport error, like HTTP's)."""
 
 
-CLOSED = None  # what a request's queue gets when the connection closes
+CLOSED = None  # the answer a request gets when the connection closes
 TIMED_OUT = "timed out"  # ... and when the watchdog gives up on it
+
+
+class Inbox:
+    """One request's answers as they arrive. take() hands over all that arrived since the last take: one answer
+    while the caller keeps up, several when it falls behind."""
+
+    __slots__ = ("answers", "heard", "_waiter")
+
+    def __init__(self, now: float):
+        self.answers: list = []
+        self.heard = now  # when the request was sent or last answered: what the watchdog reads
+        self._waiter: asyncio.Future | None = None
+
+    def put(self, answer) -> None:
+        self.answers.append(answer)
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    async def take(self) -> list:
+        if not self.answers:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        answers, self.answers = self.answers, []
+        return answers
 
 
 class WorkerChannel:
@@ -32,8 +60,7 @@ class WorkerChannel:
         self.ws = ws
         self.closed = False
         self.read_timeout_s = read_timeout_s
-        self._answers: dict[int, asyncio.Queue] = {}
-        self._heard: dict[int, float] = {}  # request id -> when it was sent or last answered
+        self._inboxes: dict[int, Inbox] = {}
         self._ids = itertools.count()
         loop = asyncio.get_running_loop()
         self._watchdog = loop.create_task(self._watch())
@@ -45,14 +72,13 @@ class WorkerChannel:
         ws = await session.ws_connect(f"{worker_url}/internal/ws", heartbeat=HEARTBEAT_S, max_msg_size=0)
         return cls(ws, read_timeout_s)
 
-    async def send(self, path: str, body: dict) -> tuple[int, asyncio.Queue]:
-        """Sends a request; its answers (dicts, then CLOSED or TIMED_OUT if it comes to that) arrive on the
-        queue. The caller must call forget(id) when done with them."""
+    async def send(self, path: str, body: dict) -> tuple[int, Inbox]:
+        """Sends a request; its answers (dicts, then CLOSED or TIMED_OUT if it comes to that) arrive in the
+        inbox. The caller must call forget(id) when done with them."""
         if self.closed:
             raise ChannelClosed("the worker's channel is closed")
         request_id = next(self._ids)
-        answers = self._answers[request_id] = asyncio.Queue()
-        self._heard[request_id] = asyncio.get_running_loop().time()
+        inbox = self._inboxes[request_id] = Inbox(asyncio.get_running_loop().time())
         try:
             await self.ws.send_bytes(orjson.dumps({"id": request_id, "path": path, "body": body}))
         except (ConnectionError, RuntimeError) as exc:  # closing or closed under us
@@ -61,11 +87,10 @@ class WorkerChannel:
         except BaseException:  # cancelled while the send waited for the socket to drain
             self.forget(request_id)
             raise
-        return request_id, answers
+        return request_id, inbox
 
     def forget(self, request_id: int) -> None:
-        self._answers.pop(request_id, None)
-        self._heard.pop(request_id, None)
+        self._inboxes.pop(request_id, None)
 
     async def _read(self) -> None:
         loop = asyncio.get_running_loop()
@@ -73,27 +98,27 @@ class WorkerChannel:
             async for message in self.ws:
                 if message.type in (aiohttp.WSMsgType.BINARY, aiohttp.WSMsgType.TEXT):
                     answer = orjson.loads(message.data)
-                    request_id = answer.get("id")
-                    answers = self._answers.get(request_id)
-                    if answers is not None:  # else a request its caller gave up on
-                        answers.put_nowait(answer)
-                        self._heard[request_id] = loop.time()
+                    inbox = self._inboxes.get(answer.get("id"))
+                    if inbox is not None:  # else a request its caller gave up on
+                        inbox.put(answer)
+                        inbox.heard = loop.time()
         except (aiohttp.ClientError, ValueError):
             pass
         finally:
             self.closed = True
             self._watchdog.cancel()
-            for answers in self._answers.values():
-                answers.put_nowait(CLOSED)
+            for inbox in self._inboxes.values():
+                inbox.put(CLOSED)
 
     async def _watch(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
             await asyncio.sleep(self.read_timeout_s / 4)
             silent_since = loop.time() - self.read_timeout_s
-            for request_id in [r for r, heard in self._heard.items() if heard < silent_since]:
-                self._answers[request_id].put_nowait(TIMED_OUT)
-                del self._heard[request_id]  # once is enough
+            for inbox in self._inboxes.values():
+                if inbox.heard < silent_since:
+                    inbox.put(TIMED_OUT)
+                    inbox.heard = math.inf  # once is enough
 
     async def close(self) -> None:
         await self.ws.close()

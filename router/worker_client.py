@@ -27,7 +27,6 @@ log = logging.getLogger(__name__)
 TRANSPORT_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError)
 
 _JSON = {"Content-Type": "application/json"}
-_NOTHING = object()
 # How a worker without /internal/ws refuses the upgrade: starlette closes an unknown WebSocket route (403),
 # aiohttp and others answer 404, or 405 for a path served for other methods.
 NO_CHANNEL_STATUSES = (403, 404, 405)
@@ -75,12 +74,12 @@ class WorkerClient:
         channel = await self._channel(worker)
         if channel is None:
             return await self._post_http(f"{worker}{path}", payload, timeout_s)
-        request_id, answers = await channel.send(path, payload)
+        request_id, inbox = await channel.send(path, payload)
         try:
-            answer = await (asyncio.wait_for(answers.get(), timeout_s) if timeout_s is not None else answers.get())
+            answers = await (asyncio.wait_for(inbox.take(), timeout_s) if timeout_s is not None else inbox.take())
         finally:
             channel.forget(request_id)
-        return _checked(answer)["body"]
+        return _checked(answers[0])["body"]
 
     async def event_batches(self, worker: str, path: str, payload: dict) -> AsyncIterator[list[dict]]:
         """The events of a streamed answer, to the end of the stream, in lists: each list holds the events that
@@ -92,22 +91,22 @@ class WorkerClient:
             async for batch in self._event_batches_http(f"{worker}{path}", payload):
                 yield batch
             return
-        request_id, answers = await channel.send(path, payload)
+        request_id, inbox = await channel.send(path, payload)
         try:
-            held = _NOTHING  # an answer taken while batching that must wait for the next turn: a failure
             while True:
-                answer = _checked(await answers.get() if held is _NOTHING else held)
-                held = _NOTHING
-                batch = [answer["event"]] if "event" in answer else []
-                done = answer.get("done", False)
-                while not done and not answers.empty():
-                    answer = answers.get_nowait()
-                    if answer is CLOSED or answer is TIMED_OUT or answer.get("status", 200) != 200:
-                        held = answer
-                        break
-                    if "event" in answer:
-                        batch.append(answer["event"])
-                    done = answer.get("done", False)
+                batch, done = [], False
+                try:
+                    for answer in await inbox.take():
+                        answer = _checked(answer)
+                        if "event" in answer:
+                            batch.append(answer["event"])
+                        if answer.get("done"):
+                            done = True
+                            break
+                except (WorkerStatusError, *TRANSPORT_ERRORS):
+                    if batch:  # the events before the failure are the caller's: a resume continues after them
+                        yield batch
+                    raise
                 if batch:
                     yield batch
                 if done:

@@ -212,6 +212,35 @@ def test_a_worker_restarted_at_the_same_address_gets_a_new_channel():
     assert [e["text"] for e in before] == ["first"] and [e["text"] for e in after] == ["second"]
 
 
+def test_events_before_a_dropped_connection_reach_the_caller_before_the_error():
+    """The worker sends two tokens and its connection drops: the caller gets both, then a transport error (the
+    orchestrator resumes after them)."""
+    async def two_then_gone(request: web.Request) -> web.WebSocketResponse:
+        ws = web.WebSocketResponse()
+        await ws.prepare(request)
+        call = orjson.loads((await ws.receive()).data)
+        for token in (5, 6):
+            await ws.send_bytes(orjson.dumps({"id": call["id"], "event": {"token_ids": [token], "text": "x"}}))
+        await ws.close()
+        return ws
+
+    async def run():
+        port = free_port()
+        runner = await serve_routes(port, web.get("/internal/ws", two_then_gone))
+        client = WorkerClient()
+        received = []
+        try:
+            with pytest.raises(TRANSPORT_ERRORS):
+                async for batch in client.event_batches(f"http://127.0.0.1:{port}", "/internal/decode", {}):
+                    received += [event["token_ids"] for event in batch]
+            return received
+        finally:
+            await client.close()
+            await runner.cleanup()
+
+    assert asyncio.run(run()) == [[5], [6]]
+
+
 def test_a_worker_that_is_down_raises_a_transport_error():
     async def run():
         client = WorkerClient()
