@@ -3,7 +3,8 @@
 uvicorn (uvloop, httptools) takes the request, aiohttp forwards its body unchanged to the next backend's OpenAI
 endpoint (round robin) and the answer goes back as it arrives. No validation, tokenizing, routing, admission
 or metrics: what remains is the HTTP server, the HTTP client and the event loop, so the gap between this and
-our router is our own per-request work, and the gap between this and sglang-router is the stack's.
+our router with an HTTP request per worker call (--worker-transport http) is our own per-request work, and the
+gap between this and sglang-router is the stack's.
 
     PYTHONSAFEPATH=1 .venv/bin/python benchmarks/proxy_floor.py --port 9100 --backend URL [--backend URL ...]
 """

@@ -183,7 +183,7 @@ async def serve(router, request: Request, fmt: Formatter, ids: list[int], params
             fmt.add(delta)
     finally:
         await deltas.aclose()
-    # Already plain JSON types: a response object skips FastAPI's recursive jsonable_encoder pass (measured waste).
+    # Already plain JSON types: a response object skips FastAPI's recursive jsonable_encoder pass.
     return FastJSONResponse(fmt.final())
 
 

@@ -2,10 +2,10 @@
 (router/worker_channel.py) where the worker offers it, else JSON posts and SSE streams over kept-alive HTTP
 connections. Either way a call answers the same dicts and raises the same errors.
 
-aiohttp rather than httpx here because this runs once or twice per request: profiled with py-spy under
-benchmarks/router.py (zero-think-time mocks), httpx's streaming POST took about half of the router's CPU per
-request (anyio stream layers, a connection-pool expiry scan that probes every pooled socket on each request,
-headers and body sent as separate writes). The health probes stay on httpx: once a second, cost is moot.
+aiohttp rather than httpx here because this runs once or twice per request: moving it from httpx to aiohttp
+took the router's CPU per request at c=16 from 3.0 to 1.6 ms in benchmarks/router.py (docs/benchmarks.md; httpx
+streams through anyio layers, scans its connection pool on each request and writes headers and body
+separately). The health probes stay on httpx: they run once a second.
 """
 
 from __future__ import annotations
