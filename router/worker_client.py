@@ -50,12 +50,11 @@ def _error_message(raw: bytes) -> str:
 
 class WorkerClient:
     """`transport` "websocket" uses a worker's channel when it has one (HTTP for a worker that has none);
-    "http" never does."""
+    "http" never does. The read timeout bounds the silence on one request either way."""
 
     def __init__(self, connect_timeout_s: float = 2.0, read_timeout_s: float = 600.0,
                  transport: Literal["websocket", "http"] = "websocket"):
         self.timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout_s, sock_read=read_timeout_s)
-        self.read_timeout_s = read_timeout_s
         self.transport = transport
         self._session: aiohttp.ClientSession | None = None
         self._channels: dict[str, WorkerChannel] = {}
@@ -130,7 +129,7 @@ class WorkerClient:
 
     async def _connect(self, worker: str) -> WorkerChannel | None:
         try:
-            self._channels[worker] = channel = await WorkerChannel.connect(self.session, worker, self.read_timeout_s)
+            self._channels[worker] = channel = await WorkerChannel.connect(self.session, worker, self.timeout.sock_read)
             return channel
         except aiohttp.WSServerHandshakeError as exc:
             if exc.status not in NO_CHANNEL_STATUSES:
