@@ -25,6 +25,7 @@ from tandem.openai_format import ChatFormatter, CompletionFormatter, Formatter
 from tandem.openai_protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, new_id, now
 from tandem.protocol import SamplingParams
 from tandem.router.admission import AdmissionRequest, Reject, RejectReason
+from tandem.router.api_keys import ApiKeyGate, bearer_token
 from tandem.router.fast_lane import FastLane, api_error_response, validation_error_response
 from tandem.router.orchestrator import Trace
 from tandem.sse import EventStreamResponse, openai_stream
@@ -33,7 +34,7 @@ SLO_HEADER = "x-tandem-slo-class"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
-def build_app(router) -> FastLane:
+def build_app(router) -> FastLane | ApiKeyGate:
     """`router` is a tandem.router.main.Router: config, tokenizer, pools, admission, orchestrator."""
     app = FastAPI(title="Tandem router", version="0.1.0",
                   description="OpenAI-compatible front door of a Tandem prefill/decode deployment")
@@ -101,9 +102,10 @@ def build_app(router) -> FastLane:
     async def chat(body: ChatCompletionRequest, request: Request):
         return await chat_handler(body, request)
 
-    return FastLane(app, {"/v1/completions": (CompletionRequest, completions_handler),
+    lane = FastLane(app, {"/v1/completions": (CompletionRequest, completions_handler),
                           "/v1/chat/completions": (ChatCompletionRequest, chat_handler)},
                     router.config.max_body_bytes)
+    return ApiKeyGate(lane, router.api_keys) if router.api_keys else lane
 
 
 async def tokenize(router, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -144,8 +146,7 @@ def check_ids(router, ids: list[int]) -> list[int]:
 
 
 def api_key(request: Request) -> str | None:
-    auth = request.headers.get("authorization", "")
-    return auth[7:].strip() or None if auth.lower().startswith("bearer ") else None
+    return bearer_token(request.scope["headers"])
 
 
 async def serve(router, request: Request, fmt: Formatter, ids: list[int], params: SamplingParams, stream: bool,

@@ -9,11 +9,12 @@ import json
 import logging
 import os
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import httpx
 import uvicorn
 
-from tandem.config import RouterConfig
+from tandem.config import API_KEY_ENV, RouterConfig
 from tandem.hashing import model_seed
 from tandem.metrics import RouterMetrics
 from tandem.model_source import DEFAULT_MODEL_ALIAS, resolve_model_source
@@ -48,16 +49,29 @@ def load_slo_classes(config_dir: str | None) -> dict[str, SLOClass]:
     return classes
 
 
-def load_tenants(tenants_dir: str | None) -> tuple[TenantRateLimiter, dict[str, str]]:
+@dataclass
+class Tenants:
+    rate_limiter: TenantRateLimiter
+    slo_for_key: dict[str, str]
+    api_keys: list[str]
+    require_api_key: bool
+
+
+def load_tenants(tenants_dir: str | None) -> Tenants:
     """$TANDEM_TENANTS_DIR/tenants.json: {"apiKeys": {key: tenant}, "limits": {tenant: {"tokensPerSecond",
-    "burst"}}, "sloClasses": {key: class}}. Without it every caller is the unlimited default tenant."""
+    "burst"}}, "sloClasses": {key: class}, "requireApiKey": bool}. Without it every caller is the unlimited
+    default tenant; without "requireApiKey": true, so is a caller who sends no key or an unknown one."""
     path = os.path.join(tenants_dir, "tenants.json") if tenants_dir else None
     if not path or not os.path.isfile(path):
-        return TenantRateLimiter(), {}
+        return Tenants(TenantRateLimiter(), {}, [], False)
     with open(path) as f:
         spec = json.load(f)
     limits = {t: RateLimit(v["tokensPerSecond"], v["burst"]) for t, v in spec.get("limits", {}).items()}
-    return TenantRateLimiter(spec.get("apiKeys", {}), limits), dict(spec.get("sloClasses", {}))
+    keys = spec.get("apiKeys", {})
+    if spec.get("requireApiKey") and not keys:
+        raise SystemExit(f"{path}: requireApiKey is set but apiKeys lists no key")
+    return Tenants(TenantRateLimiter(keys, limits), dict(spec.get("sloClasses", {})), list(keys),
+                   bool(spec.get("requireApiKey")))
 
 
 class Router:
@@ -74,11 +88,16 @@ class Router:
         self.http = httpx.AsyncClient(limits=httpx.Limits(max_connections=None, max_keepalive_connections=1024))
         self.prefill = WorkerPool("prefill", self.http, self.metrics, config.eject_after_failures)
         self.decode = WorkerPool("decode", self.http, self.metrics, config.eject_after_failures)
-        rate_limiter, self.slo_for_key = load_tenants(os.environ.get("TANDEM_TENANTS_DIR"))
+        tenants = load_tenants(os.environ.get("TANDEM_TENANTS_DIR"))
+        self.slo_for_key = tenants.slo_for_key
+        # The keys a /v1/* request must present one of, once any is required (none: the API is open); see
+        # tandem.router.api_keys. A tenant's key is always one of them.
+        required = [*config.api_key, *filter(None, [os.environ.get(API_KEY_ENV)])]
+        self.api_keys = [*required, *tenants.api_keys] if required or tenants.require_api_key else []
         self.admission = AdmissionController(
             slo_classes=load_slo_classes(os.environ.get("TANDEM_CONFIG_DIR")), max_queue=config.max_queue,
             max_input_tokens=config.max_input_tokens, max_output_tokens=config.max_output_tokens,
-            rate_limiter=rate_limiter, rates=ServiceRates(initial_prefill_tps=config.initial_prefill_tps))
+            rate_limiter=tenants.rate_limiter, rates=ServiceRates(initial_prefill_tps=config.initial_prefill_tps))
         self.dispatcher = Dispatcher(self.admission, config.max_in_flight, self.metrics)
         self.worker_client = WorkerClient(transport=config.worker_transport)  # the data path; httpx only probes
         self.orchestrator = Orchestrator(config, self.prefill, self.decode, self.worker_client, self.metrics,

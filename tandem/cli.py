@@ -32,6 +32,8 @@ def _serve_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--colocated", action="store_true", help="no prefill pool: --decode workers do everything")
     p.add_argument("--disagg-min-tokens", type=int, default=RouterConfig.model_fields["disagg_min_tokens"].default,
                    help="prompts shorter than this skip the prefill pool")
+    p.add_argument("--api-key", default=None, help="the router then requires `Authorization: Bearer <key>` on "
+                                                   "/v1/* (default: $TANDEM_API_KEY; unset, the API is open)")
     add_model_options(p, EngineConfig)
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p
@@ -150,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("serve: needs --decode >= 1 and --prefill >= 0")
         return run_local_stack(model_from_options(EngineConfig, ns), prefill=ns.prefill, decode=ns.decode,
                                colocated=ns.colocated or ns.prefill == 0, disagg_min_tokens=ns.disagg_min_tokens,
-                               host=ns.host, port=ns.port)
+                               host=ns.host, port=ns.port, api_key=ns.api_key)
     if ns.command == "router":
         from tandem.router.main import run_router
 

@@ -49,6 +49,9 @@ class EngineConfig(BaseModel):
     kv_pull_timeout_s: float = Field(10.0, gt=0, description="a KV pull slower than this falls back to recompute")
 
 
+API_KEY_ENV = "TANDEM_API_KEY"  # the router's key kept off its command line (and out of `ps`), as VLLM_API_KEY
+
+
 class RouterConfig(BaseModel):
     """Settings of the router: the OpenAI front door before the prefill and decode pools."""
 
@@ -76,6 +79,9 @@ class RouterConfig(BaseModel):
     max_input_tokens: int | None = Field(None, ge=1, description="longer prompts get 400")
     max_output_tokens: int | None = Field(None, ge=1, description="larger max_tokens get 400")
     max_body_bytes: int = Field(1 << 20, ge=1, description="larger request bodies get 413")
+    api_key: list[str] = Field(default_factory=list, description="/v1/* requests must send one of these as "
+                               "`Authorization: Bearer <key>` (401 otherwise), or $TANDEM_API_KEY, or a key of the "
+                               "tenants file; with none of these nor its requireApiKey, the API is open")
     tokenize_in_thread_chars: int = Field(512, ge=0, description="prompt texts at least this long are tokenized "
                                           "on a thread, off the event loop (shorter ones in place, sparing the hand-off)")
     worker_transport: Literal["websocket", "http"] = Field(

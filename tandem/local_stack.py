@@ -7,17 +7,18 @@ Ctrl-C or SIGTERM.
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import time
 
 from tandem.cli_args import options_to_args
-from tandem.config import EngineConfig
+from tandem.config import API_KEY_ENV, EngineConfig
 from tandem.launcher import ServiceProcess
 
 
 def run_local_stack(engine: EngineConfig, *, prefill: int, decode: int, colocated: bool, disagg_min_tokens: int,
-                    host: str, port: int) -> int:
+                    host: str, port: int, api_key: str | None = None) -> int:
     worker_args = options_to_args(engine)
     roles = ["both"] * decode if colocated else ["prefill"] * prefill + ["decode"] * decode
     workers = [ServiceProcess(["worker", "--role", role, *worker_args], name=f"{role}-{i}")
@@ -30,7 +31,9 @@ def run_local_stack(engine: EngineConfig, *, prefill: int, decode: int, colocate
         router_args += ["--prefill", *prefill_urls]
     if engine.served_model_name:
         router_args += ["--served-model-name", engine.served_model_name]
-    router = ServiceProcess(router_args, port=port, name="router")
+    # The key travels in the environment, not on the router's command line where `ps` would show it.
+    router = ServiceProcess(router_args, port=port, name="router", env={API_KEY_ENV: api_key} if api_key else None)
+    auth = " -H 'authorization: Bearer <your key>'" if api_key or os.environ.get(API_KEY_ENV) else ""
     everything = [*workers, router]
 
     def stop(*_):
@@ -46,7 +49,7 @@ def run_local_stack(engine: EngineConfig, *, prefill: int, decode: int, colocate
         router.start().wait_ready()
         url = f"http://{host}:{port}"
         print(f"\ntandem serve: {len(prefill_urls)} prefill + {len(decode_urls)} decode worker(s), router on {url}")
-        print(f"  curl -s {url}/v1/chat/completions -H 'content-type: application/json' \\\n"
+        print(f"  curl -s {url}/v1/chat/completions -H 'content-type: application/json'{auth} \\\n"
               f"    -d '{{\"model\": \"{engine.served_model_name or engine.model}\", \"messages\": "
               f"[{{\"role\": \"user\", \"content\": \"Hello!\"}}], \"max_tokens\": 32}}'")
         print("Ctrl-C stops everything.", flush=True)

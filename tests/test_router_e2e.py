@@ -74,9 +74,11 @@ def long_text(seed: int, words: int = 220) -> str:
 
 
 def test_tandem_serve_with_the_openai_sdk():
-    serve = ServiceProcess(["serve", "--disagg-min-tokens", "48", "--kv-transfer", "tcp"], name="serve")
+    serve = ServiceProcess(["serve", "--disagg-min-tokens", "48", "--kv-transfer", "tcp", "--api-key", "k-local"],
+                           name="serve")
     with serve:
-        client = sdk(serve)
+        assert httpx.get(serve.url + "/v1/models").status_code == 401  # --api-key reached the router
+        client = openai.OpenAI(base_url=serve.url + "/v1", api_key="k-local", max_retries=0, timeout=120)
         prompt = "Explain briefly why the sky is blue. " * 8  # 65 tokens: the disaggregated path
         kwargs = dict(model="smollm2", prompt=prompt, max_tokens=16, temperature=0, extra_body={"ignore_eos": True})
         full = client.completions.create(**kwargs)
@@ -137,6 +139,25 @@ def test_bad_input_follows_the_worker_contract(fleet):
         err = r.json()["error"]
         assert set(err) >= {"message", "type", "param", "code"}, name
         assert fragment in err["message"] or fragment == err["param"], (name, err)
+
+
+def test_api_keys_guard_the_openai_routes(fleet, tmp_path):
+    """A key from --api-key, $TANDEM_API_KEY or (with requireApiKey) the tenants file opens /v1/*; the SDK raises
+    AuthenticationError without one; probes and metrics stay open."""
+    (tmp_path / "tenants.json").write_text(json.dumps({"apiKeys": {"k-alice": "alice"}, "requireApiKey": True}))
+    guarded = router([], fleet["decode"], "--api-key", "k-ops", env={"TANDEM_TENANTS_DIR": str(tmp_path),
+                                                                     "TANDEM_API_KEY": "k-env"})
+    with guarded:
+        for key in ("k-alice", "k-ops", "k-env"):
+            client = openai.OpenAI(base_url=guarded.url + "/v1", api_key=key, max_retries=0, timeout=120)
+            done = client.completions.create(model="smollm2", prompt="Hello", max_tokens=2, temperature=0)
+            assert done.usage.completion_tokens == 2
+        with pytest.raises(openai.AuthenticationError):
+            sdk(guarded).chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "Hi"}],
+                                                 max_tokens=2)
+        assert httpx.get(guarded.url + "/v1/models").status_code == 401
+        assert httpx.get(guarded.url + "/metrics").status_code == 200
+        assert httpx.get(guarded.url + "/health").status_code == 200
 
 
 def test_overload_is_refused_early_with_retry_after(fleet, tmp_path, tokenizer):

@@ -1,0 +1,52 @@
+"""API keys at the front door: with keys configured, a /v1/* request must present one or gets 401.
+
+Without this, a per-tenant token bucket binds only callers honest enough to send their key: anyone
+else is the default tenant. `vllm serve --api-key` has the same gate. /health, /ready, /metrics and
+/openapi.json stay open for probes and scrapers. Keys are compared by their SHA-256 digests, so a set
+lookup answers and the time it takes says nothing about how much of a guess was right.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable
+
+from starlette.responses import JSONResponse
+
+from tandem.errors import error_body
+
+PROTECTED_PREFIX = "/v1/"
+
+
+def _digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode()).digest()
+
+
+def bearer_token(headers: Iterable[tuple[bytes, bytes]]) -> str | None:
+    """The token of an `Authorization: Bearer <token>` header among raw ASGI headers."""
+    for name, value in headers:
+        if name == b"authorization":
+            scheme, _, token = value.decode("latin-1").partition(" ")
+            return token.strip() or None if scheme.lower() == "bearer" else None
+    return None
+
+
+class ApiKeyGate:
+    """ASGI middleware: lets a /v1/* request through only with one of `keys` as its bearer token."""
+
+    def __init__(self, app, keys: Iterable[str]):
+        self.app = app
+        self._digests = {_digest(k) for k in keys}
+        if not self._digests:
+            raise ValueError("ApiKeyGate needs at least one key")
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith(PROTECTED_PREFIX):
+            token = bearer_token(scope["headers"])
+            if token is None or _digest(token) not in self._digests:
+                message = ("Incorrect API key provided." if token is not None else
+                           "No API key provided: send it as the header `Authorization: Bearer <key>`.")
+                response = JSONResponse(error_body(401, message, code="invalid_api_key"), status_code=401,
+                                        headers={"WWW-Authenticate": "Bearer"})
+                return await response(scope, receive, send)
+        return await self.app(scope, receive, send)
