@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from tandem.background import spawn
 from tandem.body_limit import BodySizeLimit
 from tandem.errors import APIError, error_body
 from tandem.json_response import FastJSONResponse
@@ -28,10 +29,11 @@ from tandem.router.admission import AdmissionRequest, Reject, RejectReason
 from tandem.router.api_keys import ApiKeyGate, bearer_token
 from tandem.router.fast_lane import FastLane, api_error_response, validation_error_response
 from tandem.router.orchestrator import Trace
-from tandem.sse import EventStreamResponse, openai_stream
+from tandem.sse import ClientDisconnected, EventStreamResponse, cancelled_on_disconnect, openai_stream
 
 SLO_HEADER = "x-tandem-slo-class"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left before its answer
 
 
 def build_app(router) -> FastLane | ApiKeyGate:
@@ -84,10 +86,7 @@ def build_app(router) -> FastLane | ApiKeyGate:
 
     async def chat_handler(body: ChatCompletionRequest, request: Request) -> Response:
         check_model(router, body.model)
-        if not router.tokenizer.chat_template:
-            raise APIError(400, "this model has no chat template; use /v1/completions")
-        text = router.tokenizer.apply_chat_template(body.template_messages(), add_generation_prompt=True)
-        ids = await tokenize(router, text, add_special_tokens=False)
+        ids = await tokenize(router, body.prompt_text(router.tokenizer), add_special_tokens=False)
         room = max(1, router.max_model_len - len(ids))
         params = body.sampling_params(default_max_tokens=default_max_tokens(router, room))
         fmt = ChatFormatter(new_id("chatcmpl"), router.served_name, now(), router.tokenizer, len(ids))
@@ -177,13 +176,20 @@ async def serve(router, request: Request, fmt: Formatter, ids: list[int], params
         raise APIError(400 if decision.reason in caps else 429, decision.message, code=decision.reason.value,
                        headers=headers)
     deltas = dispatch(router, rid, ids, params, decision, slo_name, plan, coalesce=not stream)
+    # The request is admitted (queued) from here on. `deltas` gives it back when it runs and ends, but a response
+    # whose client leaves before its body begins never runs it: abandon() forgets it then, or nobody would.
     if stream:
-        return EventStreamResponse(openai_stream(fmt, deltas, usage, stream_error_body), headers=SSE_HEADERS)
+        return EventStreamResponse(openai_stream(fmt, deltas, usage, stream_error_body), headers=SSE_HEADERS,
+                                   on_close=lambda: router.dispatcher.abandon(rid))
     try:
-        async for delta in deltas:
-            fmt.add(delta)
+        async with cancelled_on_disconnect(request.receive):
+            async for delta in deltas:
+                fmt.add(delta)
+    except ClientDisconnected:
+        return Response(status_code=CLIENT_CLOSED_REQUEST)  # nobody reads it: uvicorn drops it
     finally:
         await deltas.aclose()
+        router.dispatcher.abandon(rid)
     # Already plain JSON types: a response object skips FastAPI's recursive jsonable_encoder pass.
     return FastJSONResponse(fmt.final())
 
@@ -249,7 +255,7 @@ class Dispatcher:
     async def acquire(self, rid: str) -> None:
         if self._take(rid):  # a free slot and nobody ahead: no lock, no wait (the usual case)
             if self.waiting:  # the next in line may fit too
-                asyncio.get_running_loop().create_task(self._notify())
+                spawn(self._notify())
             return
         async with self._changed:
             try:
@@ -279,8 +285,17 @@ class Dispatcher:
 
     def release(self) -> None:
         self.active -= 1
+        self._wake_waiting()
+
+    def abandon(self, rid: str) -> None:
+        """Forget a request whether or not it was dispatched (a no-op once released). One still queued could be
+        the head of the queue, which every request behind it waits for."""
+        if self.admission.release(rid):
+            self._wake_waiting()
+
+    def _wake_waiting(self) -> None:
         if self.waiting:
-            asyncio.get_running_loop().create_task(self._notify())
+            spawn(self._notify())
 
     async def _notify(self) -> None:
         async with self._changed:

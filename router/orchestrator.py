@@ -15,6 +15,7 @@ import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from tandem.background import spawn
 from tandem.config import RouterConfig
 from tandem.errors import APIError
 from tandem.hashing import block_hashes
@@ -76,7 +77,7 @@ class Orchestrator:
         at once and the rest as one delta at the end, not one event per token to read, parse and format."""
         hashes, key = plan if plan is not None else self.plan(prompt)
         disagg = len(prompt) >= self.config.disagg_min_tokens and bool(self.prefill.healthy())
-        touched: set[str] = set()
+        touched: set[tuple[str, str]] = set()  # (worker, request id there): what to abort if the client leaves
         finished = False
         try:
             if disagg:
@@ -110,22 +111,22 @@ class Orchestrator:
             finished = True
         finally:
             if not finished:  # the client left (or we failed): stop the work on every worker involved
-                for url in touched:
-                    asyncio.get_running_loop().create_task(self._abort(url, rid))
+                for url, request_id in touched:
+                    spawn(self._abort(url, request_id))
 
     # -- prefill --------------------------------------------------------------------------
-    async def _prefill(self, rid, prompt, params, hashes, key, trace: Trace, touched: set[str]) -> dict:
+    async def _prefill(self, rid, prompt, params, hashes, key, trace: Trace, touched: set[tuple[str, str]]) -> dict:
         tried: set[str] = set()
         for _ in range(MAX_ATTEMPTS):
             url = self._place(self.prefill, key, hashes, len(prompt), tried, trace)
             if url is None:
                 break
             tried.add(url)
-            touched.add(url)
+            touched.add((url, rid))
             weight = trace.uncached_tokens
             worker = self.prefill.workers[url]
             worker.prefill_tokens_in_flight += weight
-            self.prefill.track(url, +1)
+            worker.in_flight += 1
             try:
                 body = await self.http.post_json(url, "/internal/prefill", {
                     "request_id": rid, "prompt_token_ids": prompt, "sampling": params.model_dump()})
@@ -140,14 +141,16 @@ class Orchestrator:
             except TRANSPORT_ERRORS as exc:
                 log.info("prefill on %s failed: %r", url, exc)
                 self.prefill.record_failure(url)
+                self._abandon(touched, url, rid)  # a worker that only stopped answering may still be at it
             finally:
                 worker.prefill_tokens_in_flight -= weight
-                self.prefill.track(url, -1)
+                worker.in_flight -= 1
         raise WorkerFailure("no prefill worker could serve the request")
 
     # -- decode ---------------------------------------------------------------------------
     async def _decode(self, rid, prompt, params: SamplingParams, generated: list[int], handle: dict | None,
-                      hashes, key, trace: Trace, touched: set[str], coalesce: bool) -> AsyncIterator[Delta]:
+                      hashes, key, trace: Trace, touched: set[tuple[str, str]], coalesce: bool
+                      ) -> AsyncIterator[Delta]:
         failed: set[str] = set()
         attempt_id = rid
         for attempt in range(MAX_ATTEMPTS):
@@ -159,19 +162,21 @@ class Orchestrator:
                 url = self._place(self.decode, key, hashes, len(prompt) + len(generated), failed, trace)
             if url is None:
                 raise APIError(503, "no decode worker is available", code="no_workers")
-            touched.add(url)
+            touched.add((url, attempt_id))
             trace.decode_workers.append(url)
             body = {"request_id": attempt_id, "sampling": params.model_dump(), "kv_handle": handle,
                     "prompt_token_ids": prompt + generated[:-1] if generated else prompt,
                     "first_token_id": generated[-1] if generated else None, "coalesce_after_first": coalesce}
             if generated:  # the first token (or all tokens so far, after a migration) counts as output
                 body["sampling"]["max_tokens"] = params.max_tokens - len(generated) + 1
+                if len(generated) > 1:
+                    body["output_tokens_in_prompt"] = len(generated) - 1
             colocated_weight = 0 if handle is not None or attempt else trace.uncached_tokens
             worker = self.decode.workers[url]
             worker.prefill_tokens_in_flight += colocated_weight
-            self.decode.track(url, +1)
+            worker.in_flight += 1
+            finished = False
             try:
-                finished = False
                 async for delta in self._stream(url, body):
                     if finished:  # only the stream's end follows a finish; reading it frees the connection
                         continue
@@ -186,8 +191,12 @@ class Orchestrator:
                     return
                 raise WorkerFailure(f"{url} ended the stream early")
             except (*TRANSPORT_ERRORS, WorkerFailure) as exc:
+                if finished:  # only the end of a finished stream was lost: nothing to resume
+                    self.decode.record_success(url)
+                    return
                 log.info("decode on %s failed (%s); migrating request %s", url, exc, rid)
                 self.decode.record_failure(url)
+                self._abandon(touched, url, attempt_id)  # a worker that only stopped answering may still be at it
                 failed.add(url)
                 handle = None  # the KV now comes from recomputing prompt + tokens so far
                 trace.migrations += 1
@@ -199,7 +208,7 @@ class Orchestrator:
                     return
             finally:
                 worker.prefill_tokens_in_flight -= colocated_weight
-                self.decode.track(url, -1)
+                worker.in_flight -= 1
         raise APIError(503, "the request failed on every decode worker tried", code="decode_failed")
 
     async def _stream(self, url: str, body: dict) -> AsyncIterator[Delta]:
@@ -271,6 +280,11 @@ class Orchestrator:
 
     def _route(self, path: str) -> None:
         self.metrics.plain(self.metrics.routing, path=path).inc()
+
+    def _abandon(self, touched: set[tuple[str, str]], url: str, request_id: str) -> None:
+        """Stop an attempt given up on (a request retried or resumed elsewhere) now, not when the request ends."""
+        touched.discard((url, request_id))
+        spawn(self._abort(url, request_id))
 
     async def _abort(self, url: str, rid: str) -> None:
         try:

@@ -111,8 +111,3 @@ class WorkerPool:
         return [DecodeWorkerState(w.url, free_kv_blocks=max(w.free_blocks, 0), running_seqs=max(w.running, w.in_flight),
                                   healthy=w.healthy)
                 for w in self.workers.values() if w.url not in exclude]
-
-    def track(self, url: str, delta: int) -> None:
-        worker = self.workers.get(url)
-        if worker is not None:
-            worker.in_flight += delta

@@ -11,11 +11,14 @@ timeout, as an HTTP read times out, when the worker still answers pings but not 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import math
 
 import aiohttp
 import orjson
+
+from tandem.background import spawn
 
 HEARTBEAT_S = 20.0  # a ping every 20 s; no pong within half of that (aiohttp's rule) closes the connection
 
@@ -32,15 +35,18 @@ class Inbox:
     """One request's answers as they arrive. take() hands over all that arrived since the last take: one answer
     while the caller keeps up, several when it falls behind."""
 
-    __slots__ = ("answers", "heard", "_waiter")
+    __slots__ = ("answers", "heard", "answered", "_waiter")
 
     def __init__(self, now: float):
         self.answers: list = []
         self.heard = now  # when the request was sent or last answered: what the watchdog reads
+        self.answered = False  # the worker sent the answer's end: it is done with the request
         self._waiter: asyncio.Future | None = None
 
     def put(self, answer) -> None:
         self.answers.append(answer)
+        if answer is not CLOSED and answer is not TIMED_OUT and (answer.get("done") or "event" not in answer):
+            self.answered = True
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
 
@@ -90,7 +96,15 @@ class WorkerChannel:
         return request_id, inbox
 
     def forget(self, request_id: int) -> None:
-        self._inboxes.pop(request_id, None)
+        """Done with a request's answers. One the worker has not finished is cancelled there, as an HTTP request
+        stops when its client closes the connection (the caller gave up: its client left, or it timed out)."""
+        inbox = self._inboxes.pop(request_id, None)
+        if inbox is not None and not inbox.answered and not self.closed:
+            spawn(self._cancel(request_id))
+
+    async def _cancel(self, request_id: int) -> None:
+        with contextlib.suppress(ConnectionError, RuntimeError):  # closing under us: that stops it too
+            await self.ws.send_bytes(orjson.dumps({"id": request_id, "cancel": True}))
 
     async def _read(self) -> None:
         loop = asyncio.get_running_loop()
@@ -102,13 +116,15 @@ class WorkerChannel:
                     if inbox is not None:  # else a request its caller gave up on
                         inbox.put(answer)
                         inbox.heard = loop.time()
-        except (aiohttp.ClientError, ValueError):
+        except (aiohttp.ClientError, ValueError):  # ValueError: an answer that is not JSON
             pass
         finally:
             self.closed = True
             self._watchdog.cancel()
             for inbox in self._inboxes.values():
                 inbox.put(CLOSED)
+            if not self.ws.closed:  # nobody reads it any more: end it, and the worker's work for it
+                spawn(self.ws.close())
 
     async def _watch(self) -> None:
         loop = asyncio.get_running_loop()

@@ -10,6 +10,7 @@ import random
 import time
 from typing import Annotated, Literal
 
+import jinja2
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from tandem.errors import APIError
@@ -127,6 +128,17 @@ class ChatCompletionRequest(_CommonParams):
 
     def template_messages(self) -> list[dict]:
         return [{"role": m.role, "content": m.text()} for m in self.messages]
+
+    def prompt_text(self, tokenizer) -> str:
+        """The conversation rendered by the model's chat template. A template that refuses it (Llama 2's and
+        Mistral's raise_exception when roles do not alternate) refuses the client's input: a 400, not a 500."""
+        if not tokenizer.chat_template:
+            raise APIError(400, "this model has no chat template; use /v1/completions")
+        try:
+            return tokenizer.apply_chat_template(self.template_messages(), add_generation_prompt=True)
+        except jinja2.TemplateError as exc:
+            raise APIError(400, f"the model's chat template refused the conversation: {exc}",
+                           param="messages") from None
 
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
         requested = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

@@ -92,6 +92,10 @@ class DecodeRequest(BaseModel):
     first_token_id: int | None = None
     kv_handle: KVHandle | None = None
     sampling: SamplingParams
+    output_tokens_in_prompt: int = Field(
+        0, ge=0, description="resuming a request whose worker failed: how many of the last prompt_token_ids are "
+                             "output made before (first_token_id is one more). The worker replays them through its "
+                             "detokenizer, so the text the failed worker held back for stop strings still comes")
     coalesce_after_first: bool = Field(
         False, description="send the first event at once and everything after it as one event at the end: the "
                            "router asks this for a client that did not ask to stream, whose first token it must "

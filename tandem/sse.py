@@ -69,11 +69,24 @@ class EventStreamResponse(StreamingResponse):
     scope around a disconnect listener (uvicorn speaks ASGI 2.3, so starlette cannot rely on send failing);
     two plain tasks do it here for less CPU per stream (benchmarks/router.py prints the router's CPU per
     streamed request; docs/benchmarks.md has the runs before and after). When the answer completes, uvicorn
-    tells `receive` the request is over, so the listener ends by itself."""
+    tells `receive` the request is over, so the listener ends by itself. `on_close` runs once the answer is
+    over, however it ended: for what a body that never started would have cleaned up (a client can leave while
+    the headers are still being sent)."""
 
     media_type = "text/event-stream"
 
+    def __init__(self, content, *, on_close: Callable[[], None] | None = None, **kwargs):
+        super().__init__(content, **kwargs)
+        self.on_close = on_close
+
     async def __call__(self, scope, receive, send) -> None:
+        try:
+            await self._stream_until_disconnect(send, receive)
+        finally:
+            if self.on_close is not None:
+                self.on_close()
+
+    async def _stream_until_disconnect(self, send, receive) -> None:
         loop = asyncio.get_running_loop()
         streamer = loop.create_task(self.stream_response(send))
         listener = loop.create_task(_until_disconnect(receive))
@@ -96,3 +109,41 @@ class EventStreamResponse(StreamingResponse):
 async def _until_disconnect(receive) -> None:
     while (await receive())["type"] != "http.disconnect":
         pass
+
+
+class ClientDisconnected(Exception):
+    """The client closed its connection before its answer was ready."""
+
+
+@contextlib.asynccontextmanager
+async def cancelled_on_disconnect(receive):
+    """Runs the block in this task, cancelled if the client disconnects meanwhile (ClientDisconnected is raised
+    instead of the CancelledError). For an answer built whole before it is sent, a non-streamed completion:
+    nothing else reads `receive` until then, so nothing else would notice the client leave, and the work
+    would go on to the end for nobody. A streamed answer has EventStreamResponse's listener."""
+    task = asyncio.current_task()
+    gone = False
+
+    async def listen() -> None:
+        nonlocal gone
+        await _until_disconnect(receive)
+        gone = True
+        task.cancel()
+
+    listener = asyncio.get_running_loop().create_task(listen())
+    try:
+        yield
+    except asyncio.CancelledError:
+        if not gone:
+            raise  # cancelled from elsewhere (server shutdown)
+        _uncancel(task)
+        raise ClientDisconnected from None
+    finally:
+        listener.cancel()
+
+
+def _uncancel(task: asyncio.Task) -> None:
+    """The cancellation this task asked for itself is handled (Python 3.10 counts none, and has no uncancel)."""
+    uncancel = getattr(task, "uncancel", None)
+    if uncancel is not None:
+        uncancel()

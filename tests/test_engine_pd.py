@@ -156,3 +156,23 @@ def _exposition(eng: LLMEngine) -> str:
     from prometheus_client import generate_latest
 
     return generate_latest(eng.metrics.registry).decode()
+
+
+@pytest.mark.parametrize("resume_after", [1, 3, 5])
+def test_a_resumed_request_loses_no_text_held_back_for_stop_strings(colocated, resume_after):
+    """A worker holds back the end of the text in case a stop string begins there. When it fails, the worker
+    that resumes replays the output so far (output_tokens_in_prompt), so that end still reaches the client and
+    the client's text equals an uninterrupted run's."""
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, stop=["never appears in this text"])
+    prompt = prompt_of(20, seed=5)
+    tokens, outputs = run(colocated, "whole", prompt, params)
+    whole_text = "".join(o.new_text for o in outputs)
+    assert len(whole_text) > 0
+    sent_text = "".join(o.new_text for o in outputs[:resume_after])  # what the failed worker had released
+    assert len(sent_text) < len("".join(colocated.tokenizer.decode(tokens[:resume_after])))  # some was held
+    made = tokens[:resume_after]
+    rest, outs = run(colocated, f"resumed-{resume_after}", prompt + made[:-1],
+                     params.model_copy(update={"max_tokens": params.max_tokens - len(made) + 1}),
+                     first_token_id=made[-1], output_tokens_in_prompt=len(made) - 1)
+    assert made + rest == tokens
+    assert sent_text + "".join(o.new_text for o in outs) == whole_text

@@ -102,6 +102,30 @@ def test_a_closed_channel_stops_its_requests_on_the_worker(worker):
     assert metric(worker, "tandem_requests_finished_total", 'finish_reason="abort"') == aborted_before + 1
 
 
+def test_a_request_the_router_gives_up_on_is_cancelled_on_the_worker(worker):
+    """The caller stops reading (its client left): the channel tells the worker, which stops the request as it
+    stops an HTTP request whose client closed the connection; the channel itself stays open for the others."""
+    aborted_before = metric(worker, "tandem_requests_finished_total", 'finish_reason="abort"', default=0)
+
+    async def run():
+        client = WorkerClient()
+        try:
+            batches = client.event_batches(worker.url, "/internal/decode", decode_body("given-up", PROMPTS[0], 900))
+            first = await batches.__anext__()
+            await batches.aclose()
+            stopped = await asyncio.to_thread(
+                wait_for, lambda: httpx.get(f"{worker.url}/internal/load").json()["in_flight"] == 0, 20)
+            after = await collect(client, worker.url, decode_body("after-cancel", PROMPTS[1], max_tokens=2))
+            return first, stopped, after, [c for c in client._channels.values() if not c.closed]
+        finally:
+            await client.close()
+
+    first, stopped, after, channels = asyncio.run(run())
+    assert first[0]["token_ids"] and stopped
+    assert metric(worker, "tandem_requests_finished_total", 'finish_reason="abort"') == aborted_before + 1
+    assert sum(len(e["token_ids"]) for e in after) == 2 and len(channels) == 1
+
+
 async def serve_routes(port: int, *routes: web.RouteDef) -> web.AppRunner:
     """A small aiohttp server on 127.0.0.1:port standing in for a worker; cleanup() stops it."""
     app = web.Application()
@@ -147,11 +171,13 @@ def test_a_worker_without_a_channel_is_served_over_http():
 def test_a_request_the_worker_leaves_unanswered_times_out_as_a_transport_error():
     """A worker that keeps its channel open (and answers pings) but never answers one request: the request
     fails after the read timeout, as an HTTP read would, so the orchestrator can take it elsewhere."""
+    heard: list[dict] = []
+
     async def silent(request: web.Request) -> web.WebSocketResponse:
         ws = web.WebSocketResponse()
         await ws.prepare(request)
-        async for _ in ws:  # read, never answer
-            pass
+        async for message in ws:  # read, never answer
+            heard.append(orjson.loads(message.data))
         return ws
 
     async def run():
@@ -162,7 +188,9 @@ def test_a_request_the_worker_leaves_unanswered_times_out_as_a_transport_error()
         try:
             with pytest.raises(TRANSPORT_ERRORS) as caught:
                 await collect(client, f"http://127.0.0.1:{port}", decode_body("unanswered", [1, 2]))
-            return caught.value, asyncio.get_running_loop().time() - started
+            waited = asyncio.get_running_loop().time() - started
+            await asyncio.sleep(0.1)  # the cancel is sent on its way
+            return caught.value, waited
         finally:
             await client.close()
             await runner.cleanup()
@@ -170,6 +198,7 @@ def test_a_request_the_worker_leaves_unanswered_times_out_as_a_transport_error()
     error, waited = asyncio.run(run())
     assert isinstance(error, asyncio.TimeoutError)
     assert 0.4 <= waited < 5
+    assert heard[1:] == [{"id": heard[0]["id"], "cancel": True}]  # the worker is told to stop it
 
 
 async def serve_channel_only_worker(port: int, name: str) -> web.AppRunner:

@@ -6,13 +6,16 @@ request next to this channel, where a router keeps one connection to each worker
 message under an id of the router's choosing:
 
   router -> worker  {"id": n, "path": "/internal/decode", "body": <the POST body>}
+                    {"id": n, "cancel": true}   (the router gave up on request n: it stops here)
   worker -> router  {"id": n, "event": <one decode event>, "done": true on the last}  (a stream)
                     {"id": n, "body": <the JSON answer>}                                (a plain answer)
                     {"id": n, "status": 4xx/5xx, "body": <OpenAI error body>}           (a refusal)
 
 A stream the worker ends with no event marked last ends with {"id": n, "done": true}. The routes, bodies,
-answers and errors are those of the HTTP routes, which stay (curl, tests, older routers). When the router's
-connection drops, the requests it carried stop here, as HTTP requests stop when their client leaves.
+answers and errors are those of the HTTP routes, which stay (curl, tests, older routers). A cancel, or the
+router's connection dropping, stops the requests concerned here, as HTTP requests stop when their client
+leaves: also one that /internal/abort would miss because the engine does not have it yet (a decode still
+waiting for its KV source).
 """
 
 from __future__ import annotations
@@ -38,32 +41,49 @@ def add_channel_route(app: FastAPI, routes: ChannelRoutes) -> None:
     @app.websocket("/internal/ws")
     async def channel(ws: WebSocket):
         await ws.accept()
-        in_flight: set[asyncio.Task] = set()
+        serving: dict[int | str, asyncio.Task] = {}  # message id -> the task answering it
         try:
             while True:
-                message = await ws.receive()
-                if message["type"] == "websocket.disconnect":
+                frame = await ws.receive()
+                if frame["type"] == "websocket.disconnect":
                     break
-                raw = message.get("bytes") or message.get("text") or b""
-                task = asyncio.get_running_loop().create_task(serve_message(ws, routes, raw))
-                in_flight.add(task)
-                task.add_done_callback(in_flight.discard)
+                message = parse_message(frame.get("bytes") or frame.get("text") or b"")
+                if message is None:
+                    await send(ws, {"id": None, "status": 400, "body": error_body(400, MALFORMED)})
+                elif message.get("cancel"):
+                    task = serving.get(message["id"])
+                    if task is not None:
+                        task.cancel()
+                else:
+                    request_id = message["id"]
+                    task = serving[request_id] = asyncio.get_running_loop().create_task(
+                        serve_message(ws, routes, message))
+                    task.add_done_callback(lambda _, i=request_id: serving.pop(i, None))
         except WebSocketDisconnect:
             pass
         finally:
-            for task in in_flight:  # the router is gone: nobody reads these answers
+            for task in list(serving.values()):  # the router is gone: nobody reads these answers
                 task.cancel()
 
 
-async def serve_message(ws: WebSocket, routes: ChannelRoutes, raw: bytes | str) -> None:
-    request_id = None
+MALFORMED = "a channel message is a JSON object with an id (an int or a string), a path and a body"
+
+
+def parse_message(raw: bytes | str) -> dict | None:
+    """A message with a usable id; None for anything else."""
     try:
-        try:
-            message = orjson.loads(raw)
-            request_id = message["id"]
-            route = routes.get(message.get("path"))
-        except (orjson.JSONDecodeError, KeyError, TypeError, AttributeError):
-            raise APIError(400, "a channel message is a JSON object with an id, a path and a body") from None
+        message = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return None
+    if not isinstance(message, dict) or not isinstance(message.get("id"), (int, str)):
+        return None
+    return message
+
+
+async def serve_message(ws: WebSocket, routes: ChannelRoutes, message: dict) -> None:
+    request_id = message["id"]
+    try:
+        route = routes.get(message.get("path"))
         if route is None:
             raise APIError(404, f"no channel route {message.get('path')!r}; known: {sorted(routes)}")
         model, handler = route

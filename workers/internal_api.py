@@ -9,7 +9,6 @@ abort) also travel multiplexed on one WebSocket per router (tandem.workers.chann
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -17,6 +16,7 @@ from collections.abc import AsyncIterator
 import httpx
 from fastapi import FastAPI, Request
 
+from tandem.background import spawn
 from tandem.errors import APIError, error_body
 from tandem.json_response import FastJSONResponse
 from tandem.protocol import (
@@ -176,7 +176,8 @@ async def serve_decode(ctx, body: DecodeRequest) -> AsyncIterator[tuple[dict, bo
             ctx.metrics.fallback(fallback)
         else:
             kv_source = RemoteKV(agent, handle.block_ids, handle.expires_at)
-    options = {"first_token_id": body.first_token_id, "kv_source": kv_source}
+    options = {"first_token_id": body.first_token_id, "kv_source": kv_source,
+               "output_tokens_in_prompt": body.output_tokens_in_prompt}
     outputs = ctx.engine.generate(body.request_id, body.prompt_token_ids, body.sampling, time.monotonic(),
                                   **options)
     return decode_events(ctx, outputs, handle, fallback, body.coalesce_after_first)
@@ -231,7 +232,7 @@ async def decode_events(ctx, outputs: AsyncIterator[RequestOutput], handle: KVHa
         async for out in outputs:
             if not released:  # the pull is over (done or failed) once the engine reports anything
                 released = True
-                asyncio.get_running_loop().create_task(release_lease(ctx, handle))
+                spawn(release_lease(ctx, handle))
             event = DecodeChunk(token_ids=out.new_token_ids, text=out.new_text,
                                 logprobs=[logprob_entry(e) for e in out.new_logprobs] if out.new_logprobs else None,
                                 finish_reason=out.finish_reason if out.finished else None,
@@ -257,4 +258,4 @@ async def decode_events(ctx, outputs: AsyncIterator[RequestOutput], handle: KVHa
     finally:
         await outputs.aclose()
         if not released:
-            asyncio.get_running_loop().create_task(release_lease(ctx, handle))
+            spawn(release_lease(ctx, handle))

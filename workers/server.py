@@ -101,10 +101,7 @@ def build_app(ctx: ServingContext) -> FastAPI:
     async def chat_completions(request: Request):
         body: ChatCompletionRequest = await parse_body(request, ChatCompletionRequest)
         check_model(ctx, body.model)
-        if not ctx.tokenizer.chat_template:
-            raise APIError(400, "this model has no chat template; use /v1/completions")
-        text = ctx.tokenizer.apply_chat_template(body.template_messages(), add_generation_prompt=True)
-        prompt_ids = ctx.tokenizer.encode(text, add_special_tokens=False)
+        prompt_ids = ctx.tokenizer.encode(body.prompt_text(ctx.tokenizer), add_special_tokens=False)
         params = body.sampling_params(default_max_tokens=max(1, ctx.max_model_len - len(prompt_ids)))
         check_length(ctx.max_model_len, len(prompt_ids), params)
         fmt = ChatFormatter(new_id("chatcmpl"), ctx.served_name, now(), ctx.tokenizer, len(prompt_ids))

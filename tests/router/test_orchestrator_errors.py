@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
+import aiohttp
 import pytest
 
 from tandem.config import RouterConfig
@@ -26,13 +27,22 @@ class ScriptedWorkers:
         self.script = script
         self.calls: list[str] = []
         self.bodies: list[dict] = []
+        self.aborts: list[tuple[str, str]] = []
 
     async def event_batches(self, worker: str, path: str, body: dict):
         assert path == "/internal/decode"
         self.calls.append(worker)
         self.bodies.append(body)
         for chunk in self.script[worker]:
+            if isinstance(chunk, BaseException):  # the connection failing here
+                raise chunk
+            await asyncio.sleep(0)
             yield chunk if isinstance(chunk, list) else [chunk]
+
+    async def post_json(self, worker: str, path: str, payload: dict, timeout_s=None) -> dict:
+        assert path == "/internal/abort"
+        self.aborts.append((worker, payload["request_id"]))
+        return {"ok": True}
 
 
 def orchestrator_over(script: dict[str, list[dict]]) -> tuple[Orchestrator, WorkerPool, ScriptedWorkers]:
@@ -92,6 +102,7 @@ def test_a_coalesced_request_that_loses_its_worker_resumes_after_what_arrived():
     resumed = http.bodies[1]
     assert resumed["prompt_token_ids"] == [1, 2, 3] and resumed["first_token_id"] == 7
     assert resumed["sampling"]["max_tokens"] == 3  # the first token counts as output already sent
+    assert "output_tokens_in_prompt" not in resumed  # no output in its prompt to replay
 
 
 def test_events_that_arrive_together_are_relayed_as_one_delta_and_resumed_after():
@@ -117,3 +128,56 @@ def test_events_that_arrive_together_are_relayed_as_one_delta_and_resumed_after(
     resumed = http.bodies[1]
     assert resumed["prompt_token_ids"] == [1, 2, 3, 7] and resumed["first_token_id"] == 8
     assert resumed["sampling"]["max_tokens"] == 3  # 4, less the 2 tokens sent, plus the first token given back
+    assert resumed["output_tokens_in_prompt"] == 1  # 7 is output: the new worker replays it (stop strings)
+
+
+def first_and_other(orchestrator: Orchestrator, pool: WorkerPool) -> tuple[str, str]:
+    first = orchestrator._place(pool, orchestrator.plan([1, 2, 3])[1], [], 3, set(), Trace())
+    return first, next(u for u in pool.workers if u != first)
+
+
+def test_a_client_that_leaves_after_a_resume_stops_each_attempt_under_its_own_id():
+    """The failed attempt is aborted when it is given up on (its worker may only have stopped answering); the
+    resumed one, which runs as r1-m1, under that id when the client leaves."""
+    orchestrator, pool, http = orchestrator_over({"http://a": [], "http://b": []})
+    first, other = first_and_other(orchestrator, pool)
+    http.script[first] = [{"token_ids": [7], "text": "x"}, aiohttp.ClientConnectionError("gone")]
+    http.script[other] = [{"token_ids": [8], "text": "y"}, {"token_ids": [9], "text": "z"}]
+
+    async def leave_after_two():
+        deltas = orchestrator.run("r1", [1, 2, 3], SamplingParams(temperature=0, max_tokens=8), Trace())
+        got = [await deltas.__anext__(), await deltas.__anext__()]
+        await deltas.aclose()
+        await asyncio.sleep(0.01)  # the aborts are sent on their way
+        return got
+
+    assert [d.new_token_ids for d in asyncio.run(leave_after_two())] == [[7], [8]]
+    assert http.aborts == [(first, "r1"), (other, "r1-m1")]
+    assert all(w.in_flight == 0 for w in pool.workers.values())
+
+
+def test_a_connection_lost_after_the_finish_is_no_failure():
+    """Only the end of the stream was lost: nothing is resumed, and the worker that finished is not blamed."""
+    orchestrator, pool, http = orchestrator_over({"http://a": [], "http://b": []})
+    first, _ = first_and_other(orchestrator, pool)
+    http.script[first] = [{"token_ids": [7], "text": "x", "finish_reason": "stop"}, aiohttp.ClientConnectionError()]
+    deltas = asyncio.run(collect(orchestrator))
+    assert [(d.new_token_ids, d.finish_reason) for d in deltas] == [([7], "stop")]
+    assert http.calls == [first] and pool.workers[first].failures == 0 and not http.aborts
+
+
+def test_in_flight_counts_stay_right_when_discovery_replaces_a_worker_meanwhile():
+    """set_members() dropping and re-adding a URL (a readiness blip) makes a new Worker: the request's end is
+    counted on the one it started on, so no count goes negative."""
+    orchestrator, pool, http = orchestrator_over({"http://a": []})
+    http.script["http://a"] = [{"token_ids": [7], "text": "x"}, {"token_ids": [8], "text": "y", "finish_reason": "length"}]
+
+    async def with_blip():
+        deltas = orchestrator.run("r1", [1, 2, 3], SamplingParams(temperature=0, max_tokens=2), Trace())
+        await deltas.__anext__()
+        pool.set_members([])
+        pool.set_members(["http://a"])
+        return [d async for d in deltas]
+
+    asyncio.run(with_blip())
+    assert pool.workers["http://a"].in_flight == 0

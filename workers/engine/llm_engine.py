@@ -147,13 +147,16 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams,
                     arrival_time: float | None = None, *, prefill_only: bool = False,
-                    first_token_id: int | None = None, kv_source: RemoteKV | None = None) -> None:
+                    first_token_id: int | None = None, kv_source: RemoteKV | None = None,
+                    output_tokens_in_prompt: int = 0) -> None:
         """Queue a request.
 
         P/D: `prefill_only` stops after the first token and leases the prompt's blocks (the
         output carries the lease). `first_token_id` continues a request whose first token a
         prefill worker already sampled; with `kv_source` the prompt's KV is pulled from that
         worker instead of computed (falling back to computing it if the pull fails).
+        `output_tokens_in_prompt` (a request resumed after its worker failed): the last that many
+        prompt tokens are output the client already has (text or not: see _replay_output).
         """
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -176,25 +179,29 @@ class LLMEngine:
                 raise ValueError(f"request {request_id!r}: first_token_id must lie in [0, {vocab})")
             if params.max_tokens < 2:
                 raise ValueError(f"request {request_id!r}: nothing left to decode after the first token")
+        if output_tokens_in_prompt and (first_token_id is None
+                                        or not 0 <= output_tokens_in_prompt < len(prompt_token_ids)):
+            raise ValueError(f"request {request_id!r}: output_tokens_in_prompt needs a first_token_id and must be "
+                             f"in [0, {len(prompt_token_ids)})")
         if kv_source is not None and first_token_id is None:
             raise ValueError(f"request {request_id!r}: a kv_source needs the first token it was prefilled with")
 
         seq = Sequence(request_id, list(prompt_token_ids), params, arrival_time, device=self.runner.device)
+        prompt_end = len(seq.prompt_token_ids) - output_tokens_in_prompt  # where the client's own prompt ends
         detokenizer = None
         if self.tokenizer is not None:
-            detokenizer = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, params.stop,
+            detokenizer = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids[:prompt_end], params.stop,
                                                  params.include_stop_str_in_output)
         stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
             stop_ids |= self.eos_token_ids
         seq.prefill_only = prefill_only
         if first_token_id is not None:
-            # The prefill worker already sampled (and streamed) it: it is output, not prompt, and its
-            # text was already sent, so the detokenizer consumes it silently to keep its state in step.
+            # The prefill worker (or the failed worker) already sampled it: it is output, not prompt.
             seq.append_token(first_token_id)
             seq.first_token_time = seq.last_token_time = seq.arrival_time
             if detokenizer is not None:
-                detokenizer.add_token(first_token_id)
+                _replay_output(detokenizer, [*seq.prompt_token_ids[prompt_end:], first_token_id])
             seq.kv_source = kv_source
         self._requests[request_id] = _Request(seq, detokenizer, frozenset(stop_ids))
         self.scheduler.add(seq)
@@ -444,3 +451,12 @@ class LLMEngine:
         if self.scheduler.num_preemptions != self._reported_preemptions:
             metrics.preemptions.inc(self.scheduler.num_preemptions - self._reported_preemptions)
             self._reported_preemptions = self.scheduler.num_preemptions
+
+
+def _replay_output(detokenizer: IncrementalDetokenizer, output_token_ids: list[int]) -> None:
+    """Feed a continued request's output so far through its fresh detokenizer, discarding the text: the worker
+    before this one sent that text, except the end it held back in case a stop string began there. The replay
+    leaves this detokenizer in the state that worker's was in, that end included, so the end still reaches the
+    client, and a stop string that the next tokens complete is still found."""
+    for token_id in output_token_ids:
+        detokenizer.add_token(token_id)

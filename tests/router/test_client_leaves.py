@@ -1,0 +1,122 @@
+"""A client that leaves before its answer is complete: the work stops on the workers and the router forgets the
+request, whatever point it had reached. Driven over ASGI against the real router app, with scripted workers."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import orjson
+import pytest
+
+from tandem.config import RouterConfig
+from tandem.router.app import build_app
+from tandem.router.main import Router
+
+WORKER = "http://127.0.0.1:9"
+
+
+class SlowWorker:
+    """A decode worker that makes one token every 10 ms, and records what it made and which aborts it got."""
+
+    def __init__(self):
+        self.tokens_made = 0
+        self.aborts: list[str] = []
+
+    async def event_batches(self, worker: str, path: str, body: dict):
+        for i in range(body["sampling"]["max_tokens"]):
+            await asyncio.sleep(0.01)
+            self.tokens_made += 1
+            last = i == body["sampling"]["max_tokens"] - 1
+            yield [{"token_ids": [100 + i], "text": "x", **({"finish_reason": "length"} if last else {})}]
+
+    async def post_json(self, worker: str, path: str, payload: dict, timeout_s=None) -> dict:
+        self.aborts.append(payload["request_id"])
+        return {"ok": True}
+
+
+@pytest.fixture
+def router_app():
+    router = Router(RouterConfig(decode=[WORKER]))
+    router.decode.set_members([WORKER])
+    router.decode._set_healthy(router.decode.workers[WORKER], True)
+    router.orchestrator.http = worker = SlowWorker()
+    return router, build_app(router), worker
+
+
+def completion(max_tokens: int, stream: bool) -> bytes:
+    return orjson.dumps({"model": "smollm2", "prompt": "Hello there", "max_tokens": max_tokens, "stream": stream})
+
+
+async def call_and_leave(app, body: bytes, leave_after_s: float, send_blocks: bool = False) -> list[dict]:
+    """One POST /v1/completions whose client disconnects after `leave_after_s`; with `send_blocks`, the
+    server's writes wait (a full socket buffer) from the first one on."""
+    sent: list[dict] = []
+    messages = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def receive():
+        if messages:
+            return messages.pop(0)
+        await asyncio.sleep(leave_after_s)
+        return {"type": "http.disconnect"}
+
+    async def send(message):
+        sent.append(message)
+        if send_blocks:
+            await asyncio.Event().wait()
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "query_string": b"",
+             "headers": [(b"content-type", b"application/json"), (b"x-tandem-slo-class", b"batch")]}
+    await asyncio.wait_for(app(scope, receive, send), 10)
+    await asyncio.sleep(0.05)  # aborts are sent on their way
+    return sent
+
+
+def assert_forgotten(router) -> None:
+    assert not len(router.admission.queue) and router.admission.in_flight_tokens == 0
+    assert router.dispatcher.active == 0 and router.decode.workers[WORKER].in_flight == 0
+
+
+def test_a_non_streamed_request_stops_when_its_client_leaves(router_app):
+    router, app, worker = router_app
+    asyncio.run(call_and_leave(app, completion(100, stream=False), leave_after_s=0.1))
+    assert worker.tokens_made < 50, worker.tokens_made  # not the 100 it would make for nobody
+    assert len(worker.aborts) == 1
+    assert_forgotten(router)
+
+
+def test_a_streamed_request_whose_client_leaves_before_the_body_begins_is_forgotten(router_app):
+    """The client leaves while the response's first write still waits: the request never ran, and must not stay
+    at the head of the queue, where every later request would wait behind it."""
+    router, app, worker = router_app
+
+    async def leave_then_ask_again():
+        sent = await call_and_leave(app, completion(4, stream=True), leave_after_s=0.05, send_blocks=True)
+        assert [m["type"] for m in sent] == ["http.response.start"]
+        assert_forgotten(router)
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://r") as client:
+            r = await client.post("/v1/completions", content=completion(4, stream=False),
+                                  headers={"content-type": "application/json", "x-tandem-slo-class": "batch"})
+            return r
+
+    r = asyncio.run(leave_then_ask_again())
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+    assert worker.tokens_made == 4  # only the second request ran
+
+
+def test_a_chat_template_that_refuses_the_conversation_is_a_400(router_app):
+    """Templates such as Llama 2's raise_exception() when roles do not alternate: the client's error."""
+    router, app, _ = router_app
+    router.tokenizer.chat_template = ("{% for m in messages %}{% if loop.index0 % 2 == 0 and m['role'] != 'user' %}"
+                                      "{{ raise_exception('roles must alternate user/assistant') }}{% endif %}"
+                                      "{{ m['content'] }}{% endfor %}")
+    router.tokenizer._compiled_template = None
+
+    async def chat():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://r") as client:
+            return await client.post("/v1/chat/completions", json={
+                "model": "smollm2", "messages": [{"role": "assistant", "content": "Hi"}]})
+
+    r = asyncio.run(chat())
+    assert r.status_code == 400, r.text
+    assert "roles must alternate" in r.json()["error"]["message"] and r.json()["error"]["param"] == "messages"
