@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator
 from typing import Literal
 
@@ -30,6 +31,9 @@ _JSON = {"Content-Type": "application/json"}
 # How a worker without /internal/ws refuses the upgrade: starlette closes an unknown WebSocket route (403),
 # aiohttp and others answer 404, or 405 for a path served for other methods.
 NO_CHANNEL_STATUSES = (403, 404, 405)
+# A worker that refused the upgrade is asked again after this long: the refusal may have come from something in
+# front of it (an ingress mid-rollout), or the worker may have been upgraded since.
+NO_CHANNEL_RETRY_S = 60.0
 
 
 class WorkerStatusError(Exception):
@@ -59,7 +63,7 @@ class WorkerClient:
         self._session: aiohttp.ClientSession | None = None
         self._channels: dict[str, WorkerChannel] = {}
         self._connecting: dict[str, asyncio.Task] = {}
-        self._http_only: set[str] = set()  # workers that answered the upgrade with an HTTP error
+        self._http_only: dict[str, float] = {}  # worker -> when it answered the upgrade with an HTTP error
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -116,7 +120,10 @@ class WorkerClient:
     async def _channel(self, worker: str) -> WorkerChannel | None:
         """The worker's open channel, connecting it on first use (one connect however many requests wait for
         it); None to use HTTP. A connect failure raises the transport error an HTTP request would have."""
-        if self.transport == "http" or worker in self._http_only:
+        if self.transport == "http":
+            return None
+        refused_at = self._http_only.get(worker)
+        if refused_at is not None and time.monotonic() - refused_at < NO_CHANNEL_RETRY_S:
             return None
         channel = self._channels.get(worker)
         if channel is not None and not channel.closed:
@@ -135,7 +142,7 @@ class WorkerClient:
             if exc.status not in NO_CHANNEL_STATUSES:
                 raise  # e.g. a proxy's 502: a transport failure, not an answer about the worker
             log.info("%s has no internal channel (%s); using HTTP", worker, exc.status)
-            self._http_only.add(worker)
+            self._http_only[worker] = time.monotonic()
             return None
         finally:
             del self._connecting[worker]

@@ -13,6 +13,7 @@ from aiohttp import web
 from test_api import metric, wait_for
 
 from tandem.launcher import ServiceProcess, free_port
+from tandem.router import worker_client
 from tandem.router.worker_client import TRANSPORT_ERRORS, WorkerClient, WorkerStatusError
 
 PROMPTS = [[504, 3575, 282, 4649, 314], [504, 3575, 282], [1274, 260, 2134, 28, 339, 5765]]
@@ -199,6 +200,34 @@ def test_a_request_the_worker_leaves_unanswered_times_out_as_a_transport_error()
     assert isinstance(error, asyncio.TimeoutError)
     assert 0.4 <= waited < 5
     assert heard[1:] == [{"id": heard[0]["id"], "cancel": True}]  # the worker is told to stop it
+
+
+def test_a_worker_that_refused_the_channel_is_asked_again_later(monkeypatch):
+    """An upgrade refused (an older worker, or an ingress in front of it mid-rollout) is not final: once the
+    retry interval has passed, a worker that now offers the channel gets it."""
+    monkeypatch.setattr(worker_client, "NO_CHANNEL_RETRY_S", 0.2)
+
+    async def run():
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        client = WorkerClient()
+        try:
+            old = await serve_http_only_worker(port)
+            over_http = await collect(client, url, decode_body("a", [1, 2]))
+            await old.cleanup()
+            upgraded = await serve_channel_only_worker(port, "upgraded")
+            try:
+                await asyncio.sleep(0.25)
+                over_channel = await collect(client, url, decode_body("b", [1, 2]))
+            finally:
+                await upgraded.cleanup()
+            return over_http, over_channel
+        finally:
+            await client.close()
+
+    over_http, over_channel = asyncio.run(run())
+    assert [e["text"] for e in over_http] == ["a", "b"]
+    assert [e["text"] for e in over_channel] == ["upgraded"]
 
 
 async def serve_channel_only_worker(port: int, name: str) -> web.AppRunner:
