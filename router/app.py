@@ -72,7 +72,7 @@ def build_app(router) -> FastLane | ApiKeyGate:
 
     @app.get("/v1/models")
     async def models():
-        return ModelList(data=[ModelCard(id=router.served_name)]).model_dump()
+        return ModelList(data=[ModelCard(id=router.served_name, max_model_len=router.max_model_len)]).model_dump()
 
     async def completions_handler(body: CompletionRequest, request: Request) -> Response:
         check_model(router, body.model)
@@ -163,8 +163,11 @@ async def serve(router, request: Request, fmt: Formatter, ids: list[int], params
     rid = fmt.request_id
     plan = router.orchestrator.plan(ids)  # (block hashes, routing key), reused by the orchestrator
     hashes = plan[0]
+    healthy = router.decode.healthy()
+    if not healthy:  # said now, with a status, rather than in an error event after a 200
+        raise APIError(503, "no decode worker is available", code="no_workers")
     predicted = max((router.orchestrator.predictor.predicted_hit_tokens(w.url, hashes, len(ids))
-                     for w in router.prefill.healthy() + router.decode.healthy()), default=0)
+                     for w in router.prefill.healthy() + healthy), default=0)
     decision = router.admission.decide(AdmissionRequest(rid, len(ids), params.max_tokens, slo_name, key,
                                                         uncached_prompt_tokens=len(ids) - predicted))
     if isinstance(decision, Reject):

@@ -1,8 +1,8 @@
 """`tandem serve`: the whole stack on one machine — a router in front of prefill and decode workers.
 
 Each part is its own process, started as the `tandem` command, exactly as on Kubernetes; this
-module only launches, waits for readiness, prints where to connect, and stops everything on
-Ctrl-C or SIGTERM.
+module only launches, waits for readiness, prints where to connect, starts a worker that exits
+again, and stops everything on Ctrl-C or SIGTERM.
 """
 
 from __future__ import annotations
@@ -15,6 +15,30 @@ import time
 from tandem.cli_args import options_to_args
 from tandem.config import API_KEY_ENV, EngineConfig
 from tandem.launcher import ServiceProcess
+
+RESTART_GRACE_S = 30.0  # a worker that exits again this soon after a restart is failing, not unlucky
+
+
+def supervise(router: ServiceProcess, workers: list[ServiceProcess]) -> int:
+    """Keeps the stack up as Kubernetes keeps a deployment up: a worker that exits is started again on its
+    port (the router serves its requests elsewhere meanwhile and takes it back once it is ready). A router that
+    exits, or a worker that exits again within RESTART_GRACE_S of its restart, ends the stack."""
+    restarted_at: dict[str, float] = {}
+    while True:
+        if router.proc.poll() is not None:
+            print(f"router exited with {router.proc.returncode}:\n{router.log_tail()}", file=sys.stderr)
+            return 1
+        for worker in workers:
+            if worker.proc.poll() is None:
+                continue
+            print(f"{worker.name} exited with {worker.proc.returncode}:\n{worker.log_tail(1500)}", file=sys.stderr)
+            if time.monotonic() - restarted_at.get(worker.name, -RESTART_GRACE_S) < RESTART_GRACE_S:
+                print(f"{worker.name} keeps exiting; stopping", file=sys.stderr)
+                return 1
+            print(f"restarting {worker.name} on {worker.url}", file=sys.stderr, flush=True)
+            worker.start()
+            restarted_at[worker.name] = time.monotonic()
+        time.sleep(0.5)
 
 
 def run_local_stack(engine: EngineConfig, *, prefill: int, decode: int, colocated: bool, disagg_min_tokens: int,
@@ -53,12 +77,7 @@ def run_local_stack(engine: EngineConfig, *, prefill: int, decode: int, colocate
               f"    -d '{{\"model\": \"{engine.served_model_name or engine.model}\", \"messages\": "
               f"[{{\"role\": \"user\", \"content\": \"Hello!\"}}], \"max_tokens\": 32}}'")
         print("Ctrl-C stops everything.", flush=True)
-        while True:
-            for proc in everything:
-                if proc.proc.poll() is not None:
-                    print(f"{proc.name} exited with {proc.proc.returncode}:\n{proc.log_tail()}", file=sys.stderr)
-                    return 1
-            time.sleep(0.5)
+        return supervise(router, workers)
     except KeyboardInterrupt:
         print("\nstopping ...", flush=True)
         return 0

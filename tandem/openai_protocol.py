@@ -14,7 +14,7 @@ import jinja2
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from tandem.errors import APIError
-from tandem.protocol import INT64_MAX, INT64_MIN, SamplingParams
+from tandem.protocol import INT64_MAX, INT64_MIN, SamplingParams, TokenId
 
 
 class _Request(BaseModel):
@@ -37,10 +37,14 @@ class _CommonParams(_Request):
     presence_penalty: float | None = 0.0
     frequency_penalty: float | None = 0.0
     user: str | None = None
+    # OpenAI parameters this server does not implement. Declared so that setting one is refused (400) rather
+    # than ignored: a client that sends them relies on what they do.
+    logit_bias: dict | None = None
+    response_format: dict | None = None
     # Extensions that vLLM users rely on.
-    top_k: int | None = Field(None, ge=-1)
+    top_k: int | None = Field(None, ge=-1, le=INT64_MAX)
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = None
     include_stop_str_in_output: bool = False
 
     @field_validator("stop")
@@ -58,6 +62,11 @@ class _CommonParams(_Request):
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name) not in (None, 0.0):
                 raise APIError(400, f"{name} is not supported; leave it at 0", param=name)
+        if self.logit_bias:
+            raise APIError(400, "logit_bias is not supported", param="logit_bias")
+        if self.response_format is not None and self.response_format.get("type", "text") != "text":
+            raise APIError(400, "response_format other than text (JSON mode, JSON schema) is not supported",
+                           param="response_format")
 
     def _sampling(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         self._check_supported()
@@ -84,6 +93,8 @@ class CompletionRequest(_CommonParams):
     max_tokens: int | None = Field(16, description="tokens to generate; must be >= 1")
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
+    best_of: int | None = None  # not implemented: refused unless 1
+    suffix: str | None = None  # not implemented: refused unless empty
 
     def single_prompt(self) -> str | list[int]:
         """The one prompt this request carries (batched prompts are refused clearly)."""
@@ -100,6 +111,10 @@ class CompletionRequest(_CommonParams):
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
         if self.echo:
             raise APIError(400, "echo is not supported", param="echo")
+        if self.best_of not in (None, 1):
+            raise APIError(400, "best_of is not supported; only 1 is", param="best_of")
+        if self.suffix:
+            raise APIError(400, "suffix is not supported", param="suffix")
         return self._sampling(_max_tokens(self.max_tokens, default_max_tokens), self.logprobs)
 
 
@@ -125,6 +140,9 @@ class ChatCompletionRequest(_CommonParams):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list | None = None  # not implemented (function calling): refused unless empty
+    functions: list | None = None  # the same, in its older spelling
+    tool_choice: str | dict | None = None
 
     def template_messages(self) -> list[dict]:
         return [{"role": m.role, "content": m.text()} for m in self.messages]
@@ -141,16 +159,21 @@ class ChatCompletionRequest(_CommonParams):
                            param="messages") from None
 
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
-        requested = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        for name in ("tools", "functions"):
+            if getattr(self, name):
+                raise APIError(400, f"{name} (function calling) are not supported", param=name)
+        if self.tool_choice not in (None, "none", "auto"):
+            raise APIError(400, "tool_choice needs tools, which are not supported", param="tool_choice")
+        name = "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
         top = (self.top_logprobs or 0) if self.logprobs else None
-        return self._sampling(_max_tokens(requested, default_max_tokens), top)
+        return self._sampling(_max_tokens(getattr(self, name), default_max_tokens, name), top)
 
 
-def _max_tokens(requested: int | None, default: int) -> int:
+def _max_tokens(requested: int | None, default: int, param: str = "max_tokens") -> int:
     if requested is None:
         return default
     if requested <= 0:
-        raise APIError(400, f"max_tokens must be at least 1, got {requested}", param="max_tokens")
+        raise APIError(400, f"{param} must be at least 1, got {requested}", param=param)
     return requested
 
 

@@ -5,9 +5,14 @@ One definition each, imported by the router and the workers alike (ARCHITECTURE.
 
 from __future__ import annotations
 
+from typing import Annotated
+
 from pydantic import BaseModel, Field
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # the seed range: wider seeds overflow torch's generators
+# A token id as a client may name one: ids past the vocabulary never match, but ints past 64 bits would not
+# even serialize on the way to the workers.
+TokenId = Annotated[int, Field(ge=0, le=INT64_MAX)]
 
 
 class SamplingParams(BaseModel):
@@ -15,11 +20,11 @@ class SamplingParams(BaseModel):
 
     temperature: float = Field(1.0, ge=0.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(-1, description="-1 or 0 disables top-k")
+    top_k: int = Field(-1, ge=-1, le=INT64_MAX, description="-1 or 0 disables top-k")
     seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
     max_tokens: int = Field(16, ge=1)
     stop: list[str] = Field(default_factory=list)
-    stop_token_ids: list[int] = Field(default_factory=list)
+    stop_token_ids: list[TokenId] = Field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = Field(None, ge=0, le=20, description="top logprobs per token; None = none")
     include_stop_str_in_output: bool = False

@@ -51,6 +51,8 @@ def wait_for(predicate, timeout: float = 30.0) -> bool:
 
 def test_health_ready_models_metrics(worker):
     assert httpx.get(worker.url + "/health").json() == {"status": "ok"}
+    unknown = httpx.get(worker.url + "/v1/nothing-here")
+    assert unknown.status_code == 404 and unknown.json()["error"]["type"] == "not_found_error"
     assert httpx.get(worker.url + "/ready").status_code == 200
     models = httpx.get(worker.url + "/v1/models").json()
     assert [m["id"] for m in models["data"]] == ["smollm2"]
@@ -118,6 +120,26 @@ def test_token_id_prompt_and_logprobs(client):
     assert all(len(c.top_logprobs) == 2 for c in content)
 
 
+def test_streamed_logprobs_cover_tokens_that_have_no_text_yet(client):
+    """An emoji takes several byte-level tokens, and the first ones decode to no text: their logprobs still
+    stream, so a streamed answer carries one logprob per token, as the whole answer does."""
+    kwargs = dict(model="smollm2", prompt="My favourite emojis: \U0001F600\U0001F389\U0001F525", max_tokens=20,
+                  temperature=0, logprobs=1, extra_body={"ignore_eos": True})
+    whole = client.completions.create(**kwargs).choices[0]
+    chunks = [c.choices[0] for c in client.completions.create(**kwargs, stream=True) if c.choices]
+    assert sum(len(c.logprobs.tokens) for c in chunks if c.logprobs) == len(whole.logprobs.tokens) == 20
+    assert any(not c.text and c.logprobs for c in chunks)  # the case at hand: tokens with no text yet
+    assert "".join(c.text for c in chunks) == whole.text
+
+    messages = [{"role": "user", "content": "Reply with three emojis: \U0001F600\U0001F389\U0001F525"}]
+    chat_kwargs = dict(model="smollm2", messages=messages, max_tokens=20, temperature=0, logprobs=True,
+                       extra_body={"ignore_eos": True})
+    whole_chat = client.chat.completions.create(**chat_kwargs).choices[0]
+    streamed = [c.choices[0] for c in client.chat.completions.create(**chat_kwargs, stream=True) if c.choices]
+    assert sum(len(c.logprobs.content) for c in streamed if c.logprobs) == len(whole_chat.logprobs.content) == 20
+    assert "".join(c.delta.content or "" for c in streamed) == whole_chat.message.content
+
+
 def test_seeded_sampling_and_top_k_one(client):
     kwargs = dict(model="smollm2", prompt="Once upon a time", max_tokens=16)
     a = client.completions.create(temperature=0.9, seed=1234, **kwargs).choices[0].text
@@ -161,6 +183,27 @@ BAD_INPUTS = [
     ("n unsupported", "/v1/completions", {"model": "smollm2", "prompt": "x", "n": 2}, 400, "n=2"),
     ("token id out of vocab", "/v1/completions", {"model": "smollm2", "prompt": [1, 99999999]}, 400, "vocabulary"),
     ("body too large", "/v1/completions", {"model": "smollm2", "prompt": "x" * (MAX_BODY + 10)}, 413, "limit"),
+    # Integers past 64 bits would not even serialize on the way from a router to its workers.
+    ("stop token id past 64 bits", "/v1/completions",
+     {"model": "smollm2", "prompt": "x", "stop_token_ids": [2**70]}, 400, "stop_token_ids.0"),
+    ("top_k past 64 bits", "/v1/completions", {"model": "smollm2", "prompt": "x", "top_k": 2**70}, 400, "top_k"),
+    # A lone UTF-16 surrogate is valid JSON escaping but no text a tokenizer takes.
+    ("lone surrogate", "/v1/completions", b'{"model": "smollm2", "prompt": "hi \\ud800 there"}', 400,
+     "not valid JSON"),
+    ("lone surrogate in chat", "/v1/chat/completions",
+     b'{"model": "smollm2", "messages": [{"role": "user", "content": "hi \\udc00"}]}', 400, "not valid JSON"),
+    # OpenAI parameters a client relies on but this server does not implement: refused, not ignored.
+    ("logit_bias", "/v1/completions", {"model": "smollm2", "prompt": "x", "logit_bias": {"50256": -100}}, 400,
+     "logit_bias"),
+    ("json mode", "/v1/chat/completions", {"model": "smollm2", "messages": [{"role": "user", "content": "x"}],
+                                           "response_format": {"type": "json_object"}}, 400, "response_format"),
+    ("tools", "/v1/chat/completions", {"model": "smollm2", "messages": [{"role": "user", "content": "x"}],
+                                       "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+    ("best_of", "/v1/completions", {"model": "smollm2", "prompt": "x", "best_of": 3}, 400, "best_of"),
+    ("suffix", "/v1/completions", {"model": "smollm2", "prompt": "x", "suffix": "end"}, 400, "suffix"),
+    ("max_completion_tokens zero", "/v1/chat/completions",
+     {"model": "smollm2", "messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0}, 400,
+     "max_completion_tokens"),
 ]
 
 

@@ -176,3 +176,20 @@ def test_a_resumed_request_loses_no_text_held_back_for_stop_strings(colocated, r
                      first_token_id=made[-1], output_tokens_in_prompt=len(made) - 1)
     assert made + rest == tokens
     assert sent_text + "".join(o.new_text for o in outs) == whole_text
+
+
+def test_a_seeded_request_samples_the_same_tokens_split_or_resumed(pd_pair, colocated):
+    """Each token of a seeded request depends on (seed, position) only: prefilled on one worker and decoded on
+    another, or resumed on a third after some tokens, it is what one worker alone samples."""
+    prefill, decode = pd_pair
+    params = SamplingParams(temperature=1.0, seed=42, max_tokens=8, ignore_eos=True)
+    prompt = prompt_of(40, seed=9)
+    alone, _ = run(colocated, "seeded-alone", prompt, params)
+    split, _ = disaggregated(prefill, decode, "seeded-split", prompt, params)
+    made = alone[:3]
+    rest, _ = run(colocated, "seeded-resumed", prompt + made[:-1],
+                  params.model_copy(update={"max_tokens": params.max_tokens - len(made) + 1}),
+                  first_token_id=made[-1], output_tokens_in_prompt=len(made) - 1)
+    other_seed, _ = run(colocated, "seeded-other", prompt, params.model_copy(update={"seed": 43}))
+    assert split == alone and made + rest == alone
+    assert other_seed != alone  # the seed is what decides

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import random
 import re
+import signal
 import threading
 import time
 
@@ -91,7 +94,32 @@ def test_tandem_serve_with_the_openai_sdk():
         assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == chat.choices[0].message.content
         paths = httpx.get(serve.url + "/metrics").text
         assert 'path="disagg"' in paths and 'path="colocated"' in paths
+
+        # A worker that dies is started again, as Kubernetes would restart its pod; the stack stays up.
+        decode_pid = child_pid(serve.proc.pid, "--role decode")
+        os.kill(decode_pid, signal.SIGKILL)
+        assert wait_for(lambda: child_pid(serve.proc.pid, "--role decode") not in (None, decode_pid), timeout=30)
+        assert wait_for(lambda: ready(serve).get("decode") == 1, timeout=120)
+        again = client.completions.create(**kwargs)
+        assert again.choices[0].text == full.choices[0].text and serve.proc.poll() is None
     assert serve.proc.returncode == 0  # SIGTERM stopped the whole stack cleanly
+
+
+def child_pid(parent: int, marker: str) -> int | None:
+    """The child process of `parent` whose command line contains `marker`."""
+    with open(f"/proc/{parent}/task/{parent}/children") as f:
+        for pid in map(int, f.read().split()):
+            with contextlib.suppress(OSError), open(f"/proc/{pid}/cmdline", "rb") as cmd:
+                if marker in cmd.read().replace(b"\0", b" ").decode():
+                    return pid
+    return None
+
+
+def ready(proc: ServiceProcess) -> dict:
+    try:
+        return httpx.get(proc.url + "/ready", timeout=2).json()
+    except (httpx.HTTPError, ValueError):
+        return {}
 
 
 def test_disaggregated_output_equals_colocated(fleet, tokenizer):
@@ -125,6 +153,12 @@ def test_prefix_families_stay_on_one_prefill_worker(fleet, tokenizer):
     # Each family's 2nd and 3rd requests found its prefix cached: they went where the 1st one went.
     # Had a family been split over both workers, its first request on the second one would have missed.
     assert sum(hits.values()) >= sum(2 * (shared[f] - 16) for f in (0, 1)), (hits, shared, served)
+
+
+def test_models_names_the_served_model_and_its_context_length(fleet):
+    [card] = httpx.get(fleet["disagg"].url + "/v1/models").json()["data"]
+    [worker_card] = httpx.get(fleet["decode"][0].url + "/v1/models").json()["data"]
+    assert card["id"] == "smollm2" and card["max_model_len"] == worker_card["max_model_len"] > 0
 
 
 def test_bad_input_follows_the_worker_contract(fleet):

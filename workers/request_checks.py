@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import json
-
+import orjson
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
@@ -14,8 +13,10 @@ from tandem.protocol import SamplingParams
 async def parse_body(request: Request, model: type[BaseModel]) -> BaseModel:
     raw = await request.body()
     try:
-        payload = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        # orjson, as the router's pydantic parser: strict JSON (no NaN), and strings that are valid UTF-8 (a lone
+        # surrogate, which json.loads lets through, would fail later in the tokenizer as a 500).
+        payload = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
         raise APIError(400, f"request body is not valid JSON: {exc}") from None
     return validate_payload(payload, model)
 

@@ -196,6 +196,7 @@ class LLMEngine:
         if not params.ignore_eos:
             stop_ids |= self.eos_token_ids
         seq.prefill_only = prefill_only
+        seq.output_tokens_in_prompt = output_tokens_in_prompt
         if first_token_id is not None:
             # The prefill worker (or the failed worker) already sampled it: it is output, not prompt.
             seq.append_token(first_token_id)
@@ -256,7 +257,7 @@ class LLMEngine:
                     self.metrics.computed_prompt_tokens.inc(computed_prompt)
             if sample_rows:
                 seqs = [scheduled.seqs[row] for row in sample_rows]
-                sampled = self.sampler(logits, [s.params for s in seqs], [s.generator for s in seqs])
+                sampled = self.sampler(logits, [s.params for s in seqs], [s.next_token_generator() for s in seqs])
                 now = time.monotonic()
                 self.num_generation_tokens += len(seqs)
                 if self.metrics is not None:

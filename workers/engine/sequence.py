@@ -19,6 +19,8 @@ from tandem.protocol import SamplingParams
 
 # Breaks ties between equal arrival times so "latest arrived" is always well defined.
 _arrival_counter = itertools.count()
+# Seeds for successive positions are spread over the 64-bit range by splitmix64's increment.
+_GOLDEN_GAMMA, _MASK64 = 0x9E3779B97F4A7C15, (1 << 64) - 1
 
 
 class SequenceStatus(enum.Enum):
@@ -33,6 +35,7 @@ class Sequence:
         "finish_reason", "num_computed_tokens", "block_table", "block_hashes", "num_cached_blocks",
         "num_cached_tokens", "arrival_time", "arrival_order", "first_scheduled_time",
         "first_token_time", "last_token_time", "generator", "num_preemptions", "prefill_only", "kv_source",
+        "output_tokens_in_prompt",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -66,11 +69,23 @@ class Sequence:
         # a request with a kv_source pulls its prompt's KV from a prefill worker before running.
         self.prefill_only = False
         self.kv_source = None
-        # A private generator makes a seeded request reproducible whatever shares its batch.
+        # A resumed request: how many of its prompt tokens are output made before (by the worker that failed).
+        self.output_tokens_in_prompt = 0
+        # A private generator makes a seeded request reproducible whatever shares its batch (see
+        # next_token_generator for where it is seeded).
         self.generator: torch.Generator | None = None
         if params.seed is not None and not params.greedy:
             self.generator = torch.Generator(device=device)
-            self.generator.manual_seed(params.seed)
+
+    def next_token_generator(self) -> torch.Generator | None:
+        """A seeded request's generator, seeded for the output position it samples next from (seed, position).
+        Each token then depends on its position only, not on the draws before it on this worker: a decode
+        worker continuing after a prefill worker's first token, or one resuming a request, samples what one
+        worker alone would have (one generator seeded once would start over at the first token's draw)."""
+        if self.generator is not None:
+            position = self.output_tokens_in_prompt + self.num_output_tokens
+            self.generator.manual_seed((self.params.seed + (position + 1) * _GOLDEN_GAMMA) & _MASK64)
+        return self.generator
 
     @property
     def num_tokens(self) -> int:

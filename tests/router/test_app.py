@@ -1,5 +1,6 @@
-"""A client that leaves before its answer is complete: the work stops on the workers and the router forgets the
-request, whatever point it had reached. Driven over ASGI against the real router app, with scripted workers."""
+"""The router app over ASGI with scripted workers: a client that leaves before its answer is complete (the work
+stops on the workers and the router forgets the request, whatever point it had reached), a chat template that
+refuses the conversation, no decode worker to serve."""
 
 from __future__ import annotations
 
@@ -120,3 +121,17 @@ def test_a_chat_template_that_refuses_the_conversation_is_a_400(router_app):
     r = asyncio.run(chat())
     assert r.status_code == 400, r.text
     assert "roles must alternate" in r.json()["error"]["message"] and r.json()["error"]["param"] == "messages"
+
+
+def test_with_no_decode_worker_a_stream_is_refused_with_503_before_it_starts(router_app):
+    router, app, _ = router_app
+    router.decode._set_healthy(router.decode.workers[WORKER], False)
+
+    async def ask():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://r") as client:
+            return await client.post("/v1/completions", content=completion(4, stream=True),
+                                     headers={"content-type": "application/json"})
+
+    r = asyncio.run(ask())
+    assert r.status_code == 503 and r.json()["error"]["code"] == "no_workers"
+    assert_forgotten(router)
