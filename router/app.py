@@ -29,7 +29,7 @@ from tandem.router.admission import AdmissionRequest, Reject, RejectReason
 from tandem.router.api_keys import ApiKeyGate, bearer_token
 from tandem.router.fast_lane import FastLane, api_error_response, validation_error_response
 from tandem.router.orchestrator import Trace
-from tandem.sse import ClientDisconnected, EventStreamResponse, cancelled_on_disconnect, openai_stream
+from tandem.sse import CancelOnDisconnect, ClientDisconnected, EventStreamResponse, openai_stream
 
 SLO_HEADER = "x-tandem-slo-class"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -185,7 +185,7 @@ async def serve(router, request: Request, fmt: Formatter, ids: list[int], params
         return EventStreamResponse(openai_stream(fmt, deltas, usage, stream_error_body), headers=SSE_HEADERS,
                                    on_close=lambda: router.dispatcher.abandon(rid))
     try:
-        async with cancelled_on_disconnect(request.receive):
+        async with CancelOnDisconnect(request.receive):
             async for delta in deltas:
                 fmt.add(delta)
     except ClientDisconnected:

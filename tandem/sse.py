@@ -115,31 +115,43 @@ class ClientDisconnected(Exception):
     """The client closed its connection before its answer was ready."""
 
 
-@contextlib.asynccontextmanager
-async def cancelled_on_disconnect(receive):
+class CancelOnDisconnect:
     """Runs the block in this task, cancelled if the client disconnects meanwhile (ClientDisconnected is raised
     instead of the CancelledError). For an answer built whole before it is sent, a non-streamed completion:
     nothing else reads `receive` until then, so nothing else would notice the client leave, and the work
-    would go on to the end for nobody. A streamed answer has EventStreamResponse's listener."""
-    task = asyncio.current_task()
-    gone = False
+    would go on to the end for nobody. A streamed answer has EventStreamResponse's listener.
 
-    async def listen() -> None:
-        nonlocal gone
-        await _until_disconnect(receive)
-        gone = True
-        task.cancel()
+    The listener starts only once the block has run `listen_after_s`: most answers are done by then, and
+    they skip the task it costs (benchmarks/router.py prints the router's CPU per request). A client that
+    leaves sooner has its work stopped when the listener starts, at once, since the disconnect is known."""
 
-    listener = asyncio.get_running_loop().create_task(listen())
-    try:
-        yield
-    except asyncio.CancelledError:
-        if not gone:
-            raise  # cancelled from elsewhere (server shutdown)
-        _uncancel(task)
-        raise ClientDisconnected from None
-    finally:
-        listener.cancel()
+    def __init__(self, receive, listen_after_s: float = 0.2):
+        self.receive = receive
+        self.listen_after_s = listen_after_s
+        self.gone = False
+
+    async def __aenter__(self) -> None:
+        loop = asyncio.get_running_loop()
+        self.task = asyncio.current_task()
+        self.listener: asyncio.Task | None = None
+        self.timer = loop.call_later(self.listen_after_s, self._start_listening, loop)
+
+    def _start_listening(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.listener = loop.create_task(self._listen())
+
+    async def _listen(self) -> None:
+        await _until_disconnect(self.receive)
+        self.gone = True
+        self.task.cancel()
+
+    async def __aexit__(self, exc_type, exc, tb) -> bool:
+        self.timer.cancel()
+        if self.listener is not None:
+            self.listener.cancel()
+        if exc_type is asyncio.CancelledError and self.gone:
+            _uncancel(self.task)
+            raise ClientDisconnected from None
+        return False  # anything else (a cancellation from elsewhere: server shutdown) goes on
 
 
 def _uncancel(task: asyncio.Task) -> None:
