@@ -215,13 +215,8 @@ def test_a_worker_that_refused_the_channel_is_asked_again_later(monkeypatch):
             old = await serve_http_only_worker(port)
             over_http = await collect(client, url, decode_body("a", [1, 2]))
             await old.cleanup()
-            upgraded = await serve_channel_only_worker(port, "upgraded")
-            try:
-                await asyncio.sleep(0.25)
-                over_channel = await collect(client, url, decode_body("b", [1, 2]))
-            finally:
-                await upgraded.cleanup()
-            return over_http, over_channel
+            await asyncio.sleep(0.25)
+            return over_http, await collect_from_channel_worker(client, port, "upgraded", decode_body("b", [1, 2]))
         finally:
             await client.close()
 
@@ -244,6 +239,15 @@ async def serve_channel_only_worker(port: int, name: str) -> web.AppRunner:
     return await serve_routes(port, web.get("/internal/ws", channel))
 
 
+async def collect_from_channel_worker(client: WorkerClient, port: int, name: str, body: dict) -> list[dict]:
+    """A decode served by a fresh channel-only stand-in on `port`, stopped afterwards."""
+    runner = await serve_channel_only_worker(port, name)
+    try:
+        return await collect(client, f"http://127.0.0.1:{port}", body)
+    finally:
+        await runner.cleanup()
+
+
 def test_a_worker_restarted_at_the_same_address_gets_a_new_channel():
     async def run():
         port = free_port()
@@ -257,12 +261,7 @@ def test_a_worker_restarted_at_the_same_address_gets_a_new_channel():
                 if client._channels[url].closed:
                     break
                 await asyncio.sleep(0.01)
-            second = await serve_channel_only_worker(port, "second")
-            try:
-                after = await collect(client, url, decode_body("b", [1, 2]))
-            finally:
-                await second.cleanup()
-            return before, after
+            return before, await collect_from_channel_worker(client, port, "second", decode_body("b", [1, 2]))
         finally:
             await client.close()
 
