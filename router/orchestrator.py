@@ -99,6 +99,9 @@ class Orchestrator:
                     if first.finished:
                         finished = True
                         return
+                    # The handle goes to a decode worker, which releases the lease itself: the prefill worker
+                    # must no longer be told to abort (which would free blocks that worker may be reading).
+                    touched.discard((trace.prefill_worker, rid))
                     async for delta in self._decode(rid, prompt, params, [pre["first_token_id"]], pre["kv_handle"],
                                                     hashes, key, trace, touched, coalesce):
                         yield delta

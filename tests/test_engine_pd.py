@@ -193,3 +193,14 @@ def test_a_seeded_request_samples_the_same_tokens_split_or_resumed(pd_pair, colo
     other_seed, _ = run(colocated, "seeded-other", prompt, params.model_copy(update={"seed": 43}))
     assert split == alone and made + rest == alone
     assert other_seed != alone  # the seed is what decides
+
+
+def test_aborting_a_done_prefill_releases_its_lease(pd_pair):
+    """A client that leaves after its prefill, before any decode worker got the handle: the router's abort
+    frees the pinned blocks now rather than at the lease's expiry."""
+    prefill, _ = pd_pair
+    run(prefill, "left-after-prefill", prompt_of(40, seed=11), prefill_only=True)
+    assert prefill.leases.num_pinned_blocks > 0
+    assert prefill.abort_request("left-after-prefill")
+    assert prefill.leases.num_pinned_blocks == 0 and len(prefill.leases) == 0
+    assert not prefill.abort_request("left-after-prefill")  # once

@@ -40,6 +40,9 @@ class ScriptedWorkers:
             yield chunk if isinstance(chunk, list) else [chunk]
 
     async def post_json(self, worker: str, path: str, payload: dict, timeout_s=None) -> dict:
+        if path == "/internal/prefill":
+            return {"request_id": payload["request_id"], "first_token_id": 6, "first_token_text": "w",
+                    "finish_reason": None, "num_cached_tokens": 0, "kv_handle": {"lease_id": "lease-1"}}
         assert path == "/internal/abort"
         self.aborts.append((worker, payload["request_id"]))
         return {"ok": True}
@@ -181,3 +184,23 @@ def test_in_flight_counts_stay_right_when_discovery_replaces_a_worker_meanwhile(
 
     asyncio.run(with_blip())
     assert pool.workers["http://a"].in_flight == 0
+
+
+def test_once_a_decode_worker_has_the_handle_the_prefill_worker_is_not_aborted():
+    """Its decode worker releases the lease; an abort at the prefill worker would free blocks being pulled."""
+    orchestrator, pool, http = orchestrator_over({"http://d": [{"token_ids": [7], "text": "x"},
+                                                                {"token_ids": [8], "text": "y"}]})
+    orchestrator.prefill.workers["http://p"] = Worker("http://p", healthy=True)
+    orchestrator.prefill.ring.add("http://p")
+    orchestrator.config.disagg_min_tokens = 1
+
+    async def leave_after_the_first_decoded_token():
+        deltas = orchestrator.run("r1", [1, 2, 3], SamplingParams(temperature=0, max_tokens=8), Trace())
+        got = [await deltas.__anext__(), await deltas.__anext__()]  # the prefill's token, then the decode's
+        await deltas.aclose()
+        await asyncio.sleep(0.01)
+        return got
+
+    assert [d.new_token_ids for d in asyncio.run(leave_after_the_first_decoded_token())] == [[6], [7]]
+    assert http.bodies[0]["kv_handle"] == {"lease_id": "lease-1"}
+    assert http.aborts == [("http://d", "r1")]

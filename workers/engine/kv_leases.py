@@ -51,6 +51,11 @@ class LeaseTable:
         self.num_pinned_blocks -= len(lease.block_ids)
         return True
 
+    def release_request(self, request_id: str) -> bool:
+        """Drop the lease a request's prefill left; False when it has none."""
+        lease_id = next((lid for lid, lease in self._leases.items() if lease.request_id == request_id), None)
+        return lease_id is not None and self.release(lease_id)
+
     def expire(self) -> int:
         """Release every lease whose TTL has run out; returns how many."""
         now = self.clock()

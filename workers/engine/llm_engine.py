@@ -212,10 +212,15 @@ class LLMEngine:
             self.metrics.waiting.set(len(self.scheduler.waiting))
 
     def abort_request(self, request_id: str) -> bool:
-        """Stop a request now and free its blocks; the next step() reports it finished with "abort"."""
+        """Stop a request now and free its blocks; the next step() reports it finished with "abort". A prefill
+        already done has only its lease left: that is released (a router aborts a prefill only while no decode
+        worker has its handle, so nobody is reading those blocks)."""
         request = self._requests.pop(request_id, None)
         if request is None:
-            return False
+            released = self.leases.release_request(request_id)
+            if released:
+                self._update_gauges()
+            return released
         seq = request.seq
         self.scheduler.abort(request_id)
         self._count_finished("abort")
