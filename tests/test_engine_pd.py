@@ -204,3 +204,36 @@ def test_aborting_a_done_prefill_releases_its_lease(pd_pair):
     assert prefill.abort_request("left-after-prefill")
     assert prefill.leases.num_pinned_blocks == 0 and len(prefill.leases) == 0
     assert not prefill.abort_request("left-after-prefill")  # once
+
+
+def test_a_request_whose_kv_was_imported_is_not_stuck_behind_one_that_does_not_fit(tiny, colocated):
+    """The decode request's pull takes blocks while a request ahead of it waits; that one then no longer fits,
+    and only the imported request, once done, can give the blocks back. Both finish, with colocated tokens."""
+    prefill = engine(tiny, "prefill")
+    decode = engine(tiny, "decode", num_kv_blocks=10, max_num_batched_tokens=64)
+    prefill.kv_transfer = create_kv_transfer("tcp", prefill.runner.kv_cache, "p-stuck")
+    decode.kv_transfer = create_kv_transfer("tcp", decode.runner.kv_cache, "d-stuck")
+    try:
+        params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+        ahead, imported = prompt_of(126, seed=21), prompt_of(48, seed=22)  # 8 blocks with its output; 3
+        first, outs = run(prefill, "imported", imported, params, prefill_only=True)
+        lease = outs[-1].kv_lease
+        decode.add_request("ahead", ahead, params)
+        decode.add_request("imported", imported, params, first_token_id=first[0],
+                           kv_source=RemoteKV(prefill.kv_transfer.agent_info(), lease.block_ids, lease.expires_at))
+        tokens = {"ahead": [], "imported": first[:]}
+        finished = set()
+        for _ in range(200):
+            for out in decode.step():
+                tokens[out.request_id] += out.new_token_ids
+                if out.finished:
+                    finished.add(out.request_id)
+            if finished == {"ahead", "imported"}:
+                break
+        assert finished == {"ahead", "imported"}
+        assert tokens["ahead"] == run(colocated, "ahead-ref", ahead, params)[0]
+        assert tokens["imported"] == run(colocated, "imported-ref", imported, params)[0]
+        assert decode.num_kv_blocks_used == 0
+    finally:
+        prefill.kv_transfer.close()
+        decode.kv_transfer.close()

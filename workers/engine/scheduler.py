@@ -80,11 +80,18 @@ class Scheduler:
                 budget -= num_tokens
 
         if not out.preempted:
-            while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-                seq = self.waiting[0]
+            # First come, first served, with one exception: once a request does not fit, those behind it that
+            # already hold their prompt's blocks (KV imported from a prefill worker while they waited) may
+            # still go. Nothing else would ever free those blocks, so holding them back behind a request that
+            # needs them could wait forever.
+            blocked = False
+            for seq in list(self.waiting):
+                if budget == 0 or len(self.running) >= self.max_num_seqs:
+                    break
+                if blocked and not seq.block_table:
+                    continue
                 if seq.block_table:
-                    # Its prompt's KV was imported from a prefill worker while it waited: the
-                    # prefix lookup is done, only the rest needs room.
+                    # Its prompt's KV was imported: the prefix lookup is done, only the rest needs room.
                     num_tokens = min(seq.num_uncomputed_tokens, budget)
                     admitted = self.block_manager.allocate_slots(seq, num_tokens)
                 else:
@@ -92,8 +99,9 @@ class Scheduler:
                     num_tokens = min(seq.num_tokens - len(hits) * self.block_manager.block_size, budget)
                     admitted = self.block_manager.allocate_slots(seq, num_tokens, prefix_blocks=hits)
                 if not admitted:
-                    break
-                self.waiting.popleft()
+                    blocked = True
+                    continue
+                self.waiting.remove(seq)
                 seq.status = SequenceStatus.RUNNING
                 self.running.append(seq)
                 scheduled[seq] = num_tokens
