@@ -4,6 +4,7 @@ NIXL / TCP transfers between two engines in one process), and the tokens equal c
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 
@@ -101,10 +102,13 @@ def test_decode_reuses_its_own_prefix_cache(pd_pair, colocated):
     assert tokens == run(colocated, "reuse-ref", prompt)[0]
 
 
-def test_expired_lease_falls_back_to_recompute(pd_pair, colocated):
+@pytest.mark.parametrize("left_s", [None, 5.0])
+def test_expired_lease_falls_back_to_recompute(pd_pair, colocated, left_s):
+    """Expired, or running out within the pull timeout (10 s): the blocks could be reused under the read."""
     prefill, decode = pd_pair
     prompt = prompt_of(50, seed=11)
-    tokens, status = disaggregated(prefill, decode, "expired", prompt, expires_at=0.0)
+    expires_at = 0.0 if left_s is None else time.time() + left_s
+    tokens, status = disaggregated(prefill, decode, f"expired-{left_s}", prompt, expires_at=expires_at)
     assert status == "lease_expired"
     assert tokens == run(colocated, "expired-ref", prompt)[0]
     assert decode.num_kv_blocks_used == 0
@@ -237,3 +241,20 @@ def test_a_request_whose_kv_was_imported_is_not_stuck_behind_one_that_does_not_f
     finally:
         prefill.kv_transfer.close()
         decode.kv_transfer.close()
+
+
+def test_cached_tokens_never_exceed_the_prompt_after_a_preemption(tiny):
+    """A preempted request comes back with its output, whose blocks may be in the prefix cache: those hits are
+    no cached prompt tokens (usage.prompt_tokens_details.cached_tokens <= prompt_tokens)."""
+    eng = engine(tiny, "both", num_kv_blocks=5, max_num_batched_tokens=64)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    eng.add_request("a", prompt_of(4, seed=31), params)
+    eng.add_request("b", prompt_of(4, seed=32), params)
+    worst = 0
+    for _ in range(500):
+        for out in eng.step():
+            worst = max(worst, out.num_cached_tokens - out.num_prompt_tokens)
+        if not eng.has_unfinished_requests():
+            break
+    assert eng.num_preemptions > 0
+    assert worst <= 0

@@ -106,6 +106,8 @@ class AsyncEngine:
 
     async def call(self, fn: Callable[[LLMEngine], object]):
         """Run `fn(engine)` on the engine thread between steps and return its result."""
+        if not self.alive:
+            raise EngineDeadError("the engine is not running")
         future: concurrent.futures.Future = concurrent.futures.Future()
         self._inbox.put(_Call(fn, future))
         self._wakeup.set()
@@ -167,3 +169,14 @@ class AsyncEngine:
                 ids = list(self._streams)
             for rid in ids:
                 self._deliver(rid, EngineDeadError(f"engine failed: {exc!r}"), final=True)
+            self._fail_pending_calls(EngineDeadError(f"engine failed: {exc!r}"))
+
+    def _fail_pending_calls(self, error: EngineDeadError) -> None:
+        """Calls still in the inbox would wait for a thread that is gone."""
+        while True:
+            try:
+                cmd = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(cmd, _Call) and not cmd.future.done():
+                cmd.future.set_exception(error)

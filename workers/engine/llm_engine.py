@@ -332,7 +332,9 @@ class LLMEngine:
         """'pulled', a fallback reason (the prompt is then computed here), or None to retry later."""
         if self.kv_transfer is None:
             return "no_transfer_backend"
-        if source.expires_at <= time.time():
+        # A lease that could run out during the read (up to kv_pull_timeout_s) is as good as gone: the prefill
+        # worker would reuse the blocks under the read, and the tokens would be silently wrong.
+        if source.expires_at - time.time() <= self.config.kv_pull_timeout_s:
             return "lease_expired"
         bm, num_prompt = self.block_manager, seq.num_prompt_tokens
         # Blocks already in our own prefix cache are not pulled again.
