@@ -217,6 +217,7 @@ def router_config(spec: LLMDeploymentSpec, sizes: PoolSizes) -> dict[str, str]:
             "deployment.json": json.dumps(deployment, indent=2, sort_keys=True) + "\n"}
 
 
+ROUTER_READS = "slo-classes.json"  # the ConfigMap's file the router reads ($TANDEM_CONFIG_DIR)
 MULTI_ROUTER_KEY_EPS = 0.25
 
 
@@ -229,6 +230,8 @@ def router_deployment(owner: Owner, spec: LLMDeploymentSpec, sizes: PoolSizes) -
             "--decode-selector", names.pool_selector(owner.name, "decode")]
     if router.disagg_min_tokens is not None:
         args += ["--disagg-min-tokens", str(router.disagg_min_tokens)]
+    if spec.engine.block_size is not None:  # the router hashes prompts in the workers' blocks
+        args += ["--block-size", str(spec.engine.block_size)]
     # Balance on keys is tightest at eps 0, but independent replicas then agree on only about half of the keys
     # whose ring owner is full (router/policies/key_table.py); with several replicas, trade a little balance.
     key_eps = router.key_eps if router.key_eps is not None else (0.0 if router.replicas == 1 else MULTI_ROUTER_KEY_EPS)
@@ -246,8 +249,10 @@ def router_deployment(owner: Owner, spec: LLMDeploymentSpec, sizes: PoolSizes) -
     pod = _pod_spec(owner, "router", container, router, volumes, ROUTER_GRACE_SECONDS,
                     names.object_name(owner.name, "router"))
     strategy = {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
-    # A changed ConfigMap (SLO classes) must restart the routers: its hash is part of the pod template.
-    annotations = {**_SCRAPE_ANNOTATIONS, names.CONFIG_HASH_ANNOTATION: short_hash(router_config(spec, sizes))}
+    # Changed SLO classes must restart the routers: their hash is part of the pod template. Only the file the
+    # router reads: pool sizes change with every scaling decision, and must not roll the routers each time.
+    router_reads = {ROUTER_READS: router_config(spec, sizes)[ROUTER_READS]}
+    annotations = {**_SCRAPE_ANNOTATIONS, names.CONFIG_HASH_ANNOTATION: short_hash(router_reads)}
     return _deployment(owner, "router", router.replicas, pod, strategy, annotations)
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 
 import kopf
 import kubernetes.client
@@ -69,7 +70,14 @@ async def operate(namespace: str | None, *, api_client: kubernetes.client.ApiCli
         priority=priority, liveness_endpoint=liveness, stop_flag=stop_flag, ready_flag=ready_flag)
 
 
-def run_operator(namespace: str | None, *, peering: str | None = None, priority: int = 0,
+def peering_priority(requested: int | None) -> int:
+    """kopf pauses every replica that sees a live peer of the same priority, so replicas started alike (the Helm
+    chart's, with no --priority) would all stand by and none would reconcile. Unless one is given, each draws its
+    own: the highest is active, the others take over by the same rule when its heartbeat stops."""
+    return requested if requested is not None else random.SystemRandom().randrange(1, 2**31)
+
+
+def run_operator(namespace: str | None, *, peering: str | None = None, priority: int | None = None,
                  liveness: str | None = None, kubeconfig: str | None = None, context: str | None = None,
                  resync_seconds: float | None = 300.0) -> int:
     """Run until SIGINT/SIGTERM (kopf stops its watches and lets running handlers finish)."""
@@ -78,6 +86,6 @@ def run_operator(namespace: str | None, *, peering: str | None = None, priority:
     except kubernetes.config.ConfigException as exc:
         raise SystemExit(f"tandem operator: no cluster credentials (not in a pod, and the kubeconfig "
                          f"{kubeconfig or '$KUBECONFIG or ~/.kube/config'} gave none): {exc}") from None
-    asyncio.run(operate(namespace, api_client=api_client, peering=peering, priority=priority, liveness=liveness,
-                        resync_seconds=resync_seconds))
+    asyncio.run(operate(namespace, api_client=api_client, peering=peering, priority=peering_priority(priority),
+                        liveness=liveness, resync_seconds=resync_seconds))
     return 0

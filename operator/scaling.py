@@ -11,6 +11,8 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+from kubernetes.utils.quantity import parse_quantity
+
 from tandem.config import LLMDeploymentSpec
 from tandem.operator.sizing import PoolSizes
 from tandem.planning.policy import PlannerLimits
@@ -28,13 +30,24 @@ def gpus_per_replica(spec: LLMDeploymentSpec) -> int:
     The policy takes one figure for both pools; the larger pool figure keeps the budget a hard limit.
     """
     counts = [spec.engine.tensor_parallel_size]
-    for pool in (spec.prefill, spec.decode):
-        resources = pool.resources
-        for bucket in (resources.limits, resources.requests) if resources is not None else ():
-            if bucket and GPU_RESOURCE in bucket:
-                counts.append(int(bucket[GPU_RESOURCE]))
-                break
+    counts += [g for g in (pool_gpus(spec.prefill.resources), pool_gpus(spec.decode.resources)) if g is not None]
     return max(max(counts), 1)
+
+
+def pool_gpus(resources) -> int | None:
+    """A pool's GPUs per worker, from its limit (or request); None when it names none. ValueError for a quantity
+    that is no whole number: Kubernetes counts extended resources in whole units ("2", "1.0", "2000m")."""
+    for bucket in (resources.limits, resources.requests) if resources is not None else ():
+        if bucket and GPU_RESOURCE in bucket:
+            quantity = str(bucket[GPU_RESOURCE])
+            try:
+                value = parse_quantity(quantity)
+            except ValueError:
+                value = None
+            if value is None or value < 0 or value != value.to_integral_value():
+                raise ValueError(f"{GPU_RESOURCE} {quantity!r} is not a whole number of GPUs")
+            return int(value)
+    return None
 
 
 def planner_limits(spec: LLMDeploymentSpec) -> PlannerLimits:

@@ -10,11 +10,10 @@ from pydantic import ValidationError
 
 from tandem.config import EngineConfig, LLMDeploymentSpec
 from tandem.operator.names import MAX_NAME_LENGTH
-from tandem.operator.scaling import scaling_reasons
+from tandem.operator.scaling import GPU_RESOURCE, pool_gpus, scaling_reasons
 from tandem.operator.sizing import PoolSizes, resolve_pool_sizes
 
 DNS_1035_LABEL = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
-GPU_RESOURCE = "nvidia.com/gpu"
 
 
 class SpecError(ValueError):
@@ -34,13 +33,6 @@ def _pydantic_reasons(exc: ValidationError) -> list[str]:
     return reasons
 
 
-def _gpus(resources) -> int | None:
-    for bucket in (resources.limits, resources.requests) if resources is not None else ():
-        if bucket and GPU_RESOURCE in bucket:
-            return int(bucket[GPU_RESOURCE])
-    return None
-
-
 def _semantic_reasons(spec: LLMDeploymentSpec, sizes: PoolSizes) -> list[str]:
     reasons = []
     if sizes.decode < 1:
@@ -50,7 +42,11 @@ def _semantic_reasons(spec: LLMDeploymentSpec, sizes: PoolSizes) -> list[str]:
         reasons.append(f"spec.engine.tensorParallelSize: {tp} is not supported by this worker version, "
                        "which runs one GPU per worker; use 1")
     for pool in ("prefill", "decode"):
-        gpus = _gpus(getattr(spec, pool).resources)
+        try:
+            gpus = pool_gpus(getattr(spec, pool).resources)
+        except ValueError as exc:
+            reasons.append(f"spec.{pool}.resources: {exc}")
+            continue
         if gpus is not None and 0 < gpus < tp:
             reasons.append(f"spec.{pool}.resources: {gpus} {GPU_RESOURCE} cannot hold tensorParallelSize {tp}")
     return reasons

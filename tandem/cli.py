@@ -64,7 +64,9 @@ def _operator_parser(sub) -> argparse.ArgumentParser:
     scope.add_argument("--all-namespaces", "-A", action="store_true", help="watch every namespace")
     p.add_argument("--peering", default=None, metavar="NAME",
                    help="kopf peering object for HA: one active replica, the others on standby")
-    p.add_argument("--priority", type=int, default=0, help="peering priority (the highest is active)")
+    p.add_argument("--priority", type=int, default=None,
+                   help="peering priority (the highest is active; default: a random one per replica, so that "
+                        "replicas started alike do not all pause)")
     p.add_argument("--liveness", default=None, metavar="URL", help="serve a liveness probe, e.g. http://0.0.0.0:8080/healthz")
     p.add_argument("--resync-seconds", type=float, default=300.0, help="re-apply owned objects this often (0: never)")
     p.add_argument("--kubeconfig", default=None, help="unset: in-cluster credentials, then $KUBECONFIG or ~/.kube/config")

@@ -177,6 +177,21 @@ def test_changing_slo_classes_rolls_the_routers_but_not_the_workers():
     assert before["smollm2-decode"] == after["smollm2-decode"]
 
 
+def test_resizing_the_pools_leaves_the_routers_running():
+    """Pool sizes change with every scaling decision; the router does not read them, so its pods stay."""
+    before = _by_name(_objects(_variant(ratio="1:3", replicas=4)), "Deployment")
+    after = _by_name(_objects(_variant(ratio="2:5", replicas=7)), "Deployment")
+    assert before["smollm2-decode"]["spec"]["replicas"] != after["smollm2-decode"]["spec"]["replicas"]
+    assert before["smollm2-router"] == after["smollm2-router"]
+
+
+def test_the_router_hashes_prompts_in_the_workers_block_size():
+    deployments = _by_name(_objects(_variant(engine={"blockSize": 32})), "Deployment")
+    for name in ("smollm2-decode", "smollm2-router"):
+        args = deployments[name]["spec"]["template"]["spec"]["containers"][0]["args"]
+        assert args[args.index("--block-size") + 1] == "32", name
+
+
 def test_tenants_secret_is_mounted_read_only_into_the_router():
     router = _by_name(_objects(VARIANTS["hostpath-gguf-tenants"]), "Deployment")["smollm2-router"]
     pod = router["spec"]["template"]["spec"]

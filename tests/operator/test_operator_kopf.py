@@ -13,6 +13,7 @@ from kube_emulator import CR, EXAMPLE, Cluster
 
 from tandem.operator.builders import Owner, build_objects
 from tandem.operator.kube import with_desired_hash
+from tandem.operator.main import peering_priority
 from tandem.operator.validation import validate_spec
 
 DEPLOYMENTS = "apps/v1/deployments"
@@ -249,3 +250,10 @@ async def test_tandem_operator_command_reconciles_and_exits_cleanly_on_sigterm(e
     output = log.read_text()
     assert code == 0, output[-3000:]
     assert f"tandem operator reconciling LLMDeployments in namespace ns1 via {server}" in output
+
+
+def test_replicas_started_alike_get_their_own_peering_priorities():
+    """kopf pauses every replica that sees a peer of equal priority; the chart starts its replicas alike."""
+    drawn = {peering_priority(None) for _ in range(50)}
+    assert len(drawn) == 50 and min(drawn) >= 1
+    assert peering_priority(7) == 7

@@ -6,6 +6,7 @@ import pytest
 import yaml
 from kube_emulator import EXAMPLE
 
+from tandem.operator.scaling import gpus_per_replica
 from tandem.operator.sizing import PoolSizes, parse_ratio, split_by_ratio
 from tandem.operator.status import compute_status, router_endpoint
 from tandem.operator.validation import SpecError, validate_spec
@@ -48,6 +49,8 @@ def _spec(**changes) -> dict:
     ("smollm2", _spec(engine={"tensorParallelSize": 2}), "spec.engine.tensorParallelSize: 2 is not supported"),
     ("smollm2", _spec(prefill={"resources": {"limits": {"memory": "lots"}}}),
      "'lots' is not a Kubernetes quantity"),
+    ("smollm2", _spec(decode={"resources": {"limits": {"nvidia.com/gpu": "500m"}}}),
+     "spec.decode.resources: nvidia.com/gpu '500m' is not a whole number of GPUs"),
     ("Bad_Name", _spec(), "metadata.name: 'Bad_Name' must be a DNS-1035 label"),
     ("x" * 60, _spec(), "is 60 characters; at most 55"),
 ])
@@ -55,6 +58,12 @@ def test_invalid_specs_give_reasons_naming_the_field(name, spec, reason):
     with pytest.raises(SpecError) as info:
         validate_spec(spec, name)
     assert any(reason in r for r in info.value.reasons), info.value.reasons
+
+
+@pytest.mark.parametrize(("quantity", "gpus"), [("1", 1), ("1.0", 1), ("1e0", 1), ("2000m", 2)])
+def test_gpu_quantities_in_any_spelling_count_whole_gpus(quantity, gpus):
+    spec, _ = validate_spec(_spec(prefill={"resources": {"limits": {"nvidia.com/gpu": quantity}}}), "smollm2")
+    assert gpus_per_replica(spec) == gpus
 
 
 def test_valid_example_resolves_sizes():
