@@ -39,6 +39,7 @@ class Sample:
 
     at_s: float
     targets: Mapping[tuple[str, str], Mapping[str, float]]
+    missed: int = 0  # ready pods whose /metrics could not be read
 
     def pods(self, component: str) -> int:
         return sum(1 for c, _ in self.targets if c == component)
@@ -132,6 +133,7 @@ class ScrapedMetrics:
 
     def sample(self, namespace: str, name: str) -> Sample:
         targets: dict[tuple[str, str], Mapping[str, float]] = {}
+        missed = 0
         for component in names.COMPONENTS:
             selector = {"kubernetes.io/service-name": names.object_name(name, component)}
             for endpoint_slice in self.kube.list("discovery.k8s.io/v1", "EndpointSlice", namespace, selector):
@@ -140,14 +142,22 @@ class ScrapedMetrics:
                         targets[(component, address)] = parse_metrics(
                             self.fetch(f"http://{address}/metrics", self.timeout_s))
                     except (OSError, ValueError) as exc:  # one unreachable pod must not stop the planner
+                        missed += 1
                         log.warning("scraping %s pod %s of %s/%s failed: %s", component, address, namespace,
                                     name, exc)
-        return Sample(at_s=self.clock(), targets=targets)
+        return Sample(at_s=self.clock(), targets=targets, missed=missed)
 
     def __call__(self, body: Mapping[str, Any]) -> MetricsWindow | None:
         meta = body["metadata"]
         spec = LLMDeploymentSpec.model_validate(body.get("spec") or {})
         after = self.sample(meta["namespace"], meta["name"])
+        if after.missed:
+            # A pod that could not be read counts no requests and no tokens: the window would show less load
+            # than there is (none at all when nothing can be read, e.g. a NetworkPolicy in the way), and the
+            # pools would be sized down for it. No window: the planner keeps the sizes it has.
+            log.warning("%s/%s: %d pod(s) not scraped; holding the pool sizes this tick", meta["namespace"],
+                        meta["name"], after.missed)
+            return None
         with self._guard:
             before = self._last.get(meta["uid"])
             self._last[meta["uid"]] = after

@@ -124,14 +124,21 @@ def test_rbac_is_least_privilege():
 
 
 @needs_helm
-def test_network_policy_admits_only_tandem_routers_and_workers():
+def test_network_policy_admits_only_tandem_routers_workers_and_the_operators_scrapes():
     policy = next(o for o in _objects({}) if o["kind"] == "NetworkPolicy")
     selected = {e["key"]: e["values"] for e in policy["spec"]["podSelector"]["matchExpressions"]}
     assert selected["app.kubernetes.io/component"] == ["prefill", "decode"]
-    (rule,) = policy["spec"]["ingress"]
-    (peer,) = rule["from"]
+    tandem, operator = policy["spec"]["ingress"]
+    (peer,) = tandem["from"]
     allowed = {e["key"]: e["values"] for e in peer["podSelector"]["matchExpressions"]}
     assert allowed == {"app.kubernetes.io/name": ["tandem"], "app.kubernetes.io/component": ["router", "prefill", "decode"]}
+    # The planner scrapes the workers' /metrics from the operator pod: without this rule it read nothing and
+    # sized the pools for no load.
+    (scraper,) = operator["from"]
+    operator_pod = next(o for o in _objects({}) if o["kind"] == "Deployment")
+    assert scraper["podSelector"]["matchLabels"].items() <= operator_pod["spec"]["template"]["metadata"]["labels"].items()
+    assert scraper["namespaceSelector"]["matchLabels"] == {"kubernetes.io/metadata.name": operator_pod["metadata"]["namespace"]}
+    assert operator["ports"] == [{"port": "http", "protocol": "TCP"}]
 
 
 @needs_helm

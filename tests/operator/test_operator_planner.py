@@ -180,15 +180,18 @@ def test_scraped_metrics_scrapes_each_ready_pod_and_keeps_the_last_sample():
     }
     assert slice_targets({"endpoints": [{"addresses": ["fd00::1"]}]}) == ["[fd00::1]:8000"]
     scrapes = {"n": 0}
-    times = iter([0.0, 5.0])
+    times = iter([0.0, 5.0, 10.0])
 
     def fetch(url, timeout):
         scrapes["n"] += 1
-        k = scrapes["n"] > 4  # second round of four scrapes
+        round_ = (scrapes["n"] - 1) // 4  # rounds of four scrapes: baseline, one pod down, all back
+        k = round_ > 0
         if "10.0.0.1" in url:
             return ROUTER_TEXT.format(a=20 if k else 0, b=0)
         if "10.0.2.2" in url:
-            raise OSError("connection refused")  # an unreachable pod is skipped, not fatal
+            if round_ == 1:
+                raise OSError("connection refused")
+            return WORKER_TEXT.format(pool="decode", prompt=0, computed=0, generated=0, waiting=0)
         if "10.0.1.1" in url:
             return WORKER_TEXT.format(pool="prefill", prompt=0, computed=8000 if k else 0, generated=0, waiting=0)
         return WORKER_TEXT.format(pool="decode", prompt=4000 if k else 0, computed=0, generated=2000 if k else 0,
@@ -198,10 +201,13 @@ def test_scraped_metrics_scrapes_each_ready_pod_and_keeps_the_last_sample():
     body = {"metadata": {"name": "smollm2", "namespace": "ns1", "uid": "u1"}, "spec": _spec(**_planner(
         prefill={"tokensPerSecond": 1000}, decode={"tokensPerSecond": 100}))}
     assert source(body) is None  # one sample is no window
-    window = source(body)
-    assert scrapes["n"] == 8
-    assert (window.arrival_rps, window.mean_input_tokens, window.mean_output_tokens) == (4.0, 200.0, 100.0)
-    # No work waits anywhere: the stated capacities hold (the measured 1600 and 400 tok/s are only the load).
+    # A pod that cannot be read would count no load: no window, so the planner holds its sizes (it sized the
+    # pools for no load when a NetworkPolicy kept the operator from every pod).
+    assert source(body) is None
+    window = source(body)  # all back: the window runs from the last complete sample
+    assert scrapes["n"] == 12
+    assert (window.arrival_rps, window.mean_input_tokens, window.mean_output_tokens) == (2.0, 200.0, 100.0)
+    # No work waits anywhere: the stated capacities hold (the measured throughput is only the load).
     assert (window.prefill_tok_s_per_replica, window.decode_tok_s_per_replica) == (1000.0, 100.0)
 
 
