@@ -44,10 +44,9 @@ def _apply(kube: Kube, keeper: StatusKeeper, body: Mapping[str, Any],
            force: bool = False) -> list[tuple[Outcome, dict]]:
     meta = body["metadata"]
     try:
-        if ((body.get("spec") or {}).get("scaling") or {}).get("mode") != "planner":
-            return reconcile(kube, body, force=force)
-        # Planner mode: status.planner holds the pool sizes, and the event that brought `body` may predate
-        # the planner's latest decision; read it fresh, under the lock the planner decides under.
+        # The event that brought `body` may predate a newer spec (a resync timer fires with what it read), or
+        # the planner's latest decision (status.planner holds its sizes): applying it would put the older one
+        # back. So every reconcile reads the resource fresh, under the lock the planner decides under.
         with keeper.lock(meta["namespace"], meta["name"]):
             current = kube.get(names.API_VERSION, names.KIND, meta["namespace"], meta["name"]) or body
             return reconcile(kube, current, force=force)

@@ -95,29 +95,30 @@ class Planner:
         return True
 
     def tick(self, namespace: str, name: str) -> Decision | None:
-        """Decide once for one LLMDeployment; None when it is gone, invalid or not in planner mode."""
+        """Decide once for one LLMDeployment; None when it is gone, invalid, not in planner mode, or its spec
+        changed while its metrics were read (its own reconcile applies that; the next tick plans for it)."""
+        scraped = self._plannable(namespace, name)
+        if scraped is None:
+            return None
+        # Read the metrics outside the lock: scraping every pod takes a while, and spec changes and status
+        # refreshes of this resource must not wait for it.
+        try:
+            window = self.source(scraped)
+        except Exception as exc:  # noqa: BLE001 (the source is pluggable; its failure is reported, not fatal)
+            log.warning("planner metrics for %s/%s: %s", namespace, name, exc)
+            window, reason = None, f"holding: no metrics ({exc})"
+        else:
+            reason = "holding: waiting for a second metrics sample"
         with self.keeper.lock(namespace, name):
-            body = self.kube.get(names.API_VERSION, names.KIND, namespace, name)
-            if body is None or body["metadata"].get("deletionTimestamp"):
-                return None
-            try:
-                spec, spec_sizes = validate_spec(body.get("spec"), name)
-            except SpecError:
-                return None  # the status already says why; nothing to plan for
-            if not planner_mode(spec):
-                return None
+            body = self._plannable(namespace, name)
+            if body is None or body["metadata"].get("generation") != scraped["metadata"].get("generation"):
+                return None  # switched to manual, edited or deleted meanwhile: this window's decision is stale
+            spec, spec_sizes = validate_spec(body.get("spec"), name)
             status = body.get("status") or {}
             previous = status.get("planner") or {}
             current = planned_sizes(spec, spec_sizes, status)
             fleet = FleetState(current.prefill, current.decode, parse_timestamp(previous.get("lastChange")))
             now = self.clock()
-            try:
-                window = self.source(body)
-            except Exception as exc:  # noqa: BLE001 (the source is pluggable; its failure is reported, not fatal)
-                log.warning("planner metrics for %s/%s: %s", namespace, name, exc)
-                window, reason = None, f"holding: no metrics ({exc})"
-            else:
-                reason = "holding: waiting for a second metrics sample"
             if window is not None:
                 # The cooldown is measured on the clock lastChange is written with, whatever the source used.
                 rec = recommend(dataclasses.replace(window, end_s=now), fleet, planner_limits(spec))
@@ -134,3 +135,14 @@ class Planner:
             # sizes, exactly as a spec change would rebuild them (under the lock every reconcile takes).
             outcomes = reconcile(self.kube, body) if after != before or not previous else []
         return Decision(before, after, reason, outcomes)
+
+    def _plannable(self, namespace: str, name: str) -> Mapping[str, Any] | None:
+        """The resource as it is now, if it exists, is valid and is in planner mode."""
+        body = self.kube.get(names.API_VERSION, names.KIND, namespace, name)
+        if body is None or body["metadata"].get("deletionTimestamp"):
+            return None
+        try:
+            spec, _ = validate_spec(body.get("spec"), name)
+        except SpecError:
+            return None  # the status already says why; nothing to plan for
+        return body if planner_mode(spec) else None

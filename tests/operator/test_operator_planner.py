@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import threading
 
 import cel
 import pytest
@@ -354,3 +355,38 @@ async def test_manual_mode_ignores_metrics(planned, load):
     await cluster.patch(CR, "smollm2", {"spec": {"scaling": {"mode": "planner"}}})
     await cluster.wait_for("the planner scaling up", lambda: _replicas(cluster) != (1, 3))
     assert load.calls > 0
+
+
+class SlowLoad(FakeLoad):
+    """A metrics source with no window at first (one sample), then a read that blocks until released (a slow
+    scrape in flight), then the load set."""
+
+    def __init__(self):
+        super().__init__()
+        self.reading, self.release = threading.Event(), threading.Event()
+
+    def __call__(self, body) -> MetricsWindow | None:
+        if self.calls == 0:
+            self.calls += 1
+            return None
+        if self.calls == 1:
+            self.reading.set()
+            self.release.wait(10)
+        return super().__call__(body)
+
+
+async def test_a_switch_to_manual_during_a_planner_read_is_not_undone(emulator):
+    """The planner reads metrics for a resource in planner mode; meanwhile the user switches it to manual and
+    its reconcile applies the spec's sizes. The decision from that read is stale and must not be applied."""
+    logging.getLogger("kopf").setLevel(logging.WARNING)
+    load = SlowLoad()
+    load.set(rps=10.0, mean_in=800, mean_out=400)  # a load that would scale the pools up
+    async with running_operator(emulator, metrics_source=load, planner_tick_seconds=TICK_S) as cluster:
+        await _apply(cluster, {"mode": "planner", "intervalSeconds": 0.05, "cooldownSeconds": 0,
+                               "prefill": {"min": 1, "max": 4}, "decode": {"min": 1, "max": 8}})
+        assert await asyncio.to_thread(load.reading.wait, 10)
+        await cluster.patch(CR, "smollm2", {"spec": {"scaling": {"mode": "manual"}}})
+        await cluster.wait_for("the spec's sizes", lambda: _replicas(cluster) == (1, 3))
+        load.release.set()
+        await asyncio.sleep(1.0)  # the read returns; its decision comes too late
+        assert _replicas(cluster) == (1, 3)
