@@ -12,7 +12,7 @@ import yaml
 from kube_emulator import CR, EXAMPLE, Cluster
 
 from tandem.operator.builders import Owner, build_objects
-from tandem.operator.kube import with_desired_hash
+from tandem.operator.kube import Kube, KubeError, with_desired_hash
 from tandem.operator.main import peering_priority
 from tandem.operator.validation import validate_spec
 
@@ -260,3 +260,23 @@ def test_replicas_started_alike_get_their_own_peering_priorities():
     drawn = {peering_priority(None) for _ in range(50)}
     assert len(drawn) == 50 and min(drawn) >= 1
     assert peering_priority(7) == 7
+
+
+def test_objects_are_created_by_server_side_apply():
+    """Fields set by a create (an Update) belong to another owner entry than an Apply's, and a later apply
+    removes only its own: created by POST, a field dropped from the spec would stay on the object for good."""
+    calls = []
+
+    class Recorder(Kube):
+        def __init__(self):
+            pass
+
+        def request(self, method, path, body=None, query=None, content_type="application/json"):
+            calls.append((method, content_type))
+            if method == "GET":
+                raise KubeError(404, method, path, "not found")
+            return {"metadata": {"resourceVersion": "1"}}
+
+    obj = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "x", "namespace": "ns1"}, "data": {}}
+    assert Recorder().ensure(obj) == "created"
+    assert calls == [("GET", "application/json"), ("PATCH", "application/apply-patch+yaml")]
