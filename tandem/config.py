@@ -201,7 +201,7 @@ class ModelSpec(_CamelModel):
     @model_validator(mode="after")
     def _format_matches_file(self):
         path = self.path_in_source()
-        if path is not None and (self.format == "gguf") != path.rstrip("/").endswith(".gguf"):
+        if path is not None and (self.format == "gguf") != path.endswith(".gguf"):  # exactly as the CEL rule
             raise ValueError(_GGUF_SUFFIX_RULE["message"])
         return self
 

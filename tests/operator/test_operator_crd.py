@@ -124,6 +124,12 @@ CASES = {
     "hf format on a gguf file": (_example(model={"name": "m", "format": "hf",
                                                  "source": {"hostPath": {"path": "/x/m.gguf"}}}),
                                  "model.format must match the file"),
+    "gguf format on a path ending in a slash": (_example(model={"name": "m", "format": "gguf",
+                                                                "source": {"pvc": {"claimName": "c",
+                                                                                   "path": "m.gguf/"}}}),
+                                                "model.format must match the file"),
+    "hf format on a folder named .gguf/": (_example(model={"name": "m", "format": "hf",
+                                                           "source": {"hostPath": {"path": "/w.gguf/"}}}), None),
 }
 
 
