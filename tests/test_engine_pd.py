@@ -102,9 +102,9 @@ def test_decode_reuses_its_own_prefix_cache(pd_pair, colocated):
     assert tokens == run(colocated, "reuse-ref", prompt)[0]
 
 
-@pytest.mark.parametrize("left_s", [None, 5.0])
+@pytest.mark.parametrize("left_s", [None, 0.1])
 def test_expired_lease_falls_back_to_recompute(pd_pair, colocated, left_s):
-    """Expired, or running out within the pull timeout (10 s): the blocks could be reused under the read."""
+    """Expired, or within the clock margin of its expiry: the prefill worker may reuse the blocks any moment."""
     prefill, decode = pd_pair
     prompt = prompt_of(50, seed=11)
     expires_at = 0.0 if left_s is None else time.time() + left_s
@@ -258,3 +258,34 @@ def test_cached_tokens_never_exceed_the_prompt_after_a_preemption(tiny):
             break
     assert eng.num_preemptions > 0
     assert worst <= 0
+
+
+class SlowReads:
+    """A KV transfer whose reads take `seconds` longer: a slow network."""
+
+    def __init__(self, transfer, seconds: float):
+        self.transfer, self.seconds = transfer, seconds
+
+    def read_blocks(self, *args, **kwargs):
+        moved = self.transfer.read_blocks(*args, **kwargs)
+        time.sleep(self.seconds)
+        return moved
+
+    def __getattr__(self, name):
+        return getattr(self.transfer, name)
+
+
+def test_a_lease_that_runs_out_during_the_pull_is_not_trusted(pd_pair, colocated):
+    """The read began with the lease alive but ended after it: the prefill worker may have reused the blocks
+    under it. The pulled KV is dropped and the prompt computed, so the tokens are still colocated's."""
+    prefill, decode = pd_pair
+    prompt = prompt_of(60, seed=41)
+    fast = decode.kv_transfer
+    decode.kv_transfer = SlowReads(fast, seconds=0.6)
+    try:
+        tokens, status = disaggregated(prefill, decode, "slow-pull", prompt, expires_at=time.time() + 0.7)
+    finally:
+        decode.kv_transfer = fast
+    assert status == "lease_expired"
+    assert tokens == run(colocated, "slow-pull-ref", prompt)[0]
+    assert decode.num_kv_blocks_used == 0

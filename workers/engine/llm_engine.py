@@ -332,9 +332,7 @@ class LLMEngine:
         """'pulled', a fallback reason (the prompt is then computed here), or None to retry later."""
         if self.kv_transfer is None:
             return "no_transfer_backend"
-        # A lease that could run out during the read (up to kv_pull_timeout_s) is as good as gone: the prefill
-        # worker would reuse the blocks under the read, and the tokens would be silently wrong.
-        if source.expires_at - time.time() <= self.config.kv_pull_timeout_s:
+        if not _lease_holds(source):
             return "lease_expired"
         bm, num_prompt = self.block_manager, seq.num_prompt_tokens
         # Blocks already in our own prefix cache are not pulled again.
@@ -348,6 +346,10 @@ class LLMEngine:
             moved = self.kv_transfer.read_blocks(source.agent_info, remote, local, self.config.kv_pull_timeout_s)
         except KVTransferError:
             return "transfer_failed"  # the blocks stay allocated; the scheduler computes the prompt into them
+        if not _lease_holds(source):
+            # The lease ran out during the read: the prefill worker may have reused the blocks under it, and
+            # what arrived may be another request's KV. Computed here instead, into the same blocks.
+            return "lease_expired"
         seq.num_computed_tokens = num_prompt
         bm.cache_computed_blocks(seq)
         if self.metrics is not None:
@@ -468,3 +470,14 @@ def _replay_output(detokenizer: IncrementalDetokenizer, output_token_ids: list[i
     client, and a stop string that the next tokens complete is still found."""
     for token_id in output_token_ids:
         detokenizer.add_token(token_id)
+
+
+# How long before its expiry a lease no longer counts: the prefill worker frees the blocks at expires_at on its
+# own clock, and the two workers' clocks differ by a little (NTP keeps nodes within milliseconds).
+LEASE_MARGIN_S = 0.25
+
+
+def _lease_holds(source: RemoteKV) -> bool:
+    """True while the prefill worker still keeps the blocks: checked before a pull and again after it, since a
+    lease that ran out during the read means the blocks may have been reused under it."""
+    return source.expires_at - time.time() > LEASE_MARGIN_S
