@@ -16,11 +16,12 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from tandem.config import ScalingSpec
+from tandem.config import LLMDeploymentSpec, ScalingSpec
 from tandem.operator import names
 from tandem.operator.kube import Kube, Outcome
 from tandem.operator.reconcile import StatusKeeper, reconcile
 from tandem.operator.scaling import planned_sizes, planner_limits, planner_mode
+from tandem.operator.sizing import PoolSizes
 from tandem.operator.validation import SpecError, validate_spec
 from tandem.planning.policy import FleetState, MetricsWindow, recommend
 
@@ -97,9 +98,10 @@ class Planner:
     def tick(self, namespace: str, name: str) -> Decision | None:
         """Decide once for one LLMDeployment; None when it is gone, invalid, not in planner mode, or its spec
         changed while its metrics were read (its own reconcile applies that; the next tick plans for it)."""
-        scraped = self._plannable(namespace, name)
-        if scraped is None:
+        plannable = self._plannable(namespace, name)
+        if plannable is None:
             return None
+        scraped = plannable[0]
         # Read the metrics outside the lock: scraping every pod takes a while, and spec changes and status
         # refreshes of this resource must not wait for it.
         try:
@@ -110,10 +112,11 @@ class Planner:
         else:
             reason = "holding: waiting for a second metrics sample"
         with self.keeper.lock(namespace, name):
-            body = self._plannable(namespace, name)
-            if body is None or body["metadata"].get("generation") != scraped["metadata"].get("generation"):
+            plannable = self._plannable(namespace, name)
+            generation = scraped["metadata"].get("generation")
+            if plannable is None or plannable[0]["metadata"].get("generation") != generation:
                 return None  # switched to manual, edited or deleted meanwhile: this window's decision is stale
-            spec, spec_sizes = validate_spec(body.get("spec"), name)
+            body, spec, spec_sizes = plannable
             status = body.get("status") or {}
             previous = status.get("planner") or {}
             current = planned_sizes(spec, spec_sizes, status)
@@ -136,13 +139,15 @@ class Planner:
             outcomes = reconcile(self.kube, body) if after != before or not previous else []
         return Decision(before, after, reason, outcomes)
 
-    def _plannable(self, namespace: str, name: str) -> Mapping[str, Any] | None:
-        """The resource as it is now, if it exists, is valid and is in planner mode."""
+    def _plannable(self, namespace: str, name: str
+                   ) -> tuple[Mapping[str, Any], LLMDeploymentSpec, PoolSizes] | None:
+        """(the resource as it is now, its spec, the spec's pool sizes) if it exists, is valid and is in planner
+        mode."""
         body = self.kube.get(names.API_VERSION, names.KIND, namespace, name)
         if body is None or body["metadata"].get("deletionTimestamp"):
             return None
         try:
-            spec, _ = validate_spec(body.get("spec"), name)
+            spec, sizes = validate_spec(body.get("spec"), name)
         except SpecError:
             return None  # the status already says why; nothing to plan for
-        return body if planner_mode(spec) else None
+        return (body, spec, sizes) if planner_mode(spec) else None

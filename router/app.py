@@ -16,18 +16,17 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tandem.background import spawn
 from tandem.body_limit import BodySizeLimit
-from tandem.errors import APIError, error_body
+from tandem.errors import APIError, add_openai_error_handlers, error_body
 from tandem.json_response import FastJSONResponse
 from tandem.openai_format import ChatFormatter, CompletionFormatter, Formatter
 from tandem.openai_protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, new_id, now
 from tandem.protocol import SamplingParams
 from tandem.router.admission import AdmissionRequest, Reject, RejectReason
 from tandem.router.api_keys import ApiKeyGate, bearer_token
-from tandem.router.fast_lane import FastLane, api_error_response, validation_error_response
+from tandem.router.fast_lane import FastLane, validation_error_response
 from tandem.router.orchestrator import Trace
 from tandem.sse import CancelOnDisconnect, ClientDisconnected, EventStreamResponse, openai_stream
 
@@ -42,15 +41,7 @@ def build_app(router) -> FastLane | ApiKeyGate:
                   description="OpenAI-compatible front door of a Tandem prefill/decode deployment")
     app.add_middleware(BodySizeLimit, max_bytes=router.config.max_body_bytes)
 
-    @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError):
-        return api_error_response(exc)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_: Request, exc: StarletteHTTPException):
-        # FastAPI's own refusals (a body it cannot parse, an unknown path, a wrong method) in the OpenAI shape too.
-        return JSONResponse(error_body(exc.status_code, str(exc.detail)), status_code=exc.status_code,
-                            headers=exc.headers)
+    add_openai_error_handlers(app)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError):
@@ -144,10 +135,6 @@ def check_ids(router, ids: list[int]) -> list[int]:
     return ids
 
 
-def api_key(request: Request) -> str | None:
-    return bearer_token(request.scope["headers"])
-
-
 async def serve(router, request: Request, fmt: Formatter, ids: list[int], params: SamplingParams, stream: bool,
                 usage: bool):
     if len(ids) + params.max_tokens > router.max_model_len:
@@ -155,7 +142,7 @@ async def serve(router, request: Request, fmt: Formatter, ids: list[int], params
                             f"requested {len(ids) + params.max_tokens} tokens ({len(ids)} in the prompt, "
                             f"{params.max_tokens} in the completion).", param="max_tokens",
                        code="context_length_exceeded")
-    key = api_key(request)
+    key = bearer_token(request.scope["headers"])
     slo_name = request.headers.get(SLO_HEADER) or router.slo_for_key.get(key or "", "interactive")
     if slo_name not in router.admission.slo_classes:
         raise APIError(400, f"unknown SLO class {slo_name!r}; known: {sorted(router.admission.slo_classes)}",

@@ -17,7 +17,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from tandem.body_limit import declared_length_error, too_large
-from tandem.errors import APIError, error_body
+from tandem.errors import APIError, api_error_response, error_body
 
 Handler = Callable[[BaseModel, Request], Awaitable[Response]]
 
@@ -33,10 +33,6 @@ def validation_error_response(errors: list[dict]) -> JSONResponse:
     elif param is None and first.get("type") in ("model_type", "model_attributes_type", "dict_type", "missing"):
         message = "request body must be a JSON object"
     return JSONResponse(error_body(400, f"{param}: {message}" if param else message, param), status_code=400)
-
-
-def api_error_response(exc: APIError) -> JSONResponse:
-    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
 
 class FastLane:

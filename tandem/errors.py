@@ -8,6 +8,9 @@ from __future__ import annotations
 
 from http import HTTPStatus
 
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import JSONResponse
+
 _TYPE_BY_STATUS = {
     400: "invalid_request_error",
     401: "authentication_error",
@@ -39,3 +42,22 @@ def error_body(status: int, message: str, param: str | None = None, code: str | 
     err_type = _TYPE_BY_STATUS.get(status, "server_error" if status >= 500 else "invalid_request_error")
     return {"error": {"message": message, "type": err_type, "param": param,
                       "code": code or HTTPStatus(status).phrase.lower().replace(" ", "_")}}
+
+
+def api_error_response(exc: APIError) -> JSONResponse:
+    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+
+def add_openai_error_handlers(app) -> None:
+    """A server's refusals in the OpenAI shape: an APIError, and the framework's own (an unknown path, a wrong
+    method, a body it cannot parse). The router and the workers both install these."""
+
+    async def api_error(_, exc: APIError) -> JSONResponse:
+        return api_error_response(exc)
+
+    async def http_error(_, exc: StarletteHTTPException) -> JSONResponse:
+        return JSONResponse(error_body(exc.status_code, str(exc.detail)), status_code=exc.status_code,
+                            headers=exc.headers)
+
+    app.add_exception_handler(APIError, api_error)
+    app.add_exception_handler(StarletteHTTPException, http_error)

@@ -86,9 +86,6 @@ class Formatter:
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.token_to_str(token_id)
 
-    def _has_logprobs(self, out: RequestOutput) -> bool:
-        return self.wants_logprobs and bool(out.new_logprobs)
-
 
 class CompletionFormatter(Formatter):
     object_name = chunk_object_name = "text_completion"
@@ -106,7 +103,7 @@ class CompletionFormatter(Formatter):
     def chunks(self, out: RequestOutput) -> list[dict]:
         self.add(out)
         # Tokens with no text yet (part of a UTF-8 character) still have logprobs to send.
-        if not out.new_text and not out.finished and not self._has_logprobs(out):
+        if not out.new_text and not out.finished and not out.new_logprobs:
             return []
         choice = {"index": 0, "text": out.new_text, "logprobs": self._logprobs_block(out.new_logprobs or []),
                   "finish_reason": out.finish_reason if out.finished else None}
@@ -141,7 +138,7 @@ class ChatFormatter(Formatter):
     def chunks(self, out: RequestOutput) -> list[dict]:
         self.add(out)
         chunks = []
-        if out.new_text or self._has_logprobs(out):  # tokens with no text yet still have logprobs to send
+        if out.new_text or out.new_logprobs:  # tokens with no text yet still have logprobs to send
             chunks.append(self.envelope(self.chunk_object_name, [
                 {"index": 0, "delta": {"content": out.new_text},
                  "logprobs": self._logprobs_block(out.new_logprobs or []), "finish_reason": None}]))

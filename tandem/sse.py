@@ -121,9 +121,9 @@ class CancelOnDisconnect:
     nothing else reads `receive` until then, so nothing else would notice the client leave, and the work
     would go on to the end for nobody. A streamed answer has EventStreamResponse's listener.
 
-    The listener starts only once the block has run `listen_after_s`: most answers are done by then, and
-    they skip the task it costs (benchmarks/router.py prints the router's CPU per request). A client that
-    leaves sooner has its work stopped when the listener starts, at once, since the disconnect is known."""
+    The listener starts only once the block has run `listen_after_s`: an answer done by then (a short one)
+    skips the task it costs (benchmarks/router.py prints the router's CPU per request). A client that leaves
+    sooner has its work stopped when the listener starts, at once, since the disconnect is known."""
 
     def __init__(self, receive, listen_after_s: float = 0.2):
         self.receive = receive

@@ -167,9 +167,10 @@ class AsyncEngine:
             self.error = exc
             with self._streams_lock:
                 ids = list(self._streams)
+            dead = EngineDeadError(f"engine failed: {exc!r}")
             for rid in ids:
-                self._deliver(rid, EngineDeadError(f"engine failed: {exc!r}"), final=True)
-            self._fail_pending_calls(EngineDeadError(f"engine failed: {exc!r}"))
+                self._deliver(rid, dead, final=True)
+            self._fail_pending_calls(dead)
 
     def _fail_pending_calls(self, error: EngineDeadError) -> None:
         """Calls still in the inbox would wait for a thread that is gone."""

@@ -12,11 +12,10 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tandem.body_limit import BodySizeLimit
 from tandem.config import WorkerConfig
-from tandem.errors import APIError, error_body
+from tandem.errors import APIError, add_openai_error_handlers, error_body
 from tandem.json_response import FastJSONResponse
 from tandem.metrics import EngineMetrics
 from tandem.openai_format import ChatFormatter, CompletionFormatter, Formatter
@@ -58,15 +57,7 @@ def build_app(ctx: ServingContext) -> FastAPI:
     app = FastAPI(title="Tandem worker", version="0.1.0")
     app.add_middleware(BodySizeLimit, max_bytes=ctx.config.max_body_bytes)
 
-    @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError):
-        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_: Request, exc: StarletteHTTPException):
-        # The framework's own refusals (an unknown path, a wrong method) in the OpenAI shape too.
-        return JSONResponse(error_body(exc.status_code, str(exc.detail)), status_code=exc.status_code,
-                            headers=exc.headers)
+    add_openai_error_handlers(app)
 
     @app.exception_handler(EngineDeadError)
     async def _engine_dead(_: Request, exc: EngineDeadError):

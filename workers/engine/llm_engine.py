@@ -473,7 +473,8 @@ def _replay_output(detokenizer: IncrementalDetokenizer, output_token_ids: list[i
 
 
 # How long before its expiry a lease no longer counts: the prefill worker frees the blocks at expires_at on its
-# own clock, and the two workers' clocks differ by a little (NTP keeps nodes within milliseconds).
+# own clock, and the two workers' clocks may differ a little (an allowance for synchronized clocks, not a
+# measured skew).
 LEASE_MARGIN_S = 0.25
 
 
