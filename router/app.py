@@ -21,7 +21,8 @@ from tandem.background import spawn
 from tandem.body_limit import BodySizeLimit
 from tandem.errors import APIError, add_openai_error_handlers, error_body
 from tandem.json_response import FastJSONResponse
-from tandem.openai_format import ChatFormatter, CompletionFormatter, Formatter
+from tandem.openai_choices import Choice, combined, expand
+from tandem.openai_format import ChatFormatter, CompletionFormatter
 from tandem.openai_protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, new_id, now
 from tandem.protocol import SamplingParams
 from tandem.router.admission import AdmissionRequest, Reject, RejectReason
@@ -67,21 +68,24 @@ def build_app(router) -> FastLane | ApiKeyGate:
 
     async def completions_handler(body: CompletionRequest, request: Request) -> Response:
         check_model(router, body.model)
-        prompt = body.single_prompt()
-        ids = await tokenize(router, prompt) if isinstance(prompt, str) else check_ids(router, prompt)
+        prompts = [await tokenize(router, p) if isinstance(p, str) else check_ids(router, p) for p in body.prompts()]
         if "max_tokens" not in body.model_fields_set:  # the schema's 16 is a default, not the client's request
             body.max_tokens = None
         params = body.sampling_params(default_max_tokens=default_max_tokens(router, 16))
-        fmt = CompletionFormatter(new_id("cmpl"), router.served_name, now(), router.tokenizer, len(ids))
-        return await serve(router, request, fmt, ids, params, body.stream, include_usage(body))
+        rid, created = new_id("cmpl"), now()
+        choices = expand(rid, prompts, params, body.n, lambda tokens, index: CompletionFormatter(
+            rid, router.served_name, created, router.tokenizer, tokens, index))
+        return await serve(router, request, choices, body.n, body.stream, include_usage(body))
 
     async def chat_handler(body: ChatCompletionRequest, request: Request) -> Response:
         check_model(router, body.model)
         ids = await tokenize(router, body.prompt_text(router.tokenizer), add_special_tokens=False)
         room = max(1, router.max_model_len - len(ids))
         params = body.sampling_params(default_max_tokens=default_max_tokens(router, room))
-        fmt = ChatFormatter(new_id("chatcmpl"), router.served_name, now(), router.tokenizer, len(ids))
-        return await serve(router, request, fmt, ids, params, body.stream, include_usage(body))
+        rid, created = new_id("chatcmpl"), now()
+        choices = expand(rid, [ids], params, body.n, lambda tokens, index: ChatFormatter(
+            rid, router.served_name, created, router.tokenizer, tokens, index))
+        return await serve(router, request, choices, body.n, body.stream, include_usage(body))
 
     # Declared here for /openapi.json (and served by FastAPI only if the fast lane is bypassed).
     @app.post("/v1/completions")
@@ -135,42 +139,45 @@ def check_ids(router, ids: list[int]) -> list[int]:
     return ids
 
 
-async def serve(router, request: Request, fmt: Formatter, ids: list[int], params: SamplingParams, stream: bool,
-                usage: bool):
-    if len(ids) + params.max_tokens > router.max_model_len:
-        raise APIError(400, f"This model's maximum context length is {router.max_model_len} tokens. However, you "
-                            f"requested {len(ids) + params.max_tokens} tokens ({len(ids)} in the prompt, "
-                            f"{params.max_tokens} in the completion).", param="max_tokens",
-                       code="context_length_exceeded")
+async def serve(router, request: Request, choices: list[Choice], n: int, stream: bool, usage: bool):
+    """Admits every choice of the request (or none: a refused one releases the others), dispatches them and
+    answers with their merged stream or body (tandem.openai_choices; one choice, the usual case, is not merged)."""
+    for choice in choices:
+        check_context_length(router, len(choice.prompt_ids), choice.params.max_tokens)
     key = bearer_token(request.scope["headers"])
     slo_name = request.headers.get(SLO_HEADER) or router.slo_for_key.get(key or "", "interactive")
     if slo_name not in router.admission.slo_classes:
         raise APIError(400, f"unknown SLO class {slo_name!r}; known: {sorted(router.admission.slo_classes)}",
                        param=SLO_HEADER)
-    rid = fmt.request_id
-    plan = router.orchestrator.plan(ids)  # (block hashes, routing key), reused by the orchestrator
-    hashes = plan[0]
     healthy = router.decode.healthy()
     if not healthy:  # said now, with a status, rather than in an error event after a 200
         raise APIError(503, "no decode worker is available", code="no_workers")
-    predicted = max((router.orchestrator.predictor.predicted_hit_tokens(w.url, hashes, len(ids))
-                     for w in router.prefill.healthy() + healthy), default=0)
-    decision = router.admission.decide(AdmissionRequest(rid, len(ids), params.max_tokens, slo_name, key,
-                                                        uncached_prompt_tokens=len(ids) - predicted))
-    if isinstance(decision, Reject):
-        router.metrics.by_class(router.metrics.rejections, slo_name, reason=decision.reason.value).inc()
-        caps = (RejectReason.INPUT_TOO_LONG, RejectReason.MAX_TOKENS_TOO_LARGE)
-        headers = {}
-        if decision.retry_after_s is not None:
-            headers["Retry-After"] = str(max(1, math.ceil(decision.retry_after_s)))
-        raise APIError(400 if decision.reason in caps else 429, decision.message, code=decision.reason.value,
-                       headers=headers)
-    deltas = dispatch(router, rid, ids, params, decision, slo_name, plan, coalesce=not stream)
-    # The request is admitted (queued) from here on. `deltas` gives it back when it runs and ends, but a response
-    # whose client leaves before its body begins never runs it: abandon() forgets it then, or nobody would.
+    workers = router.prefill.healthy() + healthy
+    streams, plans = [], {}  # plans: per prompt, which a request's n samples share
+    try:
+        for choice in choices:
+            ids = choice.prompt_ids
+            plan = plans.get(id(ids))
+            if plan is None:
+                plan = plans[id(ids)] = router.orchestrator.plan(ids)  # (block hashes, routing key)
+            decision = admit(router, choice, plan[0], workers, slo_name, key)
+            streams.append(dispatch(router, choice.request_id, ids, choice.params, decision, slo_name, plan,
+                                    coalesce=not stream))
+    except APIError:
+        for choice in choices[:len(streams)]:
+            router.dispatcher.abandon(choice.request_id)
+        raise
+    fmt, deltas = combined(choices, n, streams)
+
+    def forget() -> None:
+        # The choices are admitted (queued) from here on. `deltas` gives them back when they run and end, but a
+        # response whose client leaves before its body begins never runs them: forgotten here then, or never.
+        for choice in choices:
+            router.dispatcher.abandon(choice.request_id)
+
     if stream:
         return EventStreamResponse(openai_stream(fmt, deltas, usage, stream_error_body), headers=SSE_HEADERS,
-                                   on_close=lambda: router.dispatcher.abandon(rid))
+                                   on_close=forget)
     try:
         async with CancelOnDisconnect(request.receive):
             async for delta in deltas:
@@ -179,9 +186,35 @@ async def serve(router, request: Request, fmt: Formatter, ids: list[int], params
         return Response(status_code=CLIENT_CLOSED_REQUEST)  # nobody reads it: uvicorn drops it
     finally:
         await deltas.aclose()
-        router.dispatcher.abandon(rid)
+        forget()
     # Already plain JSON types: a response object skips FastAPI's recursive jsonable_encoder pass.
     return FastJSONResponse(fmt.final())
+
+
+def check_context_length(router, prompt_tokens: int, max_tokens: int) -> None:
+    if prompt_tokens + max_tokens > router.max_model_len:
+        raise APIError(400, f"This model's maximum context length is {router.max_model_len} tokens. However, you "
+                            f"requested {prompt_tokens + max_tokens} tokens ({prompt_tokens} in the prompt, "
+                            f"{max_tokens} in the completion).", param="max_tokens",
+                       code="context_length_exceeded")
+
+
+def admit(router, choice: Choice, hashes: list[int], workers: list, slo_name: str, key: str | None):
+    """The admission ticket of one choice, or the 429 (or 400 past a cap) that refuses it."""
+    ids = choice.prompt_ids
+    predicted = max((router.orchestrator.predictor.predicted_hit_tokens(w.url, hashes, len(ids)) for w in workers),
+                    default=0)
+    decision = router.admission.decide(AdmissionRequest(choice.request_id, len(ids), choice.params.max_tokens,
+                                                        slo_name, key, uncached_prompt_tokens=len(ids) - predicted))
+    if isinstance(decision, Reject):
+        router.metrics.by_class(router.metrics.rejections, slo_name, reason=decision.reason.value).inc()
+        caps = (RejectReason.INPUT_TOO_LONG, RejectReason.MAX_TOKENS_TOO_LARGE)
+        headers = {}
+        if decision.retry_after_s is not None:
+            headers["Retry-After"] = str(max(1, math.ceil(decision.retry_after_s)))
+        raise APIError(400 if decision.reason in caps else 429, decision.message, code=decision.reason.value,
+                       headers=headers)
+    return decision
 
 
 async def dispatch(router, rid: str, ids: list[int], params: SamplingParams, ticket, slo_name: str, plan=None,

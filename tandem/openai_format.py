@@ -31,8 +31,10 @@ class Formatter:
     object_name = ""
     chunk_object_name = ""
 
-    def __init__(self, request_id: str, model: str, created: int, tokenizer: Tokenizer, num_prompt_tokens: int):
+    def __init__(self, request_id: str, model: str, created: int, tokenizer: Tokenizer, num_prompt_tokens: int,
+                 index: int = 0):
         self.request_id = request_id
+        self.index = index  # the choice this formatter writes (tandem.openai_choices runs several side by side)
         self.model = model
         self.created = created
         self.tokenizer = tokenizer
@@ -105,12 +107,12 @@ class CompletionFormatter(Formatter):
         # Tokens with no text yet (part of a UTF-8 character) still have logprobs to send.
         if not out.new_text and not out.finished and not out.new_logprobs:
             return []
-        choice = {"index": 0, "text": out.new_text, "logprobs": self._logprobs_block(out.new_logprobs or []),
+        choice = {"index": self.index, "text": out.new_text, "logprobs": self._logprobs_block(out.new_logprobs or []),
                   "finish_reason": out.finish_reason if out.finished else None}
         return [self.envelope(self.chunk_object_name, [choice])]
 
     def final(self) -> dict:
-        choice = {"index": 0, "text": self.text, "logprobs": self._logprobs_block(self.logprobs),
+        choice = {"index": self.index, "text": self.text, "logprobs": self._logprobs_block(self.logprobs),
                   "finish_reason": self.finish_reason}
         return self.envelope(self.object_name, [choice], self.usage())
 
@@ -132,7 +134,7 @@ class ChatFormatter(Formatter):
 
     def first_chunk(self) -> dict:
         return self.envelope(self.chunk_object_name,
-                             [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                             [{"index": self.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                "finish_reason": None}])
 
     def chunks(self, out: RequestOutput) -> list[dict]:
@@ -140,14 +142,14 @@ class ChatFormatter(Formatter):
         chunks = []
         if out.new_text or out.new_logprobs:  # tokens with no text yet still have logprobs to send
             chunks.append(self.envelope(self.chunk_object_name, [
-                {"index": 0, "delta": {"content": out.new_text},
+                {"index": self.index, "delta": {"content": out.new_text},
                  "logprobs": self._logprobs_block(out.new_logprobs or []), "finish_reason": None}]))
         if out.finished:
             chunks.append(self.envelope(self.chunk_object_name, [
-                {"index": 0, "delta": {}, "logprobs": None, "finish_reason": out.finish_reason}]))
+                {"index": self.index, "delta": {}, "logprobs": None, "finish_reason": out.finish_reason}]))
         return chunks
 
     def final(self) -> dict:
-        choice = {"index": 0, "message": {"role": "assistant", "content": self.text},
+        choice = {"index": self.index, "message": {"role": "assistant", "content": self.text},
                   "logprobs": self._logprobs_block(self.logprobs), "finish_reason": self.finish_reason}
         return self.envelope(self.object_name, [choice], self.usage())

@@ -14,6 +14,7 @@ import jinja2
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from tandem.errors import APIError
+from tandem.openai_choices import MAX_N
 from tandem.protocol import INT64_MAX, INT64_MIN, SamplingParams, TokenId
 
 
@@ -29,7 +30,7 @@ class _CommonParams(_Request):
     model: str
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    n: int = 1
+    n: int = Field(1, ge=1, le=MAX_N, description="completions to generate for each prompt")
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
@@ -57,8 +58,6 @@ class _CommonParams(_Request):
         return v
 
     def _check_supported(self) -> None:
-        if self.n != 1:
-            raise APIError(400, f"n={self.n} is not supported; only n=1 is", param="n")
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name) not in (None, 0.0):
                 raise APIError(400, f"{name} is not supported; leave it at 0", param=name)
@@ -96,17 +95,14 @@ class CompletionRequest(_CommonParams):
     best_of: int | None = None  # not implemented: refused unless 1
     suffix: str | None = None  # not implemented: refused unless empty
 
-    def single_prompt(self) -> str | list[int]:
-        """The one prompt this request carries (batched prompts are refused clearly)."""
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts this request carries: one, or a batch (a list of texts or of token id lists)."""
         p = self.prompt
-        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
-            if len(p) != 1:
-                raise APIError(400, "batched prompts are not supported; send one prompt per request",
-                               param="prompt")
-            p = p[0]
-        if len(p) == 0:
-            raise APIError(400, "prompt must not be empty", param="prompt")
-        return p
+        prompts = p if isinstance(p, list) and p and isinstance(p[0], (str, list)) else [p]
+        for one in prompts:
+            if len(one) == 0:
+                raise APIError(400, "prompt must not be empty", param="prompt")
+        return prompts
 
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
         if self.echo:

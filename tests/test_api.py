@@ -150,6 +150,46 @@ def test_seeded_sampling_and_top_k_one(client):
     assert top1 == greedy
 
 
+def check_several_completions(client, long_prompt: str = "Once upon a time") -> None:
+    """n > 1 and batched prompts (worker and router alike): choices numbered prompt-major, each the text it would
+    be alone; seeded samples that differ from each other and repeat; streamed choices that each reach their end."""
+    greedy = dict(model="smollm2", max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
+    prompts = ["The capital of France is", long_prompt]
+    alone = [client.completions.create(prompt=p, **greedy) for p in prompts]
+    batch = client.completions.create(prompt=prompts, n=2, **greedy)
+    assert [c.index for c in batch.choices] == [0, 1, 2, 3]
+    texts = [a.choices[0].text for a in alone]
+    assert [c.text for c in batch.choices] == [texts[0], texts[0], texts[1], texts[1]]
+    assert batch.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)  # each prompt counted once
+    assert batch.usage.completion_tokens == 4 * 8
+
+    sampled = dict(model="smollm2", prompt="My favourite animal is", max_tokens=12, temperature=1.0, seed=11,
+                   extra_body={"ignore_eos": True})
+    three = [c.text for c in sorted(client.completions.create(n=3, **sampled).choices, key=lambda c: c.index)]
+    assert three == [c.text for c in sorted(client.completions.create(n=3, **sampled).choices,
+                                            key=lambda c: c.index)]
+    assert three[0] == client.completions.create(**sampled).choices[0].text  # n=1 draws the first sample
+    assert len(set(three)) == 3
+
+    chat = dict(model="smollm2", messages=[{"role": "user", "content": "Tell me a joke."}], n=2, max_tokens=10,
+                temperature=1.0, seed=5, extra_body={"ignore_eos": True})
+    whole = client.chat.completions.create(**chat)
+    streamed, finished, usage = {0: "", 1: ""}, {}, None
+    for chunk in client.chat.completions.create(**chat, stream=True, stream_options={"include_usage": True}):
+        for c in chunk.choices:
+            streamed[c.index] += c.delta.content or ""
+            if c.finish_reason:
+                finished[c.index] = c.finish_reason
+        usage = chunk.usage or usage
+    assert streamed == {c.index: c.message.content for c in whole.choices}
+    assert finished == {0: "length", 1: "length"}
+    assert usage.completion_tokens == whole.usage.completion_tokens == 20
+
+
+def test_several_completions_in_one_request(client):
+    check_several_completions(client)
+
+
 def test_stop_string_cuts_exactly(client):
     kwargs = dict(model="smollm2", prompt="List the days of the week: Monday,", max_tokens=30, temperature=0)
     text = client.completions.create(**kwargs).choices[0].text
@@ -180,7 +220,12 @@ BAD_INPUTS = [
      "temperature"),
     ("top_p zero", "/v1/completions", {"model": "smollm2", "prompt": "x", "top_p": 0}, 400, "top_p"),
     ("top_p above one", "/v1/completions", {"model": "smollm2", "prompt": "x", "top_p": 1.5}, 400, "top_p"),
-    ("n unsupported", "/v1/completions", {"model": "smollm2", "prompt": "x", "n": 2}, 400, "n=2"),
+    ("n zero", "/v1/completions", {"model": "smollm2", "prompt": "x", "n": 0}, 400, "n:"),
+    ("n past OpenAI's bound", "/v1/chat/completions",
+     {"model": "smollm2", "messages": [{"role": "user", "content": "x"}], "n": 129}, 400, "n:"),
+    ("too many completions", "/v1/completions", {"model": "smollm2", "prompt": ["x"] * 3, "n": 100}, 400,
+     "at most 256"),
+    ("empty prompt in a batch", "/v1/completions", {"model": "smollm2", "prompt": ["x", ""]}, 400, "empty"),
     ("token id out of vocab", "/v1/completions", {"model": "smollm2", "prompt": [1, 99999999]}, 400, "vocabulary"),
     ("body too large", "/v1/completions", {"model": "smollm2", "prompt": "x" * (MAX_BODY + 10)}, 413, "limit"),
     # Integers past 64 bits would not even serialize on the way from a router to its workers.

@@ -29,13 +29,13 @@ def test_content_parts_are_joined():
 @pytest.mark.parametrize("field,value", [("max_tokens", "3"), ("temperature", "hot"), ("temperature", -1),
                                          ("top_p", 0), ("top_p", 1.01), ("stream", "yes"), ("stop", [""]),
                                          # wider than int64 overflows torch's generator inside the engine
-                                         ("seed", 2**64), ("seed", -(2**63) - 1)])
+                                         ("seed", 2**64), ("seed", -(2**63) - 1), ("n", 0), ("n", 129)])
 def test_strict_validation(field, value):
     with pytest.raises(ValidationError):
         CompletionRequest(**{"model": "m", "prompt": "x", field: value})
 
 
-@pytest.mark.parametrize("kwargs,param", [({"n": 3}, "n"), ({"max_tokens": 0}, "max_tokens"),
+@pytest.mark.parametrize("kwargs,param", [({"max_tokens": 0}, "max_tokens"),
                                           ({"presence_penalty": 0.5}, "presence_penalty"), ({"echo": True}, "echo")])
 def test_unsupported_or_invalid_values_raise_api_errors(kwargs, param):
     with pytest.raises(APIError) as info:
@@ -51,11 +51,15 @@ def test_int64_seeds_are_accepted_by_both_request_and_engine_models():
         SamplingParams(seed=2**63)
 
 
-def test_batched_prompts_are_refused_but_singletons_accepted():
-    assert CompletionRequest(model="m", prompt=["one"]).single_prompt() == "one"
-    assert CompletionRequest(model="m", prompt=[[1, 2]]).single_prompt() == [1, 2]
-    with pytest.raises(APIError):
-        CompletionRequest(model="m", prompt=["a", "b"]).single_prompt()
+def test_a_prompt_or_a_batch_of_them():
+    assert CompletionRequest(model="m", prompt="one").prompts() == ["one"]
+    assert CompletionRequest(model="m", prompt=[1, 2]).prompts() == [[1, 2]]  # token ids: one prompt
+    assert CompletionRequest(model="m", prompt=["a", "b"]).prompts() == ["a", "b"]
+    assert CompletionRequest(model="m", prompt=[[1, 2], [3]]).prompts() == [[1, 2], [3]]
+    for empty in ("", [], ["a", ""], [[1], []]):
+        with pytest.raises(APIError) as info:
+            CompletionRequest(model="m", prompt=empty).prompts()
+        assert info.value.status == 400 and info.value.param == "prompt"
 
 
 def test_error_body_shape():

@@ -18,9 +18,10 @@ from tandem.config import WorkerConfig
 from tandem.errors import APIError, add_openai_error_handlers, error_body
 from tandem.json_response import FastJSONResponse
 from tandem.metrics import EngineMetrics
-from tandem.openai_format import ChatFormatter, CompletionFormatter, Formatter
+from tandem.openai_choices import Choice, combined, expand
+from tandem.openai_format import ChatFormatter, CompletionFormatter
 from tandem.openai_protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, new_id, now
-from tandem.protocol import LayoutFingerprint, SamplingParams
+from tandem.protocol import LayoutFingerprint
 from tandem.sse import EventStreamResponse, openai_stream
 from tandem.tokenizer import Tokenizer
 from tandem.workers.async_engine import AsyncEngine, EngineDeadError
@@ -88,12 +89,15 @@ def build_app(ctx: ServingContext) -> FastAPI:
     async def completions(request: Request):
         body: CompletionRequest = await parse_body(request, CompletionRequest)
         check_model(ctx, body.model)
-        prompt = body.single_prompt()
-        prompt_ids = ctx.tokenizer.encode(prompt) if isinstance(prompt, str) else check_token_ids(ctx.tokenizer.vocab_size, prompt)
+        prompts = [ctx.tokenizer.encode(p) if isinstance(p, str) else check_token_ids(ctx.tokenizer.vocab_size, p)
+                   for p in body.prompts()]
         params = body.sampling_params(default_max_tokens=16)
-        check_length(ctx.max_model_len, len(prompt_ids), params)
-        fmt = CompletionFormatter(new_id("cmpl"), ctx.served_name, now(), ctx.tokenizer, len(prompt_ids))
-        return await respond(ctx, request, fmt, prompt_ids, params, body.stream, include_usage(body))
+        for prompt_ids in prompts:
+            check_length(ctx.max_model_len, len(prompt_ids), params)
+        rid, created = new_id("cmpl"), now()
+        choices = expand(rid, prompts, params, body.n, lambda tokens, index: CompletionFormatter(
+            rid, ctx.served_name, created, ctx.tokenizer, tokens, index))
+        return await respond(ctx, request, choices, body.n, body.stream, include_usage(body))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -102,8 +106,10 @@ def build_app(ctx: ServingContext) -> FastAPI:
         prompt_ids = ctx.tokenizer.encode(body.prompt_text(ctx.tokenizer), add_special_tokens=False)
         params = body.sampling_params(default_max_tokens=max(1, ctx.max_model_len - len(prompt_ids)))
         check_length(ctx.max_model_len, len(prompt_ids), params)
-        fmt = ChatFormatter(new_id("chatcmpl"), ctx.served_name, now(), ctx.tokenizer, len(prompt_ids))
-        return await respond(ctx, request, fmt, prompt_ids, params, body.stream, include_usage(body))
+        rid, created = new_id("chatcmpl"), now()
+        choices = expand(rid, [prompt_ids], params, body.n, lambda tokens, index: ChatFormatter(
+            rid, ctx.served_name, created, ctx.tokenizer, tokens, index))
+        return await respond(ctx, request, choices, body.n, body.stream, include_usage(body))
 
     add_internal_routes(app, ctx)
     return app
@@ -119,9 +125,11 @@ def check_model(ctx: ServingContext, model: str) -> None:
                        param="model", code="model_not_found")
 
 
-async def respond(ctx: ServingContext, request: Request, fmt: Formatter, prompt_ids: list[int],
-                  params: SamplingParams, stream: bool, usage_in_stream: bool):
-    outputs = ctx.engine.generate(fmt.request_id, prompt_ids, params, time.monotonic())
+async def respond(ctx: ServingContext, request: Request, choices: list[Choice], n: int, stream: bool,
+                  usage_in_stream: bool):
+    arrival = time.monotonic()
+    fmt, outputs = combined(choices, n, [ctx.engine.generate(c.request_id, c.prompt_ids, c.params, arrival)
+                                         for c in choices])
     if stream:
         return EventStreamResponse(openai_stream(fmt, outputs, usage_in_stream, stream_error_body), headers=SSE_HEADERS)
     try:

@@ -135,3 +135,32 @@ def test_with_no_decode_worker_a_stream_is_refused_with_503_before_it_starts(rou
     r = asyncio.run(ask())
     assert r.status_code == 503 and r.json()["error"]["code"] == "no_workers"
     assert_forgotten(router)
+
+
+def test_a_client_that_leaves_stops_every_choice(router_app):
+    """n=3: three requests downstream; a client that leaves stops (and the router forgets) all three."""
+    router, app, worker = router_app
+    body = orjson.dumps({"model": "smollm2", "prompt": "Hello there", "max_tokens": 100, "n": 3, "stream": True})
+    sent = asyncio.run(call_and_leave(app, body, leave_after_s=0.1))
+    assert sent[0]["status"] == 200
+    assert worker.tokens_made < 3 * 50, worker.tokens_made
+    assert sorted(abort.rsplit("-", 1)[1] for abort in worker.aborts) == ["0", "1", "2"]  # each choice's own id
+    assert_forgotten(router)
+
+
+def test_one_refused_choice_refuses_the_request_and_releases_the_others():
+    router = Router(RouterConfig(decode=[WORKER], max_input_tokens=8))
+    router.decode.set_members([WORKER])
+    router.decode._set_healthy(router.decode.workers[WORKER], True)
+    router.orchestrator.http = worker = SlowWorker()
+    app = build_app(router)
+
+    async def ask():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://r") as client:
+            return await client.post("/v1/completions", json={
+                "model": "smollm2", "prompt": ["Hi", "Hi", "a prompt well past the eight tokens allowed here"]})
+
+    r = asyncio.run(ask())
+    assert r.status_code == 400 and r.json()["error"]["code"] == "input_too_long", r.text
+    assert worker.tokens_made == 0
+    assert_forgotten(router)

@@ -1,0 +1,156 @@
+"""Requests for several completions at once: `n` > 1, or /v1/completions with a list of prompts.
+
+Each choice runs as a request of its own (its own id, so its own admission, abort and resume) and the answers are
+merged into one body or one stream, on the worker and on the router alike. Choices are numbered as vLLM numbers
+them: prompt p's j-th sample is choice p * n + j. Usage counts each prompt once and every choice's completion.
+
+The choices of one prompt are not forked from one prefill as vLLM's parallel sampling does: each prefills on its
+own, and the prefix cache (and on the router, consistent hashing, which sends them to one worker) spares most of
+the repeated work once the first has run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+from tandem.errors import APIError
+from tandem.openai_format import Formatter
+from tandem.protocol import INT64_MAX, SamplingParams
+
+MAX_N = 128  # OpenAI's own bound on n
+MAX_CHOICES = 256  # prompts x n in one request: each is a request of its own downstream
+
+_GOLDEN = 0x9E3779B97F4A7C15  # odd 64-bit constant (2^64 / golden ratio): spreads consecutive samples' seeds
+
+
+@dataclass
+class Choice:
+    request_id: str  # unique per choice: what admission, dispatch and aborts know it by
+    prompt_ids: list[int]
+    params: SamplingParams
+    fmt: Formatter
+
+
+def sample_seed(seed: int, sample: int) -> int:
+    """The seed of a prompt's `sample`-th choice: the request's own for the first (so n=1 and n>1 agree on it),
+    distinct for the others (one seed for all would draw n identical samples), the same from call to call."""
+    if sample == 0:
+        return seed
+    mixed = (seed + sample * _GOLDEN) % 2**64
+    return mixed - 2**64 if mixed > INT64_MAX else mixed
+
+
+def expand(request_id: str, prompts: list[list[int]], params: SamplingParams, n: int,
+           make_formatter: Callable[[int, int], Formatter]) -> list[Choice]:
+    """One Choice per (prompt, sample). `make_formatter(num_prompt_tokens, index)` writes choice `index`."""
+    total = len(prompts) * n
+    if total > MAX_CHOICES:
+        raise APIError(400, f"{len(prompts)} prompts x n={n} asks for {total} completions; at most {MAX_CHOICES} "
+                            f"per request", param="n")
+    choices = []
+    for p, ids in enumerate(prompts):
+        for j in range(n):
+            index = p * n + j
+            sample_params = params
+            if j and params.seed is not None:
+                sample_params = params.model_copy(update={"seed": sample_seed(params.seed, j)})
+            choices.append(Choice(request_id if total == 1 else f"{request_id}-{index}", ids, sample_params,
+                                  make_formatter(len(ids), index)))
+    return choices
+
+
+@dataclass
+class ChoiceDelta:
+    """One choice's delta in a merged stream. `finished`: the whole answer is (this was the last choice's end)."""
+
+    position: int  # in the list of streams merged
+    delta: object
+    finished: bool
+
+
+class ChoicesFormatter:
+    """The formatters of several choices behind one Formatter's interface (tandem.sse.openai_stream and the
+    non-streaming paths use it unchanged); items are ChoiceDeltas."""
+
+    def __init__(self, formatters: list[Formatter], n: int):
+        self.formatters = formatters
+        self.n = n  # samples per prompt: formatters[p * n] is prompt p's first
+        self.request_id = formatters[0].request_id
+
+    def add(self, item: ChoiceDelta) -> None:
+        self.formatters[item.position].add(item.delta)
+
+    def chunks(self, item: ChoiceDelta) -> list[dict]:
+        return self.formatters[item.position].chunks(item.delta)
+
+    def first_chunk(self) -> dict | None:
+        firsts = [f.first_chunk() for f in self.formatters]
+        if firsts[0] is None:
+            return None
+        return self._envelope(firsts[0]["object"], [c for first in firsts for c in first["choices"]])
+
+    def usage(self) -> dict:
+        by_prompt = [self.formatters[p:p + self.n] for p in range(0, len(self.formatters), self.n)]
+        prompt_tokens = sum(group[0].num_prompt_tokens for group in by_prompt)
+        completion_tokens = sum(len(f.token_ids) for f in self.formatters)
+        cached = sum(max(f.num_cached_tokens for f in group) for group in by_prompt)
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": cached}}
+
+    def usage_chunk(self) -> dict:
+        return self._envelope(self.formatters[0].chunk_object_name, [], self.usage())
+
+    def final(self) -> dict:
+        choices = [f.final()["choices"][0] for f in self.formatters]
+        return self._envelope(self.formatters[0].object_name, choices, self.usage())
+
+    def _envelope(self, obj: str, choices: list, usage: dict | None = None) -> dict:
+        return self.formatters[0].envelope(obj, choices, usage)
+
+
+async def merge(streams: list[AsyncIterator]) -> AsyncIterator[ChoiceDelta]:
+    """The items of several streams as they come, each tagged with its stream's position. The first error of
+    any stream ends the merge with that error. Closing the merge (or an error) closes every stream, which is what
+    aborts the choices still running."""
+    loop = asyncio.get_running_loop()
+    arrivals: asyncio.Queue = asyncio.Queue()
+    ENDED = object()
+
+    async def pump(position: int, stream: AsyncIterator) -> None:
+        try:
+            async for item in stream:
+                arrivals.put_nowait((position, item, None))
+            arrivals.put_nowait((position, ENDED, None))
+        except Exception as exc:  # noqa: BLE001 - handed to the reader, which raises it
+            arrivals.put_nowait((position, ENDED, exc))
+        finally:
+            await stream.aclose()
+
+    pumps = [loop.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    running = unfinished = len(streams)  # streams not ended; choices without their finished item yet
+    try:
+        while running:
+            position, item, error = await arrivals.get()
+            if error is not None:
+                raise error
+            if item is ENDED:
+                running -= 1
+                continue
+            if item.finished:
+                unfinished -= 1
+            yield ChoiceDelta(position, item, bool(item.finished) and not unfinished)
+    finally:
+        for task in pumps:
+            task.cancel()
+        await asyncio.gather(*pumps, return_exceptions=True)
+
+
+def combined(choices: list[Choice], n: int, streams: list[AsyncIterator]):
+    """(formatter, items) of the whole answer: a lone choice's own (no merging on the common path), else the
+    choices' formatters together and their streams merged."""
+    if len(choices) == 1:
+        return choices[0].fmt, streams[0]
+    return ChoicesFormatter([c.fmt for c in choices], n), merge(streams)
