@@ -12,17 +12,17 @@ the repeated work once the first has run.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from tandem.errors import APIError
 from tandem.openai_format import Formatter
-from tandem.protocol import INT64_MAX, SamplingParams
+from tandem.protocol import SamplingParams
 
 MAX_N = 128  # OpenAI's own bound on n
 MAX_CHOICES = 256  # prompts x n in one request: each is a request of its own downstream
 
-_GOLDEN = 0x9E3779B97F4A7C15  # odd 64-bit constant (2^64 / golden ratio): spreads consecutive samples' seeds
 
 
 @dataclass
@@ -38,8 +38,10 @@ def sample_seed(seed: int, sample: int) -> int:
     distinct for the others (one seed for all would draw n identical samples), the same from call to call."""
     if sample == 0:
         return seed
-    mixed = (seed + sample * _GOLDEN) % 2**64
-    return mixed - 2**64 if mixed > INT64_MAX else mixed
+    # A hash, not seed + k * constant: the engine seeds each position that way (Sequence.next_token_generator),
+    # so a linear step would give sample j at position t the noise of sample 0 at position t + j.
+    digest = hashlib.blake2b(f"{seed}/{sample}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little", signed=True)
 
 
 def expand(request_id: str, prompts: list[list[int]], params: SamplingParams, n: int,

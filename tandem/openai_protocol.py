@@ -35,8 +35,8 @@ class _CommonParams(_Request):
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)  # int64, as vLLM bounds it
-    presence_penalty: float | None = 0.0
-    frequency_penalty: float | None = 0.0
+    presence_penalty: float | None = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(0.0, ge=-2.0, le=2.0)
     user: str | None = None
     # OpenAI parameters this server does not implement. Declared so that setting one is refused (400) rather
     # than ignored: a client that sends them relies on what they do.
@@ -47,6 +47,7 @@ class _CommonParams(_Request):
     ignore_eos: bool = False
     stop_token_ids: list[TokenId] | None = None
     include_stop_str_in_output: bool = False
+    repetition_penalty: float | None = Field(None, gt=0.0)
 
     @field_validator("stop")
     @classmethod
@@ -58,9 +59,6 @@ class _CommonParams(_Request):
         return v
 
     def _check_supported(self) -> None:
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) not in (None, 0.0):
-                raise APIError(400, f"{name} is not supported; leave it at 0", param=name)
         if self.logit_bias:
             raise APIError(400, "logit_bias is not supported", param="logit_bias")
         if self.response_format is not None and self.response_format.get("type", "text") != "text":
@@ -81,6 +79,9 @@ class _CommonParams(_Request):
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
         )
 
 

@@ -28,10 +28,19 @@ class SamplingParams(BaseModel):
     ignore_eos: bool = False
     logprobs: int | None = Field(None, ge=0, le=20, description="top logprobs per token; None = none")
     include_stop_str_in_output: bool = False
+    # OpenAI's penalties on what the request has generated so far, and vLLM's repetition penalty on every token
+    # seen (prompt and output); see workers.engine.sampler.apply_penalties.
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(1.0, gt=0.0)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def penalized(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
 
 # -- P/D wire protocol (ARCHITECTURE.md §3): JSON over HTTP on each worker's internal port ----------

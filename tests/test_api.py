@@ -190,6 +190,16 @@ def test_several_completions_in_one_request(client):
     check_several_completions(client)
 
 
+def test_penalties_steer_away_from_repeats(client):
+    kwargs = dict(model="smollm2", prompt="Repeat after me: the cat, the cat, the cat,", max_tokens=24,
+                  temperature=0, extra_body={"ignore_eos": True})
+    plain = client.completions.create(**kwargs)
+    penalized = client.completions.create(**kwargs, frequency_penalty=2.0, presence_penalty=1.0)
+    repeated = client.completions.create(**{**kwargs, "extra_body": {"ignore_eos": True, "repetition_penalty": 1.5}})
+    words = [len(set(r.choices[0].text.split())) for r in (plain, penalized, repeated)]
+    assert words[1] > words[0] and words[2] > words[0], (words, [r.choices[0].text for r in (plain, penalized)])
+
+
 def test_stop_string_cuts_exactly(client):
     kwargs = dict(model="smollm2", prompt="List the days of the week: Monday,", max_tokens=30, temperature=0)
     text = client.completions.create(**kwargs).choices[0].text

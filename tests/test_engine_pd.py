@@ -199,6 +199,27 @@ def test_a_seeded_request_samples_the_same_tokens_split_or_resumed(pd_pair, colo
     assert other_seed != alone  # the seed is what decides
 
 
+def test_penalties_count_the_same_output_split_or_resumed(pd_pair, colocated):
+    """Penalties count what the request generated: the prefill worker's first token and, on a resume, the output
+    that came back as prompt are output on the decode worker too, so every split picks what one worker does."""
+    prefill, decode = pd_pair
+    # Negative penalties, so that on this random model (which repeats nothing by itself) they show: repeats favoured.
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, frequency_penalty=-2.0,
+                            presence_penalty=-1.0, repetition_penalty=0.7)
+    prompt = prompt_of(40, seed=10)
+    alone, _ = run(colocated, "penalized-alone", prompt, params)
+    split, _ = disaggregated(prefill, decode, "penalized-split", prompt, params)
+    made = alone[:4]
+    rest, _ = run(colocated, "penalized-resumed", prompt + made[:-1],
+                  params.model_copy(update={"max_tokens": params.max_tokens - len(made) + 1}),
+                  first_token_id=made[-1], output_tokens_in_prompt=len(made) - 1)
+    plain, _ = run(colocated, "unpenalized", prompt, params.model_copy(
+        update={"frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0}))
+    assert split == alone and made + rest == alone
+    assert plain != alone  # the penalties changed what greedy picks
+    assert len(set(alone)) < len(set(plain))  # toward repeats
+
+
 def test_aborting_a_done_prefill_releases_its_lease(pd_pair):
     """A client that leaves after its prefill, before any decode worker got the handle: the router's abort
     frees the pinned blocks now rather than at the lease's expiry."""

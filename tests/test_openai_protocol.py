@@ -29,14 +29,16 @@ def test_content_parts_are_joined():
 @pytest.mark.parametrize("field,value", [("max_tokens", "3"), ("temperature", "hot"), ("temperature", -1),
                                          ("top_p", 0), ("top_p", 1.01), ("stream", "yes"), ("stop", [""]),
                                          # wider than int64 overflows torch's generator inside the engine
-                                         ("seed", 2**64), ("seed", -(2**63) - 1), ("n", 0), ("n", 129)])
+                                         ("seed", 2**64), ("seed", -(2**63) - 1), ("n", 0), ("n", 129),
+                                         ("presence_penalty", 2.5), ("frequency_penalty", -2.1),
+                                         ("repetition_penalty", 0)])
 def test_strict_validation(field, value):
     with pytest.raises(ValidationError):
         CompletionRequest(**{"model": "m", "prompt": "x", field: value})
 
 
 @pytest.mark.parametrize("kwargs,param", [({"max_tokens": 0}, "max_tokens"),
-                                          ({"presence_penalty": 0.5}, "presence_penalty"), ({"echo": True}, "echo")])
+                                          ({"echo": True}, "echo")])
 def test_unsupported_or_invalid_values_raise_api_errors(kwargs, param):
     with pytest.raises(APIError) as info:
         CompletionRequest(model="m", prompt="x", **kwargs).sampling_params(16)
@@ -67,3 +69,10 @@ def test_error_body_shape():
     assert body == {"error": {"message": "nope", "type": "not_found_error", "param": "model",
                               "code": "model_not_found"}}
     assert error_body(413, "big")["error"]["code"] == "request_entity_too_large"
+
+
+def test_penalties_reach_the_sampling_params():
+    params = CompletionRequest(model="m", prompt="x", presence_penalty=0.5, frequency_penalty=-0.25,
+                               repetition_penalty=1.2).sampling_params(16)
+    assert (params.presence_penalty, params.frequency_penalty, params.repetition_penalty) == (0.5, -0.25, 1.2)
+    assert params.penalized and not CompletionRequest(model="m", prompt="x").sampling_params(16).penalized

@@ -132,6 +132,10 @@ def test_disaggregated_output_equals_colocated(fleet, tokenizer):
     whole = sdk(fleet["colocated"]).completions.create(**kwargs).choices[0].text
     assert split == whole
     assert metric(fleet["disagg"].url, "tandem_router_routing_decisions_total", 'path="disagg"') == before + 1
+    # Penalties count the prefill worker's first token as output on the decode worker: the same text again.
+    penalized = dict(kwargs, frequency_penalty=1.0, presence_penalty=0.5, extra_body={"repetition_penalty": 1.2})
+    assert (sdk(fleet["disagg"]).completions.create(**penalized).choices[0].text
+            == sdk(fleet["colocated"]).completions.create(**penalized).choices[0].text)
     # Streaming through the split path gives the same text too, first token first.
     streamed = "".join(c.choices[0].text for c in sdk(fleet["disagg"]).completions.create(**kwargs, stream=True)
                        if c.choices)

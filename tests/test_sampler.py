@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tandem.protocol import SamplingParams
-from tandem.workers.engine.sampler import Sampler, apply_top_k_top_p
+from tandem.workers.engine.sampler import Sampler, apply_penalties, apply_top_k_top_p
 
 V = 50
 
@@ -170,3 +170,28 @@ def test_logprobs_only_for_rows_that_ask():
 def test_shape_mismatch_is_rejected():
     with pytest.raises(ValueError, match="do not match"):
         Sampler()(rand_logits(2), [SamplingParams()], [None])
+
+
+def test_penalties_as_vllm_and_openai_define_them():
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, -2.0, 1.0]])
+    history = ([0, 1, 0], 2)  # prompt [0, 1], output so far [0]
+    params = SamplingParams(repetition_penalty=2.0)
+    out = apply_penalties(logits, [params], [history])
+    # seen tokens 0 and 1: positive logit halved, negative doubled; the rest untouched
+    assert out.tolist() == [[1.0, -2.0, 0.5, 3.0, -2.0, 1.0]]
+    output = ([0, 1, 3, 5, 3], 2)  # output [3, 5, 3]
+    out = apply_penalties(logits, [SamplingParams(frequency_penalty=0.5, presence_penalty=0.25)], [output])
+    assert out[0].tolist() == pytest.approx([2.0, -1.0, 0.5, 3.0 - 2 * 0.5 - 0.25, -2.0, 1.0 - 0.5 - 0.25])
+    negative = apply_penalties(logits, [SamplingParams(frequency_penalty=-1.0)], [output])
+    assert negative[0, 3].item() == 5.0  # a negative penalty favours repeats
+    assert logits.tolist() == [[2.0, -1.0, 0.5, 3.0, -2.0, 1.0]]  # the raw logits are left as they were
+
+
+def test_penalties_steer_greedy_rows_but_not_their_logprobs_or_other_rows():
+    logits = torch.tensor([[3.0, 2.9, 0.0], [3.0, 2.9, 0.0]])
+    params = [SamplingParams(temperature=0.0, frequency_penalty=1.0, logprobs=0), SamplingParams(temperature=0.0)]
+    histories = [([2, 0], 1), ([2, 0], 1)]  # both rows have generated token 0 once
+    out = Sampler()(logits, params, [None, None], histories)
+    assert out.token_ids == [1, 0]  # only the penalized row moves off its repeat
+    raw = torch.log_softmax(logits[0], -1)
+    assert math.isclose(out.logprobs[0].logprob, raw[1].item(), rel_tol=1e-6)

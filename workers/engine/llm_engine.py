@@ -262,7 +262,11 @@ class LLMEngine:
                     self.metrics.computed_prompt_tokens.inc(computed_prompt)
             if sample_rows:
                 seqs = [scheduled.seqs[row] for row in sample_rows]
-                sampled = self.sampler(logits, [s.params for s in seqs], [s.next_token_generator() for s in seqs])
+                histories = None
+                if any(s.params.penalized for s in seqs):  # what penalties count: prompt, then output so far
+                    histories = [(s.token_ids, s.num_prompt_tokens - s.output_tokens_in_prompt) for s in seqs]
+                sampled = self.sampler(logits, [s.params for s in seqs], [s.next_token_generator() for s in seqs],
+                                       histories)
                 now = time.monotonic()
                 self.num_generation_tokens += len(seqs)
                 if self.metrics is not None:
