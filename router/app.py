@@ -71,7 +71,7 @@ def build_app(router) -> FastLane | ApiKeyGate:
         prompts = [await tokenize(router, p) if isinstance(p, str) else check_ids(router, p) for p in body.prompts()]
         if "max_tokens" not in body.model_fields_set:  # the schema's 16 is a default, not the client's request
             body.max_tokens = None
-        params = body.sampling_params(default_max_tokens=default_max_tokens(router, 16))
+        params = body.sampling_params(default_max_tokens(router, 16), router.tokenizer.vocab_size)
         rid, created = new_id("cmpl"), now()
         choices = expand(rid, prompts, params, body.n, lambda tokens, index: CompletionFormatter(
             rid, router.served_name, created, router.tokenizer, tokens, index))
@@ -81,7 +81,7 @@ def build_app(router) -> FastLane | ApiKeyGate:
         check_model(router, body.model)
         ids = await tokenize(router, body.prompt_text(router.tokenizer), add_special_tokens=False)
         room = max(1, router.max_model_len - len(ids))
-        params = body.sampling_params(default_max_tokens=default_max_tokens(router, room))
+        params = body.sampling_params(default_max_tokens(router, room), router.tokenizer.vocab_size)
         rid, created = new_id("chatcmpl"), now()
         choices = expand(rid, [ids], params, body.n, lambda tokens, index: ChatFormatter(
             rid, router.served_name, created, router.tokenizer, tokens, index))

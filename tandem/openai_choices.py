@@ -24,7 +24,6 @@ MAX_N = 128  # OpenAI's own bound on n
 MAX_CHOICES = 256  # prompts x n in one request: each is a request of its own downstream
 
 
-
 @dataclass
 class Choice:
     request_id: str  # unique per choice: what admission, dispatch and aborts know it by

@@ -38,9 +38,10 @@ class _CommonParams(_Request):
     presence_penalty: float | None = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(0.0, ge=-2.0, le=2.0)
     user: str | None = None
+    logit_bias: dict[str, float] | None = Field(None, description="token id (as a string) -> bias in [-100, 100], "
+                                                              "added to its logit")
     # OpenAI parameters this server does not implement. Declared so that setting one is refused (400) rather
     # than ignored: a client that sends them relies on what they do.
-    logit_bias: dict | None = None
     response_format: dict | None = None
     # Extensions that vLLM users rely on.
     top_k: int | None = Field(None, ge=-1, le=INT64_MAX)
@@ -58,15 +59,27 @@ class _CommonParams(_Request):
             raise ValueError("stop sequences must be non-empty strings")
         return v
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_by_token_id(cls, v):
+        for token, bias in (v or {}).items():
+            if not (token.isascii() and token.isdigit()):
+                raise ValueError(f"keys must be token ids, got {token!r}")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"biases must lie in [-100, 100], got {bias} for token {token}")
+        return v
+
     def _check_supported(self) -> None:
-        if self.logit_bias:
-            raise APIError(400, "logit_bias is not supported", param="logit_bias")
         if self.response_format is not None and self.response_format.get("type", "text") != "text":
             raise APIError(400, "response_format other than text (JSON mode, JSON schema) is not supported",
                            param="response_format")
 
-    def _sampling(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def _sampling(self, max_tokens: int, logprobs: int | None, vocab_size: int | None) -> SamplingParams:
         self._check_supported()
+        bias = [(int(token), value) for token, value in (self.logit_bias or {}).items()]
+        if vocab_size is not None and any(token >= vocab_size for token, _ in bias):
+            raise APIError(400, f"logit_bias names a token id outside the vocabulary [0, {vocab_size})",
+                           param="logit_bias")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return SamplingParams(
             temperature=1.0 if self.temperature is None else self.temperature,
@@ -82,6 +95,7 @@ class _CommonParams(_Request):
             presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            logit_bias=bias,
         )
 
 
@@ -105,14 +119,15 @@ class CompletionRequest(_CommonParams):
                 raise APIError(400, "prompt must not be empty", param="prompt")
         return prompts
 
-    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
+    def sampling_params(self, default_max_tokens: int, vocab_size: int | None = None) -> SamplingParams:
+        """`vocab_size`: bounds the token ids of logit_bias (unchecked without it)."""
         if self.echo:
             raise APIError(400, "echo is not supported", param="echo")
         if self.best_of not in (None, 1):
             raise APIError(400, "best_of is not supported; only 1 is", param="best_of")
         if self.suffix:
             raise APIError(400, "suffix is not supported", param="suffix")
-        return self._sampling(_max_tokens(self.max_tokens, default_max_tokens), self.logprobs)
+        return self._sampling(_max_tokens(self.max_tokens, default_max_tokens), self.logprobs, vocab_size)
 
 
 class ContentPart(_Request):
@@ -155,7 +170,8 @@ class ChatCompletionRequest(_CommonParams):
             raise APIError(400, f"the model's chat template refused the conversation: {exc}",
                            param="messages") from None
 
-    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
+    def sampling_params(self, default_max_tokens: int, vocab_size: int | None = None) -> SamplingParams:
+        """`vocab_size`: bounds the token ids of logit_bias (unchecked without it)."""
         for name in ("tools", "functions"):
             if getattr(self, name):
                 raise APIError(400, f"{name} (function calling) are not supported", param=name)
@@ -163,7 +179,7 @@ class ChatCompletionRequest(_CommonParams):
             raise APIError(400, "tool_choice needs tools, which are not supported", param="tool_choice")
         name = "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
         top = (self.top_logprobs or 0) if self.logprobs else None
-        return self._sampling(_max_tokens(getattr(self, name), default_max_tokens, name), top)
+        return self._sampling(_max_tokens(getattr(self, name), default_max_tokens, name), top, vocab_size)
 
 
 def _max_tokens(requested: int | None, default: int, param: str = "max_tokens") -> int:

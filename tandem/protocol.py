@@ -33,6 +33,8 @@ class SamplingParams(BaseModel):
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(1.0, gt=0.0)
+    logit_bias: list[tuple[TokenId, float]] = Field(default_factory=list, description="(token id, bias) pairs "
+                                                    "added to the logits before penalties and sampling")
 
     @property
     def greedy(self) -> bool:

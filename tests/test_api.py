@@ -12,6 +12,7 @@ import openai
 import pytest
 
 from tandem.launcher import ServiceProcess
+from tandem.tokenizer import load_tokenizer
 
 MAX_BODY = 64 * 1024
 
@@ -200,6 +201,17 @@ def test_penalties_steer_away_from_repeats(client):
     assert words[1] > words[0] and words[2] > words[0], (words, [r.choices[0].text for r in (plain, penalized)])
 
 
+def check_logit_bias(client) -> None:
+    [banana] = load_tokenizer("smollm2").encode(" banana", add_special_tokens=False)
+    kwargs = dict(model="smollm2", prompt="My favourite fruit is", max_tokens=3, temperature=0)
+    assert client.completions.create(**kwargs, logit_bias={str(banana): 100}).choices[0].text == " banana" * 3
+    assert "banana" not in client.completions.create(**kwargs, logit_bias={str(banana): -100}).choices[0].text
+
+
+def test_logit_bias_steers_the_choice(client):
+    check_logit_bias(client)
+
+
 def test_stop_string_cuts_exactly(client):
     kwargs = dict(model="smollm2", prompt="List the days of the week: Monday,", max_tokens=30, temperature=0)
     text = client.completions.create(**kwargs).choices[0].text
@@ -248,8 +260,12 @@ BAD_INPUTS = [
     ("lone surrogate in chat", "/v1/chat/completions",
      b'{"model": "smollm2", "messages": [{"role": "user", "content": "hi \\udc00"}]}', 400, "not valid JSON"),
     # OpenAI parameters a client relies on but this server does not implement: refused, not ignored.
-    ("logit_bias", "/v1/completions", {"model": "smollm2", "prompt": "x", "logit_bias": {"50256": -100}}, 400,
-     "logit_bias"),
+    ("logit_bias outside the vocabulary", "/v1/completions",
+     {"model": "smollm2", "prompt": "x", "logit_bias": {"50256": -100}}, 400, "logit_bias"),
+    ("logit_bias not by token id", "/v1/completions",
+     {"model": "smollm2", "prompt": "x", "logit_bias": {"hello": 5}}, 400, "logit_bias"),
+    ("logit_bias past 100", "/v1/chat/completions", {"model": "smollm2", "messages": [{"role": "user", "content": "x"}],
+                                                     "logit_bias": {"42": 101}}, 400, "logit_bias"),
     ("json mode", "/v1/chat/completions", {"model": "smollm2", "messages": [{"role": "user", "content": "x"}],
                                            "response_format": {"type": "json_object"}}, 400, "response_format"),
     ("tools", "/v1/chat/completions", {"model": "smollm2", "messages": [{"role": "user", "content": "x"}],

@@ -76,3 +76,14 @@ def test_penalties_reach_the_sampling_params():
                                repetition_penalty=1.2).sampling_params(16)
     assert (params.presence_penalty, params.frequency_penalty, params.repetition_penalty) == (0.5, -0.25, 1.2)
     assert params.penalized and not CompletionRequest(model="m", prompt="x").sampling_params(16).penalized
+
+
+def test_logit_bias_by_token_id_within_the_vocabulary():
+    request = CompletionRequest(model="m", prompt="x", logit_bias={"5": -100, "7": 2.5})
+    assert request.sampling_params(16, vocab_size=8).logit_bias == [(5, -100.0), (7, 2.5)]
+    with pytest.raises(APIError) as info:
+        request.sampling_params(16, vocab_size=7)
+    assert info.value.status == 400 and info.value.param == "logit_bias"
+    for bad in ({"x": 1}, {"-1": 1}, {"1": 100.5}, {"٣": 1}):  # an Arabic-Indic digit is a digit, not an id
+        with pytest.raises(ValidationError):
+            CompletionRequest(model="m", prompt="x", logit_bias=bad)

@@ -14,7 +14,7 @@ import time
 import httpx
 import openai
 import pytest
-from test_api import BAD_INPUTS, MAX_BODY, check_several_completions, wait_for
+from test_api import BAD_INPUTS, MAX_BODY, check_logit_bias, check_several_completions, wait_for
 
 from tandem.launcher import ServiceProcess
 from tandem.tokenizer import load_tokenizer
@@ -160,10 +160,11 @@ def test_prefix_families_stay_on_one_prefill_worker(fleet, tokenizer):
     assert sum(hits.values()) >= sum(2 * (shared[f] - 16) for f in (0, 1)), (hits, shared, served)
 
 
-def test_several_completions_in_one_request(fleet, tokenizer):
+def test_several_completions_and_logit_bias(fleet, tokenizer):
     long_prompt = long_text(3)  # prefilled on a prefill worker, decoded on a decode worker
     assert len(tokenizer.encode(long_prompt)) >= DISAGG_MIN
     check_several_completions(sdk(fleet["disagg"]), long_prompt)
+    check_logit_bias(sdk(fleet["disagg"]))
 
 
 def test_models_names_the_served_model_and_its_context_length(fleet):

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tandem.protocol import SamplingParams
-from tandem.workers.engine.sampler import Sampler, apply_penalties, apply_top_k_top_p
+from tandem.workers.engine.sampler import Sampler, adjust_logits, apply_top_k_top_p
 
 V = 50
 
@@ -176,13 +176,13 @@ def test_penalties_as_vllm_and_openai_define_them():
     logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, -2.0, 1.0]])
     history = ([0, 1, 0], 2)  # prompt [0, 1], output so far [0]
     params = SamplingParams(repetition_penalty=2.0)
-    out = apply_penalties(logits, [params], [history])
+    out = adjust_logits(logits, [params], [history])
     # seen tokens 0 and 1: positive logit halved, negative doubled; the rest untouched
     assert out.tolist() == [[1.0, -2.0, 0.5, 3.0, -2.0, 1.0]]
     output = ([0, 1, 3, 5, 3], 2)  # output [3, 5, 3]
-    out = apply_penalties(logits, [SamplingParams(frequency_penalty=0.5, presence_penalty=0.25)], [output])
+    out = adjust_logits(logits, [SamplingParams(frequency_penalty=0.5, presence_penalty=0.25)], [output])
     assert out[0].tolist() == pytest.approx([2.0, -1.0, 0.5, 3.0 - 2 * 0.5 - 0.25, -2.0, 1.0 - 0.5 - 0.25])
-    negative = apply_penalties(logits, [SamplingParams(frequency_penalty=-1.0)], [output])
+    negative = adjust_logits(logits, [SamplingParams(frequency_penalty=-1.0)], [output])
     assert negative[0, 3].item() == 5.0  # a negative penalty favours repeats
     assert logits.tolist() == [[2.0, -1.0, 0.5, 3.0, -2.0, 1.0]]  # the raw logits are left as they were
 
@@ -195,3 +195,13 @@ def test_penalties_steer_greedy_rows_but_not_their_logprobs_or_other_rows():
     assert out.token_ids == [1, 0]  # only the penalized row moves off its repeat
     raw = torch.log_softmax(logits[0], -1)
     assert math.isclose(out.logprobs[0].logprob, raw[1].item(), rel_tol=1e-6)
+
+
+def test_logit_bias_is_added_before_the_penalties_and_can_ban_a_token():
+    logits = torch.tensor([[2.0, 1.0, 0.5], [2.0, 1.0, 0.5]])
+    params = [SamplingParams(logit_bias=[(0, -1.5), (2, 0.25)], repetition_penalty=2.0), SamplingParams()]
+    out = adjust_logits(logits, params, [([2], 1), ([2], 1)])
+    # token 0: 2.0 - 1.5; token 2 (seen in the prompt): (0.5 + 0.25) / 2
+    assert out[0].tolist() == pytest.approx([0.5, 1.0, 0.375]) and out[1].tolist() == logits[1].tolist()
+    banned = Sampler()(logits[:1], [SamplingParams(temperature=0.0, logit_bias=[(0, -100.0)])], [None])
+    assert banned.token_ids == [1]

@@ -91,7 +91,7 @@ def build_app(ctx: ServingContext) -> FastAPI:
         check_model(ctx, body.model)
         prompts = [ctx.tokenizer.encode(p) if isinstance(p, str) else check_token_ids(ctx.tokenizer.vocab_size, p)
                    for p in body.prompts()]
-        params = body.sampling_params(default_max_tokens=16)
+        params = body.sampling_params(16, ctx.tokenizer.vocab_size)
         for prompt_ids in prompts:
             check_length(ctx.max_model_len, len(prompt_ids), params)
         rid, created = new_id("cmpl"), now()
@@ -104,7 +104,7 @@ def build_app(ctx: ServingContext) -> FastAPI:
         body: ChatCompletionRequest = await parse_body(request, ChatCompletionRequest)
         check_model(ctx, body.model)
         prompt_ids = ctx.tokenizer.encode(body.prompt_text(ctx.tokenizer), add_special_tokens=False)
-        params = body.sampling_params(default_max_tokens=max(1, ctx.max_model_len - len(prompt_ids)))
+        params = body.sampling_params(max(1, ctx.max_model_len - len(prompt_ids)), ctx.tokenizer.vocab_size)
         check_length(ctx.max_model_len, len(prompt_ids), params)
         rid, created = new_id("chatcmpl"), now()
         choices = expand(rid, [prompt_ids], params, body.n, lambda tokens, index: ChatFormatter(

@@ -165,6 +165,8 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab:
             raise ValueError(f"request {request_id!r}: prompt token ids must lie in [0, {vocab})")
+        if any(token >= vocab for token, _ in params.logit_bias):
+            raise ValueError(f"request {request_id!r}: logit_bias token ids must lie in [0, {vocab})")
         total = len(prompt_token_ids) + params.max_tokens
         if total > self.max_model_len:
             raise ValueError(f"request {request_id!r}: prompt ({len(prompt_token_ids)} tokens) + max_tokens "

@@ -3,8 +3,8 @@
 Greedy rows take the argmax. Random rows are scaled by temperature, cut by top-k then top-p,
 and sampled with the exponential-race trick (argmax of p / E, E ~ Exp(1)), which is one
 vectorised pass and lets each seeded row draw its noise from its own generator: a seeded
-request gets the same tokens whatever else is in the batch. Penalties (presence, frequency,
-repetition) change a row's logits before any of this, greedy rows included. Logprobs describe
+request gets the same tokens whatever else is in the batch. A row's logit_bias and penalties
+(presence, frequency, repetition) change its logits before any of this, greedy rows included. Logprobs describe
 the model's raw distribution (log_softmax of the unmodified logits), as vLLM reports them by default.
 """
 
@@ -52,28 +52,39 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: t
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
-def apply_penalties(logits: torch.Tensor, params: Sequence[SamplingParams],
-                    histories: Sequence[tuple[list[int], int]]) -> torch.Tensor:
-    """The logits with each row's penalties applied (a copy; rows without penalties unchanged), defined as vLLM
-    and OpenAI define them. `histories[i]` is (row i's tokens, prompt then output; where its output starts).
-    repetition_penalty r on every token seen, prompt or output: a positive logit is divided by r, a negative one
-    multiplied (r > 1 makes any seen token less likely). frequency_penalty f and presence_penalty p on the output
-    so far: a token generated c times loses c * f + p (p once, however often). Rows are few and their histories
-    short next to the logits, so each is done on its own."""
-    rows = [i for i, p in enumerate(params) if p.penalized]
+def adjust_logits(logits: torch.Tensor, params: Sequence[SamplingParams],
+                  histories: Sequence[tuple[list[int], int]] | None) -> torch.Tensor:
+    """The logits each row samples from: its logit_bias added, then its penalties applied (vLLM's order). A copy
+    when any row has either; rows with neither are unchanged. `histories` (see apply_penalties) is needed only
+    when a row has penalties."""
+    rows = [i for i, p in enumerate(params) if p.logit_bias or p.penalized]
     if not rows:
         return logits
     out = logits.clone()
     for i in rows:
-        p, (tokens, output_start), row = params[i], histories[i], out[i]
-        if p.repetition_penalty != 1.0:
-            seen = torch.tensor(tokens, dtype=torch.int64).unique().to(out.device)
-            values = row[seen]
-            row[seen] = torch.where(values > 0, values / p.repetition_penalty, values * p.repetition_penalty)
-        if (p.frequency_penalty or p.presence_penalty) and len(tokens) > output_start:
-            made, counts = torch.tensor(tokens[output_start:], dtype=torch.int64).unique(return_counts=True)
-            row[made.to(out.device)] -= (p.frequency_penalty * counts + p.presence_penalty).to(out)
+        p, row = params[i], out[i]
+        if p.logit_bias:
+            tokens, biases = zip(*p.logit_bias, strict=True)
+            row.index_put_((torch.tensor(tokens, device=out.device),),
+                           torch.tensor(biases, dtype=out.dtype, device=out.device), accumulate=True)
+        if p.penalized:
+            apply_penalties(row, p, *histories[i])
     return out
+
+
+def apply_penalties(row: torch.Tensor, p: SamplingParams, tokens: list[int], output_start: int) -> None:
+    """One row's penalties, in place, as vLLM and OpenAI define them. `tokens`: the request's prompt then its
+    output so far, which starts at `output_start`. repetition_penalty r on every token seen, prompt or output: a
+    positive logit is divided by r, a negative one multiplied (r > 1 makes any seen token less likely).
+    frequency_penalty f and presence_penalty p on the output so far: a token generated c times loses c * f + p
+    (p once, however often)."""
+    if p.repetition_penalty != 1.0:
+        seen = torch.tensor(tokens, dtype=torch.int64).unique().to(row.device)
+        values = row[seen]
+        row[seen] = torch.where(values > 0, values / p.repetition_penalty, values * p.repetition_penalty)
+    if (p.frequency_penalty or p.presence_penalty) and len(tokens) > output_start:
+        made, counts = torch.tensor(tokens[output_start:], dtype=torch.int64).unique(return_counts=True)
+        row[made.to(row.device)] -= (p.frequency_penalty * counts + p.presence_penalty).to(row)
 
 
 # Below this a temperature is greedy in all but name, and dividing by it could overflow (vLLM's epsilon).
@@ -95,10 +106,10 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, params: Sequence[SamplingParams],
                  generators: Sequence[torch.Generator | None],
                  histories: Sequence[tuple[list[int], int]] | None = None) -> SamplerOutput:
-        """`histories` (see apply_penalties) is needed only when a row has penalties."""
+        """`histories` (see adjust_logits) is needed only when a row has penalties."""
         if logits.dim() != 2 or logits.shape[0] != len(params):
             raise ValueError(f"logits {tuple(logits.shape)} do not match {len(params)} requests")
-        scores = logits if histories is None else apply_penalties(logits, params, histories)
+        scores = adjust_logits(logits, params, histories)
         random_rows = [i for i, p in enumerate(params) if not (p.greedy or p.temperature < _MIN_TEMPERATURE)]
         tokens = _argmax(scores)
         if random_rows:
