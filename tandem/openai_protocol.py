@@ -49,6 +49,7 @@ class _CommonParams(_Request):
     stop_token_ids: list[TokenId] | None = None
     include_stop_str_in_output: bool = False
     repetition_penalty: float | None = Field(None, gt=0.0)
+    min_tokens: int | None = Field(None, ge=0)
 
     @field_validator("stop")
     @classmethod
@@ -80,6 +81,9 @@ class _CommonParams(_Request):
         if vocab_size is not None and any(token >= vocab_size for token, _ in bias):
             raise APIError(400, f"logit_bias names a token id outside the vocabulary [0, {vocab_size})",
                            param="logit_bias")
+        if (self.min_tokens or 0) > max_tokens:
+            raise APIError(400, f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({max_tokens})",
+                           param="min_tokens")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return SamplingParams(
             temperature=1.0 if self.temperature is None else self.temperature,
@@ -96,6 +100,7 @@ class _CommonParams(_Request):
             frequency_penalty=self.frequency_penalty or 0.0,
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
             logit_bias=bias,
+            min_tokens=self.min_tokens or 0,
         )
 
 

@@ -33,6 +33,8 @@ class SamplingParams(BaseModel):
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(1.0, gt=0.0)
+    min_tokens: int = Field(0, ge=0, description="EOS and stop_token_ids are held back until this many tokens "
+                                                 "are generated (vLLM's); stop strings still apply")
     logit_bias: list[tuple[TokenId, float]] = Field(default_factory=list, description="(token id, bias) pairs "
                                                     "added to the logits before penalties and sampling")
 
@@ -43,6 +45,11 @@ class SamplingParams(BaseModel):
     @property
     def penalized(self) -> bool:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    @property
+    def reads_history(self) -> bool:
+        """Whether sampling reads the tokens so far (workers.engine.sampler.History)."""
+        return self.min_tokens > 0 or self.penalized
 
 
 # -- P/D wire protocol (ARCHITECTURE.md §3): JSON over HTTP on each worker's internal port ----------

@@ -208,6 +208,15 @@ def check_logit_bias(client) -> None:
     assert "banana" not in client.completions.create(**kwargs, logit_bias={str(banana): -100}).choices[0].text
 
 
+def test_min_tokens_holds_the_end_back(client):
+    kwargs = dict(model="smollm2", messages=[{"role": "user", "content": "Say hi."}], max_tokens=60, temperature=0)
+    short = client.chat.completions.create(**kwargs)
+    assert short.choices[0].finish_reason == "stop"
+    wanted = short.usage.completion_tokens + 5
+    longer = client.chat.completions.create(**kwargs, extra_body={"min_tokens": wanted})
+    assert longer.usage.completion_tokens >= wanted
+
+
 def test_logit_bias_steers_the_choice(client):
     check_logit_bias(client)
 
@@ -270,6 +279,8 @@ BAD_INPUTS = [
                                            "response_format": {"type": "json_object"}}, 400, "response_format"),
     ("tools", "/v1/chat/completions", {"model": "smollm2", "messages": [{"role": "user", "content": "x"}],
                                        "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+    ("min_tokens past max_tokens", "/v1/completions",
+     {"model": "smollm2", "prompt": "x", "max_tokens": 4, "min_tokens": 5}, 400, "min_tokens"),
     ("best_of", "/v1/completions", {"model": "smollm2", "prompt": "x", "best_of": 3}, 400, "best_of"),
     ("suffix", "/v1/completions", {"model": "smollm2", "prompt": "x", "suffix": "end"}, 400, "suffix"),
     ("max_completion_tokens zero", "/v1/chat/completions",

@@ -220,6 +220,19 @@ def test_penalties_count_the_same_output_split_or_resumed(pd_pair, colocated):
     assert len(set(alone)) < len(set(plain))  # toward repeats
 
 
+def test_min_tokens_counts_the_same_output_split(pd_pair, colocated):
+    prefill, decode = pd_pair
+    prompt = prompt_of(40, seed=11)
+    free, _ = run(colocated, "free", prompt, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    stopping = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, stop_token_ids=[free[1]])
+    early, _ = run(colocated, "early", prompt, stopping)
+    held = stopping.model_copy(update={"min_tokens": 4})
+    alone, _ = run(colocated, "held-alone", prompt, held)
+    split, _ = disaggregated(prefill, decode, "held-split", prompt, held)
+    assert len(early) <= 2 and len(alone) > 4 and free[1] not in alone[:4]
+    assert split == alone  # the decode worker counts the prefill's first token among the four
+
+
 def test_aborting_a_done_prefill_releases_its_lease(pd_pair):
     """A client that leaves after its prefill, before any decode worker got the handle: the router's abort
     frees the pinned blocks now rather than at the lease's expiry."""

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tandem.protocol import SamplingParams
-from tandem.workers.engine.sampler import Sampler, adjust_logits, apply_top_k_top_p
+from tandem.workers.engine.sampler import History, Sampler, adjust_logits, apply_top_k_top_p
 
 V = 50
 
@@ -174,12 +174,12 @@ def test_shape_mismatch_is_rejected():
 
 def test_penalties_as_vllm_and_openai_define_them():
     logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, -2.0, 1.0]])
-    history = ([0, 1, 0], 2)  # prompt [0, 1], output so far [0]
+    history = History([0, 1, 0], 2)  # prompt [0, 1], output so far [0]
     params = SamplingParams(repetition_penalty=2.0)
     out = adjust_logits(logits, [params], [history])
     # seen tokens 0 and 1: positive logit halved, negative doubled; the rest untouched
     assert out.tolist() == [[1.0, -2.0, 0.5, 3.0, -2.0, 1.0]]
-    output = ([0, 1, 3, 5, 3], 2)  # output [3, 5, 3]
+    output = History([0, 1, 3, 5, 3], 2)  # output [3, 5, 3]
     out = adjust_logits(logits, [SamplingParams(frequency_penalty=0.5, presence_penalty=0.25)], [output])
     assert out[0].tolist() == pytest.approx([2.0, -1.0, 0.5, 3.0 - 2 * 0.5 - 0.25, -2.0, 1.0 - 0.5 - 0.25])
     negative = adjust_logits(logits, [SamplingParams(frequency_penalty=-1.0)], [output])
@@ -190,7 +190,7 @@ def test_penalties_as_vllm_and_openai_define_them():
 def test_penalties_steer_greedy_rows_but_not_their_logprobs_or_other_rows():
     logits = torch.tensor([[3.0, 2.9, 0.0], [3.0, 2.9, 0.0]])
     params = [SamplingParams(temperature=0.0, frequency_penalty=1.0, logprobs=0), SamplingParams(temperature=0.0)]
-    histories = [([2, 0], 1), ([2, 0], 1)]  # both rows have generated token 0 once
+    histories = [History([2, 0], 1), History([2, 0], 1)]  # both rows have generated token 0 once
     out = Sampler()(logits, params, [None, None], histories)
     assert out.token_ids == [1, 0]  # only the penalized row moves off its repeat
     raw = torch.log_softmax(logits[0], -1)
@@ -200,8 +200,16 @@ def test_penalties_steer_greedy_rows_but_not_their_logprobs_or_other_rows():
 def test_logit_bias_is_added_before_the_penalties_and_can_ban_a_token():
     logits = torch.tensor([[2.0, 1.0, 0.5], [2.0, 1.0, 0.5]])
     params = [SamplingParams(logit_bias=[(0, -1.5), (2, 0.25)], repetition_penalty=2.0), SamplingParams()]
-    out = adjust_logits(logits, params, [([2], 1), ([2], 1)])
+    out = adjust_logits(logits, params, [History([2], 1), History([2], 1)])
     # token 0: 2.0 - 1.5; token 2 (seen in the prompt): (0.5 + 0.25) / 2
     assert out[0].tolist() == pytest.approx([0.5, 1.0, 0.375]) and out[1].tolist() == logits[1].tolist()
     banned = Sampler()(logits[:1], [SamplingParams(temperature=0.0, logit_bias=[(0, -100.0)])], [None])
     assert banned.token_ids == [1]
+
+
+def test_min_tokens_holds_back_what_would_stop_the_request_until_then():
+    logits = torch.tensor([[1.0, 5.0, 4.0, 0.0]])  # token 1 is EOS here, token 2 a stop_token_id
+    params = [SamplingParams(temperature=0.0, min_tokens=2)]
+    stops = frozenset({1, 2})
+    assert Sampler()(logits, params, [None], [History([7, 0], 1, stops)]).token_ids == [0]  # 1 made, 2 wanted
+    assert Sampler()(logits, params, [None], [History([7, 0, 0], 1, stops)]).token_ids == [1]  # 2 made: free

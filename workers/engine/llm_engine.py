@@ -22,7 +22,7 @@ from tandem.workers.engine.block_manager import BlockManager
 from tandem.workers.engine.detokenizer import IncrementalDetokenizer
 from tandem.workers.engine.kv_leases import KVLease, LeaseTable
 from tandem.workers.engine.model_runner import ModelRunner
-from tandem.workers.engine.sampler import Sampler, TokenLogprobs
+from tandem.workers.engine.sampler import History, Sampler, TokenLogprobs
 from tandem.workers.engine.scheduler import Scheduler
 from tandem.workers.engine.sequence import Sequence
 from tandem.workers.kv_transfer import KVTransfer, KVTransferError
@@ -265,8 +265,11 @@ class LLMEngine:
             if sample_rows:
                 seqs = [scheduled.seqs[row] for row in sample_rows]
                 histories = None
-                if any(s.params.penalized for s in seqs):  # what penalties count: prompt, then output so far
-                    histories = [(s.token_ids, s.num_prompt_tokens - s.output_tokens_in_prompt) for s in seqs]
+                if any(s.params.reads_history for s in seqs):
+                    # The output starts where the client's prompt ends: a resumed request's replayed output and a
+                    # prefill worker's first token count as output here, as they would on one worker alone.
+                    histories = [History(s.token_ids, s.num_prompt_tokens - s.output_tokens_in_prompt,
+                                         self._requests[s.request_id].stop_token_ids) for s in seqs]
                 sampled = self.sampler(logits, [s.params for s in seqs], [s.next_token_generator() for s in seqs],
                                        histories)
                 now = time.monotonic()

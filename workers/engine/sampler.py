@@ -3,8 +3,9 @@
 Greedy rows take the argmax. Random rows are scaled by temperature, cut by top-k then top-p,
 and sampled with the exponential-race trick (argmax of p / E, E ~ Exp(1)), which is one
 vectorised pass and lets each seeded row draw its noise from its own generator: a seeded
-request gets the same tokens whatever else is in the batch. A row's logit_bias and penalties
-(presence, frequency, repetition) change its logits before any of this, greedy rows included. Logprobs describe
+request gets the same tokens whatever else is in the batch. A row's logit_bias, min_tokens and
+penalties (presence, frequency, repetition) change its logits before any of this, greedy rows
+included. Logprobs describe
 the model's raw distribution (log_softmax of the unmodified logits), as vLLM reports them by default.
 """
 
@@ -52,12 +53,21 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: t
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
+@dataclass
+class History:
+    """What a row's penalties and min_tokens read (SamplingParams.reads_history)."""
+
+    tokens: list[int]  # the prompt, then the output so far
+    output_start: int  # where the output starts in `tokens`
+    stop_token_ids: frozenset[int] = frozenset()  # what min_tokens holds back (EOS unless ignored, stop_token_ids)
+
+
 def adjust_logits(logits: torch.Tensor, params: Sequence[SamplingParams],
-                  histories: Sequence[tuple[list[int], int]] | None) -> torch.Tensor:
-    """The logits each row samples from: its logit_bias added, then its penalties applied (vLLM's order). A copy
-    when any row has either; rows with neither are unchanged. `histories` (see apply_penalties) is needed only
-    when a row has penalties."""
-    rows = [i for i, p in enumerate(params) if p.logit_bias or p.penalized]
+                  histories: Sequence[History] | None) -> torch.Tensor:
+    """The logits each row samples from: its logit_bias added, the tokens that would stop it masked while it has
+    fewer than min_tokens, then its penalties applied (vLLM's order). A copy when any row has one of these; rows
+    with none are unchanged. `histories` is needed only when a row reads_history."""
+    rows = [i for i, p in enumerate(params) if p.logit_bias or p.reads_history]
     if not rows:
         return logits
     out = logits.clone()
@@ -67,8 +77,14 @@ def adjust_logits(logits: torch.Tensor, params: Sequence[SamplingParams],
             tokens, biases = zip(*p.logit_bias, strict=True)
             row.index_put_((torch.tensor(tokens, device=out.device),),
                            torch.tensor(biases, dtype=out.dtype, device=out.device), accumulate=True)
+        if not p.reads_history:
+            continue
+        history = histories[i]
+        made = len(history.tokens) - history.output_start
+        if made < p.min_tokens and history.stop_token_ids:
+            row[torch.tensor(sorted(history.stop_token_ids), device=out.device)] = float("-inf")
         if p.penalized:
-            apply_penalties(row, p, *histories[i])
+            apply_penalties(row, p, history.tokens, history.output_start)
     return out
 
 
@@ -105,7 +121,7 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, params: Sequence[SamplingParams],
                  generators: Sequence[torch.Generator | None],
-                 histories: Sequence[tuple[list[int], int]] | None = None) -> SamplerOutput:
+                 histories: Sequence[History] | None = None) -> SamplerOutput:
         """`histories` (see adjust_logits) is needed only when a row has penalties."""
         if logits.dim() != 2 or logits.shape[0] != len(params):
             raise ValueError(f"logits {tuple(logits.shape)} do not match {len(params)} requests")
