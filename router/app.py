@@ -21,7 +21,7 @@ from tandem.background import spawn
 from tandem.body_limit import BodySizeLimit
 from tandem.errors import APIError, add_openai_error_handlers, error_body
 from tandem.json_response import FastJSONResponse
-from tandem.openai_choices import Choice, combined, expand
+from tandem.openai_choices import Choice, combined, expand, first_token_sets
 from tandem.openai_format import ChatFormatter, CompletionFormatter
 from tandem.openai_protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, new_id, now
 from tandem.protocol import SamplingParams
@@ -153,19 +153,27 @@ async def serve(router, request: Request, choices: list[Choice], n: int, stream:
     if not healthy:  # said now, with a status, rather than in an error event after a 200
         raise APIError(503, "no decode worker is available", code="no_workers")
     workers = router.prefill.healthy() + healthy
-    streams, plans = [], {}  # plans: per prompt, which a request's n samples share
+    # Several choices: the first is charged for the whole request (the others nothing), so that the tenant's
+    # bucket is checked and taken once, with each prompt counted once as usage counts it.
+    whole = sum(len(c.prompt_ids) for c in choices if c.sample == 0) + sum(c.params.max_tokens for c in choices)
+    streams, plans, started = [], {}, {}  # plans and first-token events per prompt, which its samples share
     try:
         for choice in choices:
             ids = choice.prompt_ids
-            plan = plans.get(id(ids))
-            if plan is None:
-                plan = plans[id(ids)] = router.orchestrator.plan(ids)  # (block hashes, routing key)
-            decision = admit(router, choice, plan[0], workers, slo_name, key)
-            streams.append(dispatch(router, choice.request_id, ids, choice.params, decision, slo_name, plan,
-                                    coalesce=not stream))
-    except APIError:
+            if choice.sample == 0:
+                plans[choice.prompt] = router.orchestrator.plan(ids)  # (block hashes, routing key)
+            plan = plans[choice.prompt]
+            charge = None if len(choices) == 1 else whole if not streams else 0
+            decision = admit(router, choice, plan[0], workers, slo_name, key, charge)
+            deltas = dispatch(router, choice.request_id, ids, choice.params, decision, slo_name, plan,
+                              coalesce=not stream, after=started.get(choice.prompt) if choice.sample else None)
+            if choice.sample == 0 and n > 1:  # its later samples start once it has its first token
+                started[choice.prompt] = asyncio.Event()
+                deltas = first_token_sets(deltas, started[choice.prompt])
+            streams.append(deltas)
+    except BaseException:
         for choice in choices[:len(streams)]:
-            router.dispatcher.abandon(choice.request_id)
+            router.dispatcher.withdraw(choice.request_id)
         raise
     fmt, deltas = combined(choices, n, streams)
 
@@ -199,13 +207,19 @@ def check_context_length(router, prompt_tokens: int, max_tokens: int) -> None:
                        code="context_length_exceeded")
 
 
-def admit(router, choice: Choice, hashes: list[int], workers: list, slo_name: str, key: str | None):
-    """The admission ticket of one choice, or the 429 (or 400 past a cap) that refuses it."""
+def admit(router, choice: Choice, hashes: list[int], workers: list, slo_name: str, key: str | None,
+          charge: int | None):
+    """The admission ticket of one choice, or the 429 (or 400 past a cap) that refuses it. A prompt's later
+    samples prefill from its first's cache (tandem.openai_choices): none of its prompt counts as theirs to
+    compute. `charge`: see AdmissionRequest.charge_tokens."""
     ids = choice.prompt_ids
-    predicted = max((router.orchestrator.predictor.predicted_hit_tokens(w.url, hashes, len(ids)) for w in workers),
-                    default=0)
+    uncached = 0
+    if choice.sample == 0:
+        uncached = len(ids) - max((router.orchestrator.predictor.predicted_hit_tokens(w.url, hashes, len(ids))
+                                   for w in workers), default=0)
     decision = router.admission.decide(AdmissionRequest(choice.request_id, len(ids), choice.params.max_tokens,
-                                                        slo_name, key, uncached_prompt_tokens=len(ids) - predicted))
+                                                        slo_name, key, uncached_prompt_tokens=uncached,
+                                                        charge_tokens=charge))
     if isinstance(decision, Reject):
         router.metrics.by_class(router.metrics.rejections, slo_name, reason=decision.reason.value).inc()
         caps = (RejectReason.INPUT_TOO_LONG, RejectReason.MAX_TOKENS_TOO_LARGE)
@@ -218,19 +232,23 @@ def admit(router, choice: Choice, hashes: list[int], workers: list, slo_name: st
 
 
 async def dispatch(router, rid: str, ids: list[int], params: SamplingParams, ticket, slo_name: str, plan=None,
-                   coalesce: bool = False):
+                   coalesce: bool = False, after: asyncio.Event | None = None):
     """Waits for the request's turn (EDF), runs it through the pools and records its SLO outcome. Inter-token
     latency is per token: a delta of k tokens after a gap g (coalesced, or from a worker that fell behind)
-    is observed as g / k."""
+    is observed as g / k. `after`: a later sample of a prompt waits for it once its turn came (holding its slot,
+    not the queue's head, which every other request would wait behind)."""
     metrics, slo = router.metrics, ticket.slo
     ttft, itl = metrics.by_class(metrics.ttft, slo_name), metrics.by_class(metrics.itl, slo_name)
     await router.dispatcher.acquire(rid)
     trace = Trace()
-    arrival = ticket.arrival_s
+    arrival = started = ticket.arrival_s
     first_at = last_at = None
     later_tokens = 0  # tokens after the first delta
     released = False
     try:
+        if after is not None:
+            await after.wait()
+            started = time.monotonic()  # what the prefill rate is measured from, not the wait for the first sample
         async for delta in router.orchestrator.run(rid, ids, params, trace, plan, coalesce):
             t = time.monotonic()
             if first_at is None:
@@ -240,7 +258,7 @@ async def dispatch(router, rid: str, ids: list[int], params: SamplingParams, tic
                 if trace.prefill_seconds:
                     router.admission.rates.record_prefill(max(trace.uncached_tokens, 1), trace.prefill_seconds)
                 elif trace.path == "colocated":
-                    router.admission.rates.record_prefill(max(trace.uncached_tokens, 1), t - arrival)
+                    router.admission.rates.record_prefill(max(trace.uncached_tokens, 1), t - started)
                 ttft.observe(t - arrival)
             elif delta.new_token_ids:
                 later_tokens += len(delta.new_token_ids)
@@ -309,6 +327,11 @@ class Dispatcher:
     def release(self) -> None:
         self.active -= 1
         self._wake_waiting()
+
+    def withdraw(self, rid: str) -> None:
+        """Take back a request admitted but not dispatched, its tenant's charge refunded (AdmissionController.withdraw)."""
+        if self.admission.withdraw(rid):
+            self._wake_waiting()
 
     def abandon(self, rid: str) -> None:
         """Forget a request whether or not it was dispatched (a no-op once released). One still queued could be

@@ -4,9 +4,10 @@ Each choice runs as a request of its own (its own id, so its own admission, abor
 merged into one body or one stream, on the worker and on the router alike. Choices are numbered as vLLM numbers
 them: prompt p's j-th sample is choice p * n + j. Usage counts each prompt once and every choice's completion.
 
-The choices of one prompt are not forked from one prefill as vLLM's parallel sampling does: each prefills on its
-own, and the prefix cache (and on the router, consistent hashing, which sends them to one worker) spares most of
-the repeated work once the first has run.
+A prompt's samples are not forked from one prefill as vLLM's parallel sampling does; instead its later samples
+start once its first has its first token (`staggered`), when the prompt's KV is in that worker's prefix cache
+(the router's consistent hashing sends all samples of a prompt to one worker): they compute only what the cache
+lacks, and admission counts the prompt's prefill once.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ MAX_CHOICES = 256  # prompts x n in one request: each is a request of its own do
 @dataclass
 class Choice:
     request_id: str  # unique per choice: what admission, dispatch and aborts know it by
+    prompt: int  # which of the request's prompts
+    sample: int  # which of that prompt's n samples
     prompt_ids: list[int]
     params: SamplingParams
     fmt: Formatter
@@ -49,7 +52,7 @@ def expand(request_id: str, prompts: list[list[int]], params: SamplingParams, n:
     total = len(prompts) * n
     if total > MAX_CHOICES:
         raise APIError(400, f"{len(prompts)} prompts x n={n} asks for {total} completions; at most {MAX_CHOICES} "
-                            f"per request", param="n")
+                            f"per request", param="n" if len(prompts) == 1 else "prompt")
     choices = []
     for p, ids in enumerate(prompts):
         for j in range(n):
@@ -57,7 +60,7 @@ def expand(request_id: str, prompts: list[list[int]], params: SamplingParams, n:
             sample_params = params
             if j and params.seed is not None:
                 sample_params = params.model_copy(update={"seed": sample_seed(params.seed, j)})
-            choices.append(Choice(request_id if total == 1 else f"{request_id}-{index}", ids, sample_params,
+            choices.append(Choice(request_id if total == 1 else f"{request_id}-{index}", p, j, ids, sample_params,
                                   make_formatter(len(ids), index)))
     return choices
 
@@ -96,7 +99,7 @@ class ChoicesFormatter:
         by_prompt = [self.formatters[p:p + self.n] for p in range(0, len(self.formatters), self.n)]
         prompt_tokens = sum(group[0].num_prompt_tokens for group in by_prompt)
         completion_tokens = sum(len(f.token_ids) for f in self.formatters)
-        cached = sum(max(f.num_cached_tokens for f in group) for group in by_prompt)
+        cached = sum(group[0].num_cached_tokens for group in by_prompt)  # later samples hit the first's prefill
         return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                 "total_tokens": prompt_tokens + completion_tokens,
                 "prompt_tokens_details": {"cached_tokens": cached}}
@@ -121,17 +124,20 @@ async def merge(streams: list[AsyncIterator]) -> AsyncIterator[ChoiceDelta]:
     ENDED = object()
 
     async def pump(position: int, stream: AsyncIterator) -> None:
+        error = None
         try:
             async for item in stream:
                 arrivals.put_nowait((position, item, None))
-            arrivals.put_nowait((position, ENDED, None))
         except Exception as exc:  # noqa: BLE001 - handed to the reader, which raises it
-            arrivals.put_nowait((position, ENDED, exc))
+            error = exc
         finally:
+            arrivals.put_nowait((position, ENDED, error))  # however it ended, or the reader would wait forever
             await stream.aclose()
 
     pumps = [loop.create_task(pump(i, s)) for i, s in enumerate(streams)]
-    running = unfinished = len(streams)  # streams not ended; choices without their finished item yet
+    # Two counts: the merge ends when every stream has ended (`running`), but the item to flag as the answer's
+    # last is the finished item that leaves no choice unfinished, which can come before the other streams' ends.
+    running = unfinished = len(streams)
     try:
         while running:
             position, item, error = await arrivals.get()
@@ -155,3 +161,41 @@ def combined(choices: list[Choice], n: int, streams: list[AsyncIterator]):
     if len(choices) == 1:
         return choices[0].fmt, streams[0]
     return ChoicesFormatter([c.fmt for c in choices], n), merge(streams)
+
+
+def staggered(choices: list[Choice], streams: list[AsyncIterator]) -> list[AsyncIterator]:
+    """The streams, each prompt's later samples held back until its first sample has its first token (or has
+    ended), so that they find the prompt in the prefix cache instead of computing it alongside (module docstring).
+    The router waits inside dispatch instead (after taking its slot, so that a waiting sample blocks no other
+    request's turn) with `first_token_sets` and the same events."""
+    events: dict[int, asyncio.Event] = {}
+    held = []
+    for choice, stream in zip(choices, streams, strict=True):
+        if choice.sample == 0:
+            if len(choices) > 1 and choices[-1].sample > 0:  # n > 1: the prompt has later samples
+                events[choice.prompt] = asyncio.Event()
+                stream = first_token_sets(stream, events[choice.prompt])
+        else:
+            stream = _after(events[choice.prompt], stream)
+        held.append(stream)
+    return held
+
+
+async def first_token_sets(stream: AsyncIterator, started: asyncio.Event) -> AsyncIterator:
+    """`stream` as it is, setting `started` at its first item or at its end, whichever comes first."""
+    try:
+        async for item in stream:
+            started.set()
+            yield item
+    finally:
+        started.set()
+        await stream.aclose()
+
+
+async def _after(started: asyncio.Event, stream: AsyncIterator) -> AsyncIterator:
+    await started.wait()
+    try:
+        async for item in stream:
+            yield item
+    finally:
+        await stream.aclose()

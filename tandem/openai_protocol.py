@@ -15,11 +15,21 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from tandem.errors import APIError
 from tandem.openai_choices import MAX_N
-from tandem.protocol import INT64_MAX, INT64_MIN, SamplingParams, TokenId
+from tandem.protocol import (
+    INT64_MAX,
+    INT64_MIN,
+    MAX_REPETITION_PENALTY,
+    MIN_REPETITION_PENALTY,
+    SamplingParams,
+    TokenId,
+)
+
+MAX_LOGIT_BIAS = 300  # tokens per request, as OpenAI allows: each costs the worker per step
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    # No Infinity or NaN, which Python's JSON parser takes but orjson (the workers' parser) does not.
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
 
 class StreamOptions(_Request):
@@ -48,7 +58,7 @@ class _CommonParams(_Request):
     ignore_eos: bool = False
     stop_token_ids: list[TokenId] | None = None
     include_stop_str_in_output: bool = False
-    repetition_penalty: float | None = Field(None, gt=0.0)
+    repetition_penalty: float | None = Field(None, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY)
     min_tokens: int | None = Field(None, ge=0)
 
     @field_validator("stop")
@@ -63,8 +73,11 @@ class _CommonParams(_Request):
     @field_validator("logit_bias")
     @classmethod
     def _bias_by_token_id(cls, v):
+        if len(v or {}) > MAX_LOGIT_BIAS:
+            raise ValueError(f"at most {MAX_LOGIT_BIAS} tokens may be biased, got {len(v)}")
         for token, bias in (v or {}).items():
-            if not (token.isascii() and token.isdigit()):
+            # One spelling per id ("5", not "05"), so that no two keys add up on one token past the bound.
+            if not (token.isascii() and token.isdigit() and str(int(token)) == token):
                 raise ValueError(f"keys must be token ids, got {token!r}")
             if not -100.0 <= bias <= 100.0:
                 raise ValueError(f"biases must lie in [-100, 100], got {bias} for token {token}")
@@ -75,10 +88,10 @@ class _CommonParams(_Request):
             raise APIError(400, "response_format other than text (JSON mode, JSON schema) is not supported",
                            param="response_format")
 
-    def _sampling(self, max_tokens: int, logprobs: int | None, vocab_size: int | None) -> SamplingParams:
+    def _sampling(self, max_tokens: int, logprobs: int | None, vocab_size: int) -> SamplingParams:
         self._check_supported()
         bias = [(int(token), value) for token, value in (self.logit_bias or {}).items()]
-        if vocab_size is not None and any(token >= vocab_size for token, _ in bias):
+        if any(token >= vocab_size for token, _ in bias):
             raise APIError(400, f"logit_bias names a token id outside the vocabulary [0, {vocab_size})",
                            param="logit_bias")
         if (self.min_tokens or 0) > max_tokens:
@@ -124,8 +137,8 @@ class CompletionRequest(_CommonParams):
                 raise APIError(400, "prompt must not be empty", param="prompt")
         return prompts
 
-    def sampling_params(self, default_max_tokens: int, vocab_size: int | None = None) -> SamplingParams:
-        """`vocab_size`: bounds the token ids of logit_bias (unchecked without it)."""
+    def sampling_params(self, default_max_tokens: int, vocab_size: int) -> SamplingParams:
+        """`vocab_size` bounds the token ids of logit_bias."""
         if self.echo:
             raise APIError(400, "echo is not supported", param="echo")
         if self.best_of not in (None, 1):
@@ -175,8 +188,8 @@ class ChatCompletionRequest(_CommonParams):
             raise APIError(400, f"the model's chat template refused the conversation: {exc}",
                            param="messages") from None
 
-    def sampling_params(self, default_max_tokens: int, vocab_size: int | None = None) -> SamplingParams:
-        """`vocab_size`: bounds the token ids of logit_bias (unchecked without it)."""
+    def sampling_params(self, default_max_tokens: int, vocab_size: int) -> SamplingParams:
+        """`vocab_size` bounds the token ids of logit_bias."""
         for name in ("tools", "functions"):
             if getattr(self, name):
                 raise APIError(400, f"{name} (function calling) are not supported", param=name)

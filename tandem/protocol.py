@@ -7,8 +7,10 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
+# Bounds that keep a penalized logit finite in float32 (a logit of 30 divided by 1e-40 is inf, and 0 * inf NaN).
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # the seed range: wider seeds overflow torch's generators
 # A token id as a client may name one: ids past the vocabulary never match, but ints past 64 bits would not
 # even serialize on the way to the workers.
@@ -17,6 +19,8 @@ TokenId = Annotated[int, Field(ge=0, le=INT64_MAX)]
 
 class SamplingParams(BaseModel):
     """How to pick tokens and when to stop. Validated at the API edge; the engine trusts it."""
+
+    model_config = ConfigDict(allow_inf_nan=False)
 
     temperature: float = Field(1.0, ge=0.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
@@ -32,7 +36,7 @@ class SamplingParams(BaseModel):
     # seen (prompt and output); see workers.engine.sampler.apply_penalties.
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    repetition_penalty: float = Field(1.0, gt=0.0)
+    repetition_penalty: float = Field(1.0, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY)
     min_tokens: int = Field(0, ge=0, description="EOS and stop_token_ids are held back until this many tokens "
                                                  "are generated (vLLM's); stop strings still apply")
     logit_bias: list[tuple[TokenId, float]] = Field(default_factory=list, description="(token id, bias) pairs "

@@ -191,6 +191,17 @@ def test_several_completions_in_one_request(client):
     check_several_completions(client)
 
 
+def test_later_samples_reuse_the_first_ones_prefill(worker, client):
+    """The later samples of a prompt start once the first has its first token: they find the prompt cached."""
+    prompt = "A fresh prompt nobody has sent before: " + " ".join(f"item{i}" for i in range(40))
+    hits = metric(worker, "tandem_prefix_cache_hit_tokens_total", default=0.0)
+    r = client.completions.create(model="smollm2", prompt=prompt, n=3, max_tokens=4, temperature=0.8, seed=3)
+    cached_blocks = (r.usage.prompt_tokens - 1) // 16  # the last prompt token is always computed
+    assert cached_blocks >= 4
+    assert metric(worker, "tandem_prefix_cache_hit_tokens_total") - hits >= 2 * 16 * cached_blocks
+    assert r.usage.prompt_tokens_details.cached_tokens == 0  # the first sample's, as usage counts the prompt once
+
+
 def test_penalties_steer_away_from_repeats(client):
     kwargs = dict(model="smollm2", prompt="Repeat after me: the cat, the cat, the cat,", max_tokens=24,
                   temperature=0, extra_body={"ignore_eos": True})

@@ -41,10 +41,11 @@ def test_seeded_samples_differ_from_each_other_and_repeat_from_call_to_call():
             SamplingParams(seed=sample_seed(seed, sample))  # the engine's model takes it
 
 
-def test_too_many_choices_are_refused():
-    with pytest.raises(APIError) as info:
-        _choices([[1]] * 3, n=MAX_CHOICES // 2)
-    assert info.value.status == 400 and info.value.param == "n"
+def test_too_many_choices_are_refused_naming_the_cause():
+    for prompts, n, param in (([[1]] * 3, MAX_CHOICES // 2, "prompt"), ([[1]], MAX_CHOICES + 1, "n")):
+        with pytest.raises(APIError) as info:
+            _choices(prompts, n)
+        assert info.value.status == 400 and info.value.param == param
 
 
 def _delta(tokens, text, finished=False):

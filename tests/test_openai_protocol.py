@@ -7,16 +7,18 @@ from tandem.errors import APIError, error_body
 from tandem.openai_protocol import ChatCompletionRequest, CompletionRequest
 from tandem.protocol import SamplingParams
 
+VOCAB = 1000
+
 
 def test_defaults_map_to_sampling_params():
-    p = CompletionRequest(model="m", prompt="hi").sampling_params(default_max_tokens=16)
+    p = CompletionRequest(model="m", prompt="hi").sampling_params(16, VOCAB)
     assert (p.temperature, p.top_p, p.top_k, p.max_tokens, p.stop, p.logprobs) == (1.0, 1.0, -1, 16, [], None)
 
 
 def test_chat_max_completion_tokens_wins_and_logprobs():
     r = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "x"}], max_tokens=5,
                               max_completion_tokens=7, logprobs=True, top_logprobs=3, stop="END")
-    p = r.sampling_params(default_max_tokens=100)
+    p = r.sampling_params(100, VOCAB)
     assert (p.max_tokens, p.logprobs, p.stop) == (7, 3, ["END"])
 
 
@@ -31,7 +33,9 @@ def test_content_parts_are_joined():
                                          # wider than int64 overflows torch's generator inside the engine
                                          ("seed", 2**64), ("seed", -(2**63) - 1), ("n", 0), ("n", 129),
                                          ("presence_penalty", 2.5), ("frequency_penalty", -2.1),
-                                         ("repetition_penalty", 0)])
+                                         ("repetition_penalty", 0), ("repetition_penalty", 1e-40),
+                                         ("repetition_penalty", 101), ("temperature", float("inf")),
+                                         ("top_p", float("nan"))])
 def test_strict_validation(field, value):
     with pytest.raises(ValidationError):
         CompletionRequest(**{"model": "m", "prompt": "x", field: value})
@@ -41,13 +45,13 @@ def test_strict_validation(field, value):
                                           ({"echo": True}, "echo")])
 def test_unsupported_or_invalid_values_raise_api_errors(kwargs, param):
     with pytest.raises(APIError) as info:
-        CompletionRequest(model="m", prompt="x", **kwargs).sampling_params(16)
+        CompletionRequest(model="m", prompt="x", **kwargs).sampling_params(16, VOCAB)
     assert info.value.status == 400 and info.value.param == param
 
 
 def test_int64_seeds_are_accepted_by_both_request_and_engine_models():
     for seed in (2**63 - 1, -(2**63)):
-        params = CompletionRequest(model="m", prompt="x", seed=seed).sampling_params(default_max_tokens=16)
+        params = CompletionRequest(model="m", prompt="x", seed=seed).sampling_params(16, VOCAB)
         assert params.seed == seed
     with pytest.raises(ValidationError):
         SamplingParams(seed=2**63)
@@ -73,9 +77,9 @@ def test_error_body_shape():
 
 def test_penalties_reach_the_sampling_params():
     params = CompletionRequest(model="m", prompt="x", presence_penalty=0.5, frequency_penalty=-0.25,
-                               repetition_penalty=1.2).sampling_params(16)
+                               repetition_penalty=1.2).sampling_params(16, VOCAB)
     assert (params.presence_penalty, params.frequency_penalty, params.repetition_penalty) == (0.5, -0.25, 1.2)
-    assert params.penalized and not CompletionRequest(model="m", prompt="x").sampling_params(16).penalized
+    assert params.penalized and not CompletionRequest(model="m", prompt="x").sampling_params(16, VOCAB).penalized
 
 
 def test_logit_bias_by_token_id_within_the_vocabulary():
@@ -84,6 +88,8 @@ def test_logit_bias_by_token_id_within_the_vocabulary():
     with pytest.raises(APIError) as info:
         request.sampling_params(16, vocab_size=7)
     assert info.value.status == 400 and info.value.param == "logit_bias"
-    for bad in ({"x": 1}, {"-1": 1}, {"1": 100.5}, {"٣": 1}):  # an Arabic-Indic digit is a digit, not an id
+    # an Arabic-Indic digit is a digit, not an id; "05" would add to "5" past the bound
+    for bad in ({"x": 1}, {"-1": 1}, {"1": 100.5}, {"٣": 1}, {"05": 1}, {" 5": 1}, {"+5": 1},
+                {str(i): 1.0 for i in range(301)}):
         with pytest.raises(ValidationError):
             CompletionRequest(model="m", prompt="x", logit_bias=bad)

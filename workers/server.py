@@ -18,7 +18,7 @@ from tandem.config import WorkerConfig
 from tandem.errors import APIError, add_openai_error_handlers, error_body
 from tandem.json_response import FastJSONResponse
 from tandem.metrics import EngineMetrics
-from tandem.openai_choices import Choice, combined, expand
+from tandem.openai_choices import Choice, combined, expand, staggered
 from tandem.openai_format import ChatFormatter, CompletionFormatter
 from tandem.openai_protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, new_id, now
 from tandem.protocol import LayoutFingerprint
@@ -128,8 +128,8 @@ def check_model(ctx: ServingContext, model: str) -> None:
 async def respond(ctx: ServingContext, request: Request, choices: list[Choice], n: int, stream: bool,
                   usage_in_stream: bool):
     arrival = time.monotonic()
-    fmt, outputs = combined(choices, n, [ctx.engine.generate(c.request_id, c.prompt_ids, c.params, arrival)
-                                         for c in choices])
+    streams = [ctx.engine.generate(c.request_id, c.prompt_ids, c.params, arrival) for c in choices]
+    fmt, outputs = combined(choices, n, staggered(choices, streams))
     if stream:
         return EventStreamResponse(openai_stream(fmt, outputs, usage_in_stream, stream_error_body), headers=SSE_HEADERS)
     try:

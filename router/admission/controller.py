@@ -52,7 +52,9 @@ class AdmissionRequest:
     """What admission needs to know about a request, after tokenization.
 
     `uncached_prompt_tokens` is the router's estimate of the prompt tokens the prefill worker will have to
-    compute (prompt minus the prefix it expects cached); None means all of them.
+    compute (prompt minus the prefix it expects cached); None means all of them. `charge_tokens` is what the
+    tenant's token bucket is charged; None means prompt + max_tokens (a request of several choices charges its
+    first choice with the whole and the others nothing: tandem.router.app.admit_choices).
     """
 
     request_id: str
@@ -61,6 +63,7 @@ class AdmissionRequest:
     slo_class: str = "interactive"
     api_key: str | None = None
     uncached_prompt_tokens: int | None = None
+    charge_tokens: int | None = None
 
     def __post_init__(self):
         if self.prompt_tokens < 0:
@@ -74,6 +77,10 @@ class AdmissionRequest:
     @property
     def prefill_tokens(self) -> int:
         return self.prompt_tokens if self.uncached_prompt_tokens is None else self.uncached_prompt_tokens
+
+    @property
+    def charge(self) -> int:
+        return self.prompt_tokens + self.max_tokens if self.charge_tokens is None else self.charge_tokens
 
 
 @dataclass(frozen=True)
@@ -172,7 +179,7 @@ class AdmissionController:
                           f"max_tokens is {request.max_tokens}, the limit is {self.max_output_tokens}")
 
         tenant = self.rate_limiter.tenant_for(request.api_key)
-        charge = request.prompt_tokens + request.max_tokens
+        charge = request.charge
         refill_wait = self.rate_limiter.wait_s(tenant, charge)
         if refill_wait > 0:
             return Reject(RejectReason.RATE_LIMITED, refill_wait,
@@ -219,3 +226,13 @@ class AdmissionController:
             self._in_flight_total -= tokens
             return True
         return self.queue.remove(request_id) is not None
+
+    def withdraw(self, request_id: str) -> bool:
+        """Take back a request admitted but not yet handed out, as if it had never been: out of the queue, its
+        charge back in its tenant's bucket (a request of several choices whose last one was refused). False when
+        it is not queued."""
+        ticket = self.queue.remove(request_id)
+        if ticket is None:
+            return False
+        self.rate_limiter.refund(ticket.tenant, ticket.request.charge)
+        return True

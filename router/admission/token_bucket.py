@@ -64,6 +64,10 @@ class TokenBucket:
             raise ValueError(f"bucket holds {self._level:.1f} tokens, cannot take {charge}")
         self._level -= charge
 
+    def refund(self, charge: float) -> None:
+        """Give back a charge taken for work that will not be done (never past a full bucket)."""
+        self._level = min(self.limit.burst, self.level + charge)
+
 
 class TenantRateLimiter:
     """Maps API keys to tenants and keeps one bucket per tenant.
@@ -100,3 +104,8 @@ class TenantRateLimiter:
         bucket = self.bucket(tenant)
         if bucket is not None:
             bucket.consume(charge)
+
+    def refund(self, tenant: str, charge: float) -> None:
+        bucket = self.bucket(tenant)
+        if bucket is not None:
+            bucket.refund(charge)

@@ -11,6 +11,7 @@ import orjson
 import pytest
 
 from tandem.config import RouterConfig
+from tandem.router.admission import RateLimit, TenantRateLimiter
 from tandem.router.app import build_app
 from tandem.router.main import Router
 
@@ -164,3 +165,52 @@ def test_one_refused_choice_refuses_the_request_and_releases_the_others():
     assert r.status_code == 400 and r.json()["error"]["code"] == "input_too_long", r.text
     assert worker.tokens_made == 0
     assert_forgotten(router)
+
+
+def post(app, body: dict, slo: str = "interactive") -> httpx.Response:
+    async def ask():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://r") as client:
+            return await client.post("/v1/completions", json=body, headers={"x-tandem-slo-class": slo})
+    return asyncio.run(ask())
+
+
+def test_n_samples_count_their_prompt_once_and_start_after_the_first_token(router_app):
+    """An idle router with a known prefill rate: one prompt's prefill fits the 1 s TTFT target, sixteen would not.
+    The samples are admitted (their prompt is prefilled once), and the later ones start once the first has its
+    first token, when the prompt is in the worker's cache."""
+    router, app, worker = router_app
+    router.admission.rates.record_prefill(100, 1.0)  # 100 tokens/s per worker
+    prompt = " ".join(["word"] * 60)  # 60 tokens: 0.6 s alone, 9.6 s sixteen times over
+    started: list[tuple[str, int]] = []
+    batches = worker.event_batches
+
+    async def recording(url, path, body):
+        started.append((body["request_id"], worker.tokens_made))
+        async for batch in batches(url, path, body):
+            yield batch
+
+    worker.event_batches = recording
+    r = post(app, {"model": "smollm2", "prompt": prompt, "max_tokens": 2, "n": 16})
+    assert r.status_code == 200, r.text
+    assert len(r.json()["choices"]) == 16
+    first = [rid for rid, _ in started if rid.endswith("-0")]
+    assert started[0][0] == first[0] and all(made >= 1 for _, made in started[1:])  # after its first token
+    assert_forgotten(router)
+
+
+def test_a_refused_request_gives_back_what_its_tenant_was_charged():
+    router = Router(RouterConfig(decode=[WORKER], max_queue=2))
+    router.decode.set_members([WORKER])
+    router.decode._set_healthy(router.decode.workers[WORKER], True)
+    router.orchestrator.http = SlowWorker()
+    router.admission.rate_limiter = TenantRateLimiter(default_limit=RateLimit(0.001, 1000))
+    bucket = router.admission.rate_limiter.bucket("default")
+    app = build_app(router)
+    r = post(app, {"model": "smollm2", "prompt": "Hello there", "max_tokens": 10, "n": 3})  # the third: queue full
+    assert r.status_code == 429 and r.json()["error"]["code"] == "queue_full", r.text
+    assert bucket.level == pytest.approx(1000, abs=0.01)  # charged for nothing: given back
+    assert_forgotten(router)
+    r = post(app, {"model": "smollm2", "prompt": "Hello there", "max_tokens": 10, "n": 2})
+    assert r.status_code == 200, r.text
+    prompt_tokens = r.json()["usage"]["prompt_tokens"]
+    assert bucket.level == pytest.approx(1000 - prompt_tokens - 2 * 10, abs=0.01)  # the prompt charged once

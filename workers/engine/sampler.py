@@ -5,8 +5,8 @@ and sampled with the exponential-race trick (argmax of p / E, E ~ Exp(1)), which
 vectorised pass and lets each seeded row draw its noise from its own generator: a seeded
 request gets the same tokens whatever else is in the batch. A row's logit_bias, min_tokens and
 penalties (presence, frequency, repetition) change its logits before any of this, greedy rows
-included. Logprobs describe
-the model's raw distribution (log_softmax of the unmodified logits), as vLLM reports them by default.
+included. Logprobs describe the model's raw distribution (log_softmax of the unmodified logits),
+as vLLM reports them by default.
 """
 
 from __future__ import annotations
@@ -122,7 +122,7 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, params: Sequence[SamplingParams],
                  generators: Sequence[torch.Generator | None],
                  histories: Sequence[History] | None = None) -> SamplerOutput:
-        """`histories` (see adjust_logits) is needed only when a row has penalties."""
+        """`histories` (see adjust_logits) is needed only when a row reads_history (penalties, min_tokens)."""
         if logits.dim() != 2 or logits.shape[0] != len(params):
             raise ValueError(f"logits {tuple(logits.shape)} do not match {len(params)} requests")
         scores = adjust_logits(logits, params, histories)
