@@ -213,3 +213,12 @@ def test_min_tokens_holds_back_what_would_stop_the_request_until_then():
     stops = frozenset({1, 2})
     assert Sampler()(logits, params, [None], [History([7, 0], 1, stops)]).token_ids == [0]  # 1 made, 2 wanted
     assert Sampler()(logits, params, [None], [History([7, 0, 0], 1, stops)]).token_ids == [1]  # 2 made: free
+
+
+def test_a_kept_prompt_tensor_penalizes_as_the_token_list_does():
+    logits = rand_logits(1, seed=11)
+    params = [SamplingParams(repetition_penalty=1.7, frequency_penalty=0.3)]
+    tokens = [3, 3, 9, 41, 9, 3]  # prompt [3, 3, 9, 41], output [9, 3]
+    kept = History(tokens, 4, prompt_ids=torch.tensor(tokens[:4]))
+    assert torch.equal(adjust_logits(logits, params, [kept]), adjust_logits(logits, params, [History(tokens, 4)]))
+    assert not torch.equal(adjust_logits(logits, params, [kept]), logits)

@@ -70,13 +70,24 @@ class GenerationResult:
 
 
 class _Request:
-    __slots__ = ("seq", "detokenizer", "stop_token_ids", "kv_status")
+    __slots__ = ("seq", "detokenizer", "stop_token_ids", "kv_status", "prompt_ids")
 
     def __init__(self, seq: Sequence, detokenizer: IncrementalDetokenizer | None, stop_token_ids: frozenset[int]):
         self.seq = seq
         self.detokenizer = detokenizer
         self.stop_token_ids = stop_token_ids
         self.kv_status: str | None = None  # reported once, on the first output
+        self.prompt_ids: torch.Tensor | None = None  # made once, for a repetition penalty (sampler.History)
+
+    def history(self, device) -> History:
+        """What the sampler reads for this request's penalties and min_tokens. The output starts where the
+        client's prompt ends: a resumed request's replayed output and a prefill worker's first token count as
+        output here, as they would on one worker alone."""
+        seq = self.seq
+        start = seq.num_prompt_tokens - seq.output_tokens_in_prompt
+        if self.prompt_ids is None and seq.params.repetition_penalty != 1.0:
+            self.prompt_ids = torch.tensor(seq.token_ids[:start], dtype=torch.int64, device=device)
+        return History(seq.token_ids, start, self.stop_token_ids, self.prompt_ids)
 
 
 def resolve_device(config: EngineConfig) -> tuple[str, str]:
@@ -266,10 +277,7 @@ class LLMEngine:
                 seqs = [scheduled.seqs[row] for row in sample_rows]
                 histories = None
                 if any(s.params.reads_history for s in seqs):
-                    # The output starts where the client's prompt ends: a resumed request's replayed output and a
-                    # prefill worker's first token count as output here, as they would on one worker alone.
-                    histories = [History(s.token_ids, s.num_prompt_tokens - s.output_tokens_in_prompt,
-                                         self._requests[s.request_id].stop_token_ids) for s in seqs]
+                    histories = [self._requests[s.request_id].history(logits.device) for s in seqs]
                 sampled = self.sampler(logits, [s.params for s in seqs], [s.next_token_generator() for s in seqs],
                                        histories)
                 now = time.monotonic()

@@ -60,6 +60,9 @@ class History:
     tokens: list[int]  # the prompt, then the output so far
     output_start: int  # where the output starts in `tokens`
     stop_token_ids: frozenset[int] = frozenset()  # what min_tokens holds back (EOS unless ignored, stop_token_ids)
+    # tokens[:output_start] as a tensor, kept by the caller from step to step: a long prompt is then not turned
+    # into a tensor again at every step of a request with a repetition penalty.
+    prompt_ids: torch.Tensor | None = None
 
 
 def adjust_logits(logits: torch.Tensor, params: Sequence[SamplingParams],
@@ -84,22 +87,26 @@ def adjust_logits(logits: torch.Tensor, params: Sequence[SamplingParams],
         if made < p.min_tokens and history.stop_token_ids:
             row[torch.tensor(sorted(history.stop_token_ids), device=out.device)] = float("-inf")
         if p.penalized:
-            apply_penalties(row, p, history.tokens, history.output_start)
+            apply_penalties(row, p, history)
     return out
 
 
-def apply_penalties(row: torch.Tensor, p: SamplingParams, tokens: list[int], output_start: int) -> None:
-    """One row's penalties, in place, as vLLM and OpenAI define them. `tokens`: the request's prompt then its
-    output so far, which starts at `output_start`. repetition_penalty r on every token seen, prompt or output: a
-    positive logit is divided by r, a negative one multiplied (r > 1 makes any seen token less likely).
-    frequency_penalty f and presence_penalty p on the output so far: a token generated c times loses c * f + p
-    (p once, however often)."""
+def apply_penalties(row: torch.Tensor, p: SamplingParams, history: History) -> None:
+    """One row's penalties, in place, as vLLM and OpenAI define them. repetition_penalty r on every token seen,
+    prompt or output: a positive logit is divided by r, a negative one multiplied (r > 1 makes any seen token less
+    likely). frequency_penalty f and presence_penalty p on the output so far: a token generated c times loses
+    c * f + p (p once, however often)."""
+    output = torch.tensor(history.tokens[history.output_start:], dtype=torch.int64)
     if p.repetition_penalty != 1.0:
-        seen = torch.tensor(tokens, dtype=torch.int64).unique().to(row.device)
+        prompt = history.prompt_ids
+        if prompt is None:
+            prompt = torch.tensor(history.tokens[:history.output_start], dtype=torch.int64)
+        # A token seen twice is read and written twice, with the same value: no need to make them unique.
+        seen = torch.cat([prompt.to(row.device), output.to(row.device)])
         values = row[seen]
         row[seen] = torch.where(values > 0, values / p.repetition_penalty, values * p.repetition_penalty)
-    if (p.frequency_penalty or p.presence_penalty) and len(tokens) > output_start:
-        made, counts = torch.tensor(tokens[output_start:], dtype=torch.int64).unique(return_counts=True)
+    if (p.frequency_penalty or p.presence_penalty) and len(output):
+        made, counts = output.unique(return_counts=True)
         row[made.to(row.device)] -= (p.frequency_penalty * counts + p.presence_penalty).to(row)
 
 
