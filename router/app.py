@@ -144,6 +144,10 @@ async def serve(router, request: Request, choices: list[Choice], n: int, stream:
     answers with their merged stream or body (tandem.openai_choices; one choice, the usual case, is not merged)."""
     for choice in choices:
         check_context_length(router, len(choice.prompt_ids), choice.params.max_tokens)
+    queue_size = router.admission.queue.max_size
+    if len(choices) > queue_size:  # they could never all be queued at once
+        raise APIError(400, f"{len(choices)} completions in one request exceed this router's admission queue "
+                            f"({queue_size}, --max-queue)", param="n")
     key = bearer_token(request.scope["headers"])
     slo_name = request.headers.get(SLO_HEADER) or router.slo_for_key.get(key or "", "interactive")
     if slo_name not in router.admission.slo_classes:

@@ -11,7 +11,7 @@ import orjson
 import pytest
 
 from tandem.config import RouterConfig
-from tandem.router.admission import RateLimit, TenantRateLimiter
+from tandem.router.admission import AdmissionRequest, RateLimit, TenantRateLimiter
 from tandem.router.app import build_app
 from tandem.router.main import Router
 
@@ -199,16 +199,23 @@ def test_n_samples_count_their_prompt_once_and_start_after_the_first_token(route
 
 
 def test_a_refused_request_gives_back_what_its_tenant_was_charged():
-    router = Router(RouterConfig(decode=[WORKER], max_queue=2))
+    router = Router(RouterConfig(decode=[WORKER], max_queue=4))
     router.decode.set_members([WORKER])
     router.decode._set_healthy(router.decode.workers[WORKER], True)
     router.orchestrator.http = SlowWorker()
     router.admission.rate_limiter = TenantRateLimiter(default_limit=RateLimit(0.001, 1000))
     bucket = router.admission.rate_limiter.bucket("default")
     app = build_app(router)
+    r = post(app, {"model": "smollm2", "prompt": ["Hello there", "Hi"], "max_tokens": 10, "n": 3})
+    assert r.status_code == 400 and "--max-queue" in r.json()["error"]["message"], r.text  # 6 could never queue
+    for i in range(2):  # two places of four taken by requests of others, still queued
+        router.admission.decide(AdmissionRequest(f"other-{i}", 1, 1, "batch", charge_tokens=0))
     r = post(app, {"model": "smollm2", "prompt": "Hello there", "max_tokens": 10, "n": 3})  # the third: queue full
     assert r.status_code == 429 and r.json()["error"]["code"] == "queue_full", r.text
     assert bucket.level == pytest.approx(1000, abs=0.01)  # charged for nothing: given back
+    assert len(router.admission.queue) == 2  # the others' places only
+    for i in range(2):
+        router.dispatcher.abandon(f"other-{i}")
     assert_forgotten(router)
     r = post(app, {"model": "smollm2", "prompt": "Hello there", "max_tokens": 10, "n": 2})
     assert r.status_code == 200, r.text
