@@ -14,6 +14,7 @@ from test_api import metric, wait_for
 
 from tandem.launcher import ServiceProcess, free_port
 from tandem.router import worker_client
+from tandem.router.worker_channel import CorkedTransport
 from tandem.router.worker_client import TRANSPORT_ERRORS, WorkerClient, WorkerStatusError
 
 PROMPTS = [[504, 3575, 282, 4649, 314], [504, 3575, 282], [1274, 260, 2134, 28, 339, 5765]]
@@ -308,3 +309,30 @@ def test_a_worker_that_is_down_raises_a_transport_error():
 
     with pytest.raises(TRANSPORT_ERRORS):
         asyncio.run(run())
+
+
+def test_frames_written_in_one_pass_of_the_loop_leave_in_one_write():
+    class Transport:
+        def __init__(self):
+            self.writes, self.closing = [], False
+
+        def write(self, data):
+            self.writes.append(bytes(data))
+
+        def is_closing(self):
+            return self.closing
+
+    async def run():
+        inner = Transport()
+        corked = CorkedTransport(inner)
+        corked.write(b"a")
+        corked.write(bytearray(b"b"))  # aiohttp writes a masked frame as a bytearray
+        assert inner.writes == [] and corked.is_closing() is False  # not yet; the rest is the transport's
+        await asyncio.sleep(0)
+        assert inner.writes == [b"ab"]
+        corked.write(b"c")
+        inner.closing = True
+        await asyncio.sleep(0)
+        assert inner.writes == [b"ab"]  # a closing transport takes nothing more
+
+    asyncio.run(run())
