@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import itertools
 import math
+from collections.abc import Callable
 
 import aiohttp
 import orjson
@@ -76,8 +77,9 @@ class WorkerChannel:
     async def connect(cls, session: aiohttp.ClientSession, worker_url: str, read_timeout_s: float) -> WorkerChannel:
         """aiohttp.WSServerHandshakeError when the worker has no channel (an older worker)."""
         ws = await session.ws_connect(f"{worker_url}/internal/ws", heartbeat=HEARTBEAT_S, max_msg_size=0)
-        cork(ws)
-        return cls(ws, read_timeout_s)
+        channel = cls(ws, read_timeout_s)
+        cork(ws, busy=lambda: len(channel._inboxes) > 1)
+        return channel
 
     async def send(self, path: str, body: dict) -> tuple[int, Inbox]:
         """Sends a request; its answers (dicts, then CLOSED or TIMED_OUT if it comes to that) arrive in the
@@ -142,29 +144,34 @@ class WorkerChannel:
         await self._reader
 
 
-def cork(ws: aiohttp.ClientWebSocketResponse) -> None:
-    """Have the messages sent on `ws` in one pass of the event loop leave in one write (CorkedTransport). Left
-    as it is where aiohttp's writer is not as expected (its transport is not public API)."""
+def cork(ws: aiohttp.ClientWebSocketResponse, busy: Callable[[], bool]) -> None:
+    """Have the messages sent on `ws` in one pass of the event loop leave in one write while `busy()`
+    (CorkedTransport). Left as it is where aiohttp's writer is not as expected (its transport is not public API)."""
     writer = getattr(ws, "_writer", None)
     if writer is not None and hasattr(writer, "transport") and not isinstance(writer.transport, CorkedTransport):
-        writer.transport = CorkedTransport(writer.transport)
+        writer.transport = CorkedTransport(writer.transport, busy)
 
 
 class CorkedTransport:
-    """A transport whose writes in one pass of the event loop go out as one, at the start of the next pass.
+    """A transport whose writes in one pass of the event loop go out as one, at the start of the next pass, while
+    `busy()` (other requests in flight on the connection); when not, a write goes out at once.
 
     Under load many requests reach the router in one pass and each sends a frame to its worker: one system call
     each, which on loopback also runs the receiving side's TCP work. Frames are self-delimiting, so they may share
-    a write. Measured by benchmarks/router.py (router CPU per request). The price is one pass of the loop before
-    a frame leaves (microseconds when the router is idle). Everything but write() is the transport's own."""
+    a write. Measured by benchmarks/router.py (router CPU per request). The price, one pass of the loop before a
+    frame leaves, is not paid by a lone request. Everything but write() is the transport's own."""
 
-    def __init__(self, transport: asyncio.Transport):
+    def __init__(self, transport: asyncio.Transport, busy: Callable[[], bool]):
         self._transport = transport
+        self._busy = busy
         self._pending: list[bytes] = []
         self._loop = asyncio.get_running_loop()
 
     def write(self, data: bytes) -> None:
         if not self._pending:
+            if not self._busy():
+                self._transport.write(data)
+                return
             self._loop.call_soon(self._flush)
         self._pending.append(data)
 

@@ -323,8 +323,12 @@ def test_frames_written_in_one_pass_of_the_loop_leave_in_one_write():
             return self.closing
 
     async def run():
-        inner = Transport()
-        corked = CorkedTransport(inner)
+        inner, busy = Transport(), [False]
+        corked = CorkedTransport(inner, lambda: busy[0])
+        corked.write(b"alone")  # no other request in flight: at once
+        assert inner.writes == [b"alone"]
+        inner.writes.clear()
+        busy[0] = True
         corked.write(b"a")
         corked.write(bytearray(b"b"))  # aiohttp writes a masked frame as a bytearray
         assert inner.writes == [] and corked.is_closing() is False  # not yet; the rest is the transport's
