@@ -182,40 +182,42 @@ def test_a_resumed_request_loses_no_text_held_back_for_stop_strings(colocated, r
     assert sent_text + "".join(o.new_text for o in outs) == whole_text
 
 
+def alone_split_resumed(pd_pair, colocated, name: str, prompt: list[int], params: SamplingParams,
+                        resume_after: int) -> tuple[list[int], list[int], list[int]]:
+    """One request's tokens run on one worker, split over a prefill and a decode worker, and resumed on another
+    after `resume_after` tokens (what it had made sent back as prompt, as the router resumes)."""
+    prefill, decode = pd_pair
+    alone, _ = run(colocated, f"{name}-alone", prompt, params)
+    split, _ = disaggregated(prefill, decode, f"{name}-split", prompt, params)
+    made = alone[:resume_after]
+    rest, _ = run(colocated, f"{name}-resumed", prompt + made[:-1],
+                  params.model_copy(update={"max_tokens": params.max_tokens - len(made) + 1}),
+                  first_token_id=made[-1], output_tokens_in_prompt=len(made) - 1)
+    return alone, split, made + rest
+
+
 def test_a_seeded_request_samples_the_same_tokens_split_or_resumed(pd_pair, colocated):
     """Each token of a seeded request depends on (seed, position) only: prefilled on one worker and decoded on
     another, or resumed on a third after some tokens, it is what one worker alone samples."""
-    prefill, decode = pd_pair
     params = SamplingParams(temperature=1.0, seed=42, max_tokens=8, ignore_eos=True)
     prompt = prompt_of(40, seed=9)
-    alone, _ = run(colocated, "seeded-alone", prompt, params)
-    split, _ = disaggregated(prefill, decode, "seeded-split", prompt, params)
-    made = alone[:3]
-    rest, _ = run(colocated, "seeded-resumed", prompt + made[:-1],
-                  params.model_copy(update={"max_tokens": params.max_tokens - len(made) + 1}),
-                  first_token_id=made[-1], output_tokens_in_prompt=len(made) - 1)
+    alone, split, resumed = alone_split_resumed(pd_pair, colocated, "seeded", prompt, params, resume_after=3)
     other_seed, _ = run(colocated, "seeded-other", prompt, params.model_copy(update={"seed": 43}))
-    assert split == alone and made + rest == alone
+    assert split == alone and resumed == alone
     assert other_seed != alone  # the seed is what decides
 
 
 def test_penalties_count_the_same_output_split_or_resumed(pd_pair, colocated):
     """Penalties count what the request generated: the prefill worker's first token and, on a resume, the output
     that came back as prompt are output on the decode worker too, so every split picks what one worker does."""
-    prefill, decode = pd_pair
     # Negative penalties, so that on this random model (which repeats nothing by itself) they show: repeats favoured.
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, frequency_penalty=-2.0,
                             presence_penalty=-1.0, repetition_penalty=0.7)
     prompt = prompt_of(40, seed=10)
-    alone, _ = run(colocated, "penalized-alone", prompt, params)
-    split, _ = disaggregated(prefill, decode, "penalized-split", prompt, params)
-    made = alone[:4]
-    rest, _ = run(colocated, "penalized-resumed", prompt + made[:-1],
-                  params.model_copy(update={"max_tokens": params.max_tokens - len(made) + 1}),
-                  first_token_id=made[-1], output_tokens_in_prompt=len(made) - 1)
+    alone, split, resumed = alone_split_resumed(pd_pair, colocated, "penalized", prompt, params, resume_after=4)
     plain, _ = run(colocated, "unpenalized", prompt, params.model_copy(
         update={"frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0}))
-    assert split == alone and made + rest == alone
+    assert split == alone and resumed == alone
     assert plain != alone  # the penalties changed what greedy picks
     assert len(set(alone)) < len(set(plain))  # toward repeats
 
