@@ -167,7 +167,7 @@ async def serve(router, request: Request, choices: list[Choice], n: int, stream:
             if choice.sample == 0:
                 plans[choice.prompt] = router.orchestrator.plan(ids)  # (block hashes, routing key)
             plan = plans[choice.prompt]
-            charge = None if len(choices) == 1 else whole if not streams else 0
+            charge = None if len(choices) == 1 else whole if choice is choices[0] else 0
             decision = admit(router, choice, plan[0], workers, slo_name, key, charge)
             deltas = dispatch(router, choice.request_id, ids, choice.params, decision, slo_name, plan,
                               coalesce=not stream, after=started.get(choice.prompt) if choice.sample else None)
