@@ -9,6 +9,7 @@ abort) also travel multiplexed on one WebSocket per router (tandem.workers.chann
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -210,13 +211,24 @@ def check_handle(ctx, body: DecodeRequest, handle: KVHandle) -> None:
                             f"of block size {block_size}", param="kv_handle.block_ids")
 
 
+RELEASE_ATTEMPTS = 3
+
+
 async def release_lease(ctx, handle: KVHandle) -> None:
-    """Tell the prefill worker it may free the blocks. Best effort: its lease TTL covers failures."""
-    try:
-        await ctx.http.post(f"{handle.source_url}/internal/kv/release", json={"lease_id": handle.lease_id},
-                            timeout=2.0)
-    except httpx.HTTPError as exc:
-        log.info("could not release lease %s at %s: %s", handle.lease_id, handle.source_url, exc)
+    """Tell the prefill worker it may free the blocks. A release is idempotent (a second one is a 404), so a failed
+    one is tried again: a pooled keep-alive connection the prefill worker closed as it was reused fails the first
+    try without the worker being gone, and otherwise the blocks stay pinned for the whole lease TTL. Best effort
+    after that: the TTL covers the rest."""
+    for attempt in range(1, RELEASE_ATTEMPTS + 1):
+        try:
+            await ctx.http.post(f"{handle.source_url}/internal/kv/release", json={"lease_id": handle.lease_id},
+                                timeout=2.0)
+            return
+        except httpx.HTTPError as exc:
+            if attempt == RELEASE_ATTEMPTS:
+                log.info("could not release lease %s at %s: %s", handle.lease_id, handle.source_url, exc)
+                return
+            await asyncio.sleep(0.1 * attempt)
 
 
 async def decode_events(ctx, outputs: AsyncIterator[RequestOutput], handle: KVHandle | None,
