@@ -207,21 +207,28 @@ def worker_deployment(owner: Owner, spec: LLMDeploymentSpec, pool: str, replicas
     return _deployment(owner, pool, replicas, pod, strategy, dict(_SCRAPE_ANNOTATIONS))
 
 
+ROUTER_READS = "slo-classes.json"  # the ConfigMap's file the router reads ($TANDEM_CONFIG_DIR)
+
+
 def router_config(spec: LLMDeploymentSpec, sizes: PoolSizes) -> dict[str, str]:
-    """The ConfigMap's files: what the router reads beside its command-line options."""
-    slo_classes = [c.model_dump(by_alias=True) for c in spec.router.slo_classes or []]
+    """The ConfigMap's files: what the router reads beside its command-line options, and the deployment's shape
+    for people and tools (deployment.json)."""
     deployment = {"model": spec.model.name, "pools": {"prefill": sizes.prefill, "decode": sizes.decode},
                   "ratio": sizes.ratio, "kvTransfer": spec.kv_transfer.model_dump(by_alias=True, exclude_none=True),
                   "blockSize": spec.engine.block_size or EngineConfig.model_fields["block_size"].default}
-    return {"slo-classes.json": json.dumps(slo_classes, indent=2, sort_keys=True) + "\n",
+    return {ROUTER_READS: _slo_classes_file(spec),
             "deployment.json": json.dumps(deployment, indent=2, sort_keys=True) + "\n"}
 
 
-ROUTER_READS = "slo-classes.json"  # the ConfigMap's file the router reads ($TANDEM_CONFIG_DIR)
+def _slo_classes_file(spec: LLMDeploymentSpec) -> str:
+    slo_classes = [c.model_dump(by_alias=True) for c in spec.router.slo_classes or []]
+    return json.dumps(slo_classes, indent=2, sort_keys=True) + "\n"
+
+
 MULTI_ROUTER_KEY_EPS = 0.25
 
 
-def router_deployment(owner: Owner, spec: LLMDeploymentSpec, sizes: PoolSizes) -> dict:
+def router_deployment(owner: Owner, spec: LLMDeploymentSpec) -> dict:
     router = spec.router
     model_arg, volumes, mounts = model_location(spec)  # the router tokenizes prompts with the model's tokenizer
     args = ["router", "--model", model_arg, "--host", "0.0.0.0", "--port", str(HTTP_PORT),
@@ -251,8 +258,7 @@ def router_deployment(owner: Owner, spec: LLMDeploymentSpec, sizes: PoolSizes) -
     strategy = {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
     # Changed SLO classes must restart the routers: their hash is part of the pod template. Only the file the
     # router reads: pool sizes change with every scaling decision, and must not roll the routers each time.
-    router_reads = {ROUTER_READS: router_config(spec, sizes)[ROUTER_READS]}
-    annotations = {**_SCRAPE_ANNOTATIONS, names.CONFIG_HASH_ANNOTATION: short_hash(router_reads)}
+    annotations = {**_SCRAPE_ANNOTATIONS, names.CONFIG_HASH_ANNOTATION: short_hash({ROUTER_READS: _slo_classes_file(spec)})}
     return _deployment(owner, "router", router.replicas, pod, strategy, annotations)
 
 
@@ -312,6 +318,6 @@ def build_objects(owner: Owner, spec: LLMDeploymentSpec, sizes: PoolSizes) -> li
         router_service(owner, spec),
         worker_deployment(owner, spec, "prefill", sizes.prefill),
         worker_deployment(owner, spec, "decode", sizes.decode),
-        router_deployment(owner, spec, sizes),
+        router_deployment(owner, spec),
         *(disruption_budget(owner, component) for component in names.COMPONENTS),
     ]

@@ -141,7 +141,7 @@ class ScrapedMetrics:
                     try:
                         targets[(component, address)] = parse_metrics(
                             self.fetch(f"http://{address}/metrics", self.timeout_s))
-                    except (OSError, ValueError) as exc:  # one unreachable pod must not stop the planner
+                    except (OSError, ValueError) as exc:  # one unreachable pod must not stop the other scrapes
                         missed += 1
                         log.warning("scraping %s pod %s of %s/%s failed: %s", component, address, namespace,
                                     name, exc)

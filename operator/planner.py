@@ -101,7 +101,7 @@ class Planner:
         plannable = self._plannable(namespace, name)
         if plannable is None:
             return None
-        scraped = plannable[0]
+        scraped, spec, spec_sizes = plannable
         # Read the metrics outside the lock: scraping every pod takes a while, and spec changes and status
         # refreshes of this resource must not wait for it.
         try:
@@ -112,11 +112,11 @@ class Planner:
         else:
             reason = "holding: waiting for a second metrics sample"
         with self.keeper.lock(namespace, name):
-            plannable = self._plannable(namespace, name)
-            generation = scraped["metadata"].get("generation")
-            if plannable is None or plannable[0]["metadata"].get("generation") != generation:
+            # Read again for its status; an unchanged generation means an unchanged spec (mode included).
+            body = self.kube.get(names.API_VERSION, names.KIND, namespace, name)
+            if (body is None or body["metadata"].get("deletionTimestamp")
+                    or body["metadata"].get("generation") != scraped["metadata"].get("generation")):
                 return None  # switched to manual, edited or deleted meanwhile: this window's decision is stale
-            body, spec, spec_sizes = plannable
             status = body.get("status") or {}
             previous = status.get("planner") or {}
             current = planned_sizes(spec, spec_sizes, status)

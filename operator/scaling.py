@@ -39,12 +39,9 @@ def pool_gpus(resources) -> int | None:
     that is no whole number: Kubernetes counts extended resources in whole units ("2", "1.0", "2000m")."""
     for bucket in (resources.limits, resources.requests) if resources is not None else ():
         if bucket and GPU_RESOURCE in bucket:
-            quantity = str(bucket[GPU_RESOURCE])
-            try:
-                value = parse_quantity(quantity)
-            except ValueError:
-                value = None
-            if value is None or value < 0 or value != value.to_integral_value():
+            quantity = str(bucket[GPU_RESOURCE])  # its form was checked by ResourceRequirements (QUANTITY_PATTERN)
+            value = parse_quantity(quantity)
+            if value < 0 or value != value.to_integral_value():
                 raise ValueError(f"{GPU_RESOURCE} {quantity!r} is not a whole number of GPUs")
             return int(value)
     return None

@@ -21,9 +21,16 @@ from tandem.background import spawn
 from tandem.body_limit import BodySizeLimit
 from tandem.errors import APIError, add_openai_error_handlers, error_body
 from tandem.json_response import FastJSONResponse
-from tandem.openai_choices import Choice, combined, expand, first_token_sets
-from tandem.openai_format import ChatFormatter, CompletionFormatter
-from tandem.openai_protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, new_id, now
+from tandem.openai_choices import Choice, combined, request_choices, staggered
+from tandem.openai_protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ModelCard,
+    ModelList,
+    check_length,
+    check_model,
+    check_token_ids,
+)
 from tandem.protocol import SamplingParams
 from tandem.router.admission import AdmissionRequest, Reject, RejectReason
 from tandem.router.api_keys import ApiKeyGate, bearer_token
@@ -32,7 +39,6 @@ from tandem.router.orchestrator import Trace
 from tandem.sse import CancelOnDisconnect, ClientDisconnected, EventStreamResponse, openai_stream
 
 SLO_HEADER = "x-tandem-slo-class"
-SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left before its answer
 
 
@@ -67,25 +73,20 @@ def build_app(router) -> FastLane | ApiKeyGate:
         return ModelList(data=[ModelCard(id=router.served_name, max_model_len=router.max_model_len)]).model_dump()
 
     async def completions_handler(body: CompletionRequest, request: Request) -> Response:
-        check_model(router, body.model)
-        prompts = [await tokenize(router, p) if isinstance(p, str) else check_ids(router, p) for p in body.prompts()]
+        check_model(router.served_name, body.model)
+        vocab = router.tokenizer.vocab_size
+        prompts = [await tokenize(router, p) if isinstance(p, str) else check_token_ids(vocab, p) for p in body.prompts()]
         if "max_tokens" not in body.model_fields_set:  # the schema's 16 is a default, not the client's request
             body.max_tokens = None
-        params = body.sampling_params(default_max_tokens(router, 16), router.tokenizer.vocab_size)
-        rid, created = new_id("cmpl"), now()
-        choices = expand(rid, prompts, params, body.n, lambda tokens, index: CompletionFormatter(
-            rid, router.served_name, created, router.tokenizer, tokens, index))
-        return await serve(router, request, choices, body.n, body.stream, include_usage(body))
+        params = body.sampling_params(default_max_tokens(router, 16), vocab)
+        return await serve(router, request, body, prompts, params)
 
     async def chat_handler(body: ChatCompletionRequest, request: Request) -> Response:
-        check_model(router, body.model)
+        check_model(router.served_name, body.model)
         ids = await tokenize(router, body.prompt_text(router.tokenizer), add_special_tokens=False)
         room = max(1, router.max_model_len - len(ids))
         params = body.sampling_params(default_max_tokens(router, room), router.tokenizer.vocab_size)
-        rid, created = new_id("chatcmpl"), now()
-        choices = expand(rid, [ids], params, body.n, lambda tokens, index: ChatFormatter(
-            rid, router.served_name, created, router.tokenizer, tokens, index))
-        return await serve(router, request, choices, body.n, body.stream, include_usage(body))
+        return await serve(router, request, body, [ids], params)
 
     # Declared here for /openapi.json (and served by FastAPI only if the fast lane is bypassed).
     @app.post("/v1/completions")
@@ -114,10 +115,6 @@ async def tokenize(router, text: str, add_special_tokens: bool = True) -> list[i
                                                             add_special_tokens)
 
 
-def include_usage(body) -> bool:
-    return bool(body.stream_options and body.stream_options.include_usage)
-
-
 def default_max_tokens(router, wanted: int) -> int:
     """max_tokens for a request that names none: `wanted`, within --max-output-tokens. The cap refuses what a
     client asks for; it must not refuse a request for a default the server chose."""
@@ -125,25 +122,13 @@ def default_max_tokens(router, wanted: int) -> int:
     return min(wanted, cap) if cap else wanted
 
 
-def check_model(router, model: str) -> None:
-    if model != router.served_name:
-        raise APIError(404, f"The model '{model}' does not exist; this server serves '{router.served_name}'",
-                       param="model", code="model_not_found")
-
-
-def check_ids(router, ids: list[int]) -> list[int]:
-    vocab = router.tokenizer.vocab_size
-    bad = next((t for t in ids if not 0 <= t < vocab), None)
-    if bad is not None:
-        raise APIError(400, f"token id {bad} is outside the vocabulary [0, {vocab})", param="prompt")
-    return ids
-
-
-async def serve(router, request: Request, choices: list[Choice], n: int, stream: bool, usage: bool):
+async def serve(router, request: Request, body: CompletionRequest | ChatCompletionRequest,
+                prompts: list[list[int]], params: SamplingParams):
     """Admits every choice of the request (or none: a refused one releases the others), dispatches them and
     answers with their merged stream or body (tandem.openai_choices; one choice, the usual case, is not merged)."""
-    for choice in choices:
-        check_context_length(router, len(choice.prompt_ids), choice.params.max_tokens)
+    for ids in prompts:
+        check_length(router.max_model_len, len(ids), params)
+    choices = request_choices(body, prompts, params, router.served_name, router.tokenizer)
     queue_size = router.admission.queue.max_size
     if len(choices) > queue_size:  # they could never all be queued at once
         raise APIError(400, f"{len(choices)} completions in one request exceed this router's admission queue "
@@ -157,29 +142,24 @@ async def serve(router, request: Request, choices: list[Choice], n: int, stream:
     if not healthy:  # said now, with a status, rather than in an error event after a 200
         raise APIError(503, "no decode worker is available", code="no_workers")
     workers = router.prefill.healthy() + healthy
+    plans = [router.orchestrator.plan(ids) for ids in prompts]  # (block hashes, routing key), shared by samples
     # Several choices: the first is charged for the whole request (the others nothing), so that the tenant's
     # bucket is checked and taken once, with each prompt counted once as usage counts it.
-    whole = sum(len(c.prompt_ids) for c in choices if c.sample == 0) + sum(c.params.max_tokens for c in choices)
-    streams, plans, started = [], {}, {}  # plans and first-token events per prompt, which its samples share
+    whole = sum(map(len, prompts)) + params.max_tokens * len(choices)
+    tickets = {}
     try:
         for choice in choices:
-            ids = choice.prompt_ids
-            if choice.sample == 0:
-                plans[choice.prompt] = router.orchestrator.plan(ids)  # (block hashes, routing key)
-            plan = plans[choice.prompt]
             charge = None if len(choices) == 1 else whole if choice is choices[0] else 0
-            decision = admit(router, choice, plan[0], workers, slo_name, key, charge)
-            deltas = dispatch(router, choice.request_id, ids, choice.params, decision, slo_name, plan,
-                              coalesce=not stream, after=started.get(choice.prompt) if choice.sample else None)
-            if choice.sample == 0 and n > 1:  # its later samples start once it has its first token
-                started[choice.prompt] = asyncio.Event()
-                deltas = first_token_sets(deltas, started[choice.prompt])
-            streams.append(deltas)
+            tickets[choice.request_id] = admit(router, choice, plans[choice.prompt][0], workers, slo_name, key,
+                                               charge)
     except BaseException:
-        for choice in choices[:len(streams)]:
-            router.dispatcher.withdraw(choice.request_id)
+        for request_id in tickets:
+            router.dispatcher.withdraw(request_id)
         raise
-    fmt, deltas = combined(choices, n, streams)
+    streams = staggered(choices, body.n, lambda c, after: dispatch(
+        router, c.request_id, c.prompt_ids, c.params, tickets[c.request_id], slo_name, plans[c.prompt],
+        coalesce=not body.stream, after=after))
+    fmt, deltas = combined(choices, body.n, streams)
 
     def forget() -> None:
         # The choices are admitted (queued) from here on. `deltas` gives them back when they run and end, but a
@@ -187,8 +167,8 @@ async def serve(router, request: Request, choices: list[Choice], n: int, stream:
         for choice in choices:
             router.dispatcher.abandon(choice.request_id)
 
-    if stream:
-        return EventStreamResponse(openai_stream(fmt, deltas, usage, stream_error_body), headers=SSE_HEADERS,
+    if body.stream:
+        return EventStreamResponse(openai_stream(fmt, deltas, body.usage_in_stream, stream_error_body),
                                    on_close=forget)
     try:
         async with CancelOnDisconnect(request.receive):
@@ -201,14 +181,6 @@ async def serve(router, request: Request, choices: list[Choice], n: int, stream:
         forget()
     # Already plain JSON types: a response object skips FastAPI's recursive jsonable_encoder pass.
     return FastJSONResponse(fmt.final())
-
-
-def check_context_length(router, prompt_tokens: int, max_tokens: int) -> None:
-    if prompt_tokens + max_tokens > router.max_model_len:
-        raise APIError(400, f"This model's maximum context length is {router.max_model_len} tokens. However, you "
-                            f"requested {prompt_tokens + max_tokens} tokens ({prompt_tokens} in the prompt, "
-                            f"{max_tokens} in the completion).", param="max_tokens",
-                       code="context_length_exceeded")
 
 
 def admit(router, choice: Choice, hashes: list[int], workers: list, slo_name: str, key: str | None,

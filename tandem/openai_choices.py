@@ -18,10 +18,11 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from tandem.errors import APIError
-from tandem.openai_format import Formatter
+from tandem.openai_format import ChatFormatter, CompletionFormatter, Formatter
+from tandem.openai_protocol import ChatCompletionRequest, CompletionRequest, new_id, now
 from tandem.protocol import SamplingParams
+from tandem.tokenizer import Tokenizer
 
-MAX_N = 128  # OpenAI's own bound on n
 MAX_CHOICES = 256  # prompts x n in one request: each is a request of its own downstream
 
 
@@ -63,6 +64,17 @@ def expand(request_id: str, prompts: list[list[int]], params: SamplingParams, n:
             choices.append(Choice(request_id if total == 1 else f"{request_id}-{index}", p, j, ids, sample_params,
                                   make_formatter(len(ids), index)))
     return choices
+
+
+def request_choices(body: CompletionRequest | ChatCompletionRequest, prompts: list[list[int]],
+                    params: SamplingParams, served_name: str, tokenizer: Tokenizer) -> list[Choice]:
+    """The choices of an OpenAI request (its id and creation time shared), each with the formatter its
+    endpoint answers in."""
+    chat = isinstance(body, ChatCompletionRequest)
+    formatter = ChatFormatter if chat else CompletionFormatter
+    request_id, created = new_id("chatcmpl" if chat else "cmpl"), now()
+    return expand(request_id, prompts, params, body.n, lambda num_prompt_tokens, index: formatter(
+        request_id, served_name, created, tokenizer, num_prompt_tokens, index))
 
 
 @dataclass
@@ -163,22 +175,22 @@ def combined(choices: list[Choice], n: int, streams: list[AsyncIterator]):
     return ChoicesFormatter([c.fmt for c in choices], n), merge(streams)
 
 
-def staggered(choices: list[Choice], streams: list[AsyncIterator]) -> list[AsyncIterator]:
-    """The streams, each prompt's later samples held back until its first sample has its first token (or has
-    ended), so that they find the prompt in the prefix cache instead of computing it alongside (module docstring).
-    The router waits inside dispatch instead (after taking its slot, so that a waiting sample blocks no other
-    request's turn) with `first_token_sets` and the same events."""
-    events: dict[int, asyncio.Event] = {}
-    held = []
-    for choice, stream in zip(choices, streams, strict=True):
-        if choice.sample == 0:
-            if len(choices) > 1 and choices[-1].sample > 0:  # n > 1: the prompt has later samples
-                events[choice.prompt] = asyncio.Event()
-                stream = first_token_sets(stream, events[choice.prompt])
-        else:
-            stream = _after(events[choice.prompt], stream)
-        held.append(stream)
-    return held
+def staggered(choices: list[Choice], n: int,
+              start: Callable[[Choice, asyncio.Event | None], AsyncIterator]) -> list[AsyncIterator]:
+    """Each choice's stream, `start(choice, after)`. A prompt's later samples are to start once its first sample
+    has its first token (or has ended), so that they find the prompt in the prefix cache instead of computing it
+    alongside (module docstring): `after` is the event that says so, None for a first sample. Where to wait on
+    it is the caller's: a worker before the request reaches its engine (`held_until`), the router once the
+    sample's dispatch slot is taken (waiting at the head of its queue would hold every other request back)."""
+    firsts: dict[int, asyncio.Event] = {}  # prompt -> set at its first sample's first token
+    streams = []
+    for choice in choices:
+        stream = start(choice, firsts.get(choice.prompt) if choice.sample else None)
+        if choice.sample == 0 and n > 1:
+            firsts[choice.prompt] = asyncio.Event()
+            stream = first_token_sets(stream, firsts[choice.prompt])
+        streams.append(stream)
+    return streams
 
 
 async def first_token_sets(stream: AsyncIterator, started: asyncio.Event) -> AsyncIterator:
@@ -190,6 +202,11 @@ async def first_token_sets(stream: AsyncIterator, started: asyncio.Event) -> Asy
     finally:
         started.set()
         await stream.aclose()
+
+
+def held_until(started: asyncio.Event | None, stream: AsyncIterator) -> AsyncIterator:
+    """`stream`, not started before `started` is set (`stream` itself when there is nothing to wait for)."""
+    return stream if started is None else _after(started, stream)
 
 
 async def _after(started: asyncio.Event, stream: AsyncIterator) -> AsyncIterator:

@@ -14,7 +14,6 @@ import jinja2
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from tandem.errors import APIError
-from tandem.openai_choices import MAX_N
 from tandem.protocol import (
     INT64_MAX,
     INT64_MIN,
@@ -24,7 +23,8 @@ from tandem.protocol import (
     TokenId,
 )
 
-MAX_LOGIT_BIAS = 300  # tokens per request, as OpenAI allows: each costs the worker per step
+MAX_N = 128  # completions per prompt: OpenAI's bound on n
+MAX_LOGIT_BIAS = 300  # biased tokens per request: each costs the worker work at every step
 
 
 class _Request(BaseModel):
@@ -60,6 +60,10 @@ class _CommonParams(_Request):
     include_stop_str_in_output: bool = False
     repetition_penalty: float | None = Field(None, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY)
     min_tokens: int | None = Field(None, ge=0)
+
+    @property
+    def usage_in_stream(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
 
     @field_validator("stop")
     @classmethod
@@ -206,6 +210,31 @@ def _max_tokens(requested: int | None, default: int, param: str = "max_tokens") 
     if requested <= 0:
         raise APIError(400, f"{param} must be at least 1, got {requested}", param=param)
     return requested
+
+
+# -- checks against the served model, the same on the router and on a worker ----------------------------------
+
+
+def check_model(served_name: str, model: str) -> None:
+    if model != served_name:
+        raise APIError(404, f"The model '{model}' does not exist; this server serves '{served_name}'",
+                       param="model", code="model_not_found")
+
+
+def check_token_ids(vocab_size: int, ids: list[int]) -> list[int]:
+    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise APIError(400, f"token id {bad} is outside the vocabulary [0, {vocab_size})", param="prompt")
+    return ids
+
+
+def check_length(max_model_len: int, prompt_len: int, params: SamplingParams) -> None:
+    total = prompt_len + params.max_tokens
+    if total > max_model_len:
+        raise APIError(400, f"This model's maximum context length is {max_model_len} tokens. However, you "
+                            f"requested {total} tokens ({prompt_len} in the prompt, {params.max_tokens} in the "
+                            "completion). Please reduce the prompt or max_tokens.", param="max_tokens",
+                       code="context_length_exceeded")
 
 
 def new_id(prefix: str) -> str:

@@ -74,9 +74,11 @@ class EventStreamResponse(StreamingResponse):
     the headers are still being sent)."""
 
     media_type = "text/event-stream"
+    # No caching, and no buffering by a proxy in front (nginx's header): each event is to reach the client now.
+    HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
     def __init__(self, content, *, on_close: Callable[[], None] | None = None, **kwargs):
-        super().__init__(content, **kwargs)
+        super().__init__(content, headers=self.HEADERS, **kwargs)
         self.on_close = on_close
 
     async def __call__(self, scope, receive, send) -> None:

@@ -126,12 +126,16 @@ class AsyncEngine:
             loop, stream = target
             loop.call_soon_threadsafe(stream.put_nowait, item)
 
-    def _drain_inbox(self) -> None:
+    def _queued_commands(self):
+        """What the inbox holds now, taken out one by one."""
         while True:
             try:
-                cmd = self._inbox.get_nowait()
+                yield self._inbox.get_nowait()
             except queue.Empty:
                 return
+
+    def _drain_inbox(self) -> None:
+        for cmd in self._queued_commands():
             if cmd is None:
                 continue
             if isinstance(cmd, _Abort):
@@ -174,10 +178,6 @@ class AsyncEngine:
 
     def _fail_pending_calls(self, error: EngineDeadError) -> None:
         """Calls still in the inbox would wait for a thread that is gone."""
-        while True:
-            try:
-                cmd = self._inbox.get_nowait()
-            except queue.Empty:
-                return
+        for cmd in self._queued_commands():
             if isinstance(cmd, _Call) and not cmd.future.done():
                 cmd.future.set_exception(error)

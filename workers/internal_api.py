@@ -20,6 +20,7 @@ from fastapi import FastAPI, Request
 from tandem.background import spawn
 from tandem.errors import APIError, error_body
 from tandem.json_response import FastJSONResponse
+from tandem.openai_protocol import check_length, check_token_ids
 from tandem.protocol import (
     AbortRequest,
     DecodeChunk,
@@ -35,7 +36,7 @@ from tandem.sse import DONE, EventStreamResponse, sse_event
 from tandem.workers.async_engine import EngineDeadError
 from tandem.workers.channel import add_channel_route
 from tandem.workers.engine.llm_engine import RemoteKV, RequestOutput
-from tandem.workers.request_checks import check_length, check_token_ids, parse_body
+from tandem.workers.request_checks import parse_body
 
 log = logging.getLogger(__name__)
 
@@ -216,9 +217,9 @@ RELEASE_ATTEMPTS = 3
 
 async def release_lease(ctx, handle: KVHandle) -> None:
     """Tell the prefill worker it may free the blocks. A release is idempotent (a second one is a 404), so a failed
-    one is tried again: a pooled keep-alive connection the prefill worker closed as it was reused fails the first
-    try without the worker being gone, and otherwise the blocks stay pinned for the whole lease TTL. Best effort
-    after that: the TTL covers the rest."""
+    one is tried again: a try can fail without the worker being gone (likely: a pooled keep-alive connection the
+    prefill worker closed as it was reused), and the blocks would otherwise stay pinned for the whole lease TTL.
+    Best effort after that: the TTL covers the rest."""
     for attempt in range(1, RELEASE_ATTEMPTS + 1):
         try:
             await ctx.http.post(f"{handle.source_url}/internal/kv/release", json={"lease_id": handle.lease_id},

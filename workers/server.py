@@ -18,18 +18,23 @@ from tandem.config import WorkerConfig
 from tandem.errors import APIError, add_openai_error_handlers, error_body
 from tandem.json_response import FastJSONResponse
 from tandem.metrics import EngineMetrics
-from tandem.openai_choices import Choice, combined, expand, staggered
-from tandem.openai_format import ChatFormatter, CompletionFormatter
-from tandem.openai_protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, new_id, now
-from tandem.protocol import LayoutFingerprint
+from tandem.openai_choices import combined, held_until, request_choices, staggered
+from tandem.openai_protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ModelCard,
+    ModelList,
+    check_length,
+    check_model,
+    check_token_ids,
+)
+from tandem.protocol import LayoutFingerprint, SamplingParams
 from tandem.sse import EventStreamResponse, openai_stream
 from tandem.tokenizer import Tokenizer
 from tandem.workers.async_engine import AsyncEngine, EngineDeadError
 from tandem.workers.internal_api import AgentDirectory, add_internal_routes
 from tandem.workers.kv_transfer import KVTransfer
-from tandem.workers.request_checks import check_length, check_token_ids, parse_body
-
-SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+from tandem.workers.request_checks import parse_body
 
 
 class ServingContext:
@@ -88,50 +93,36 @@ def build_app(ctx: ServingContext) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request):
         body: CompletionRequest = await parse_body(request, CompletionRequest)
-        check_model(ctx, body.model)
+        check_model(ctx.served_name, body.model)
         prompts = [ctx.tokenizer.encode(p) if isinstance(p, str) else check_token_ids(ctx.tokenizer.vocab_size, p)
                    for p in body.prompts()]
         params = body.sampling_params(16, ctx.tokenizer.vocab_size)
         for prompt_ids in prompts:
             check_length(ctx.max_model_len, len(prompt_ids), params)
-        rid, created = new_id("cmpl"), now()
-        choices = expand(rid, prompts, params, body.n, lambda tokens, index: CompletionFormatter(
-            rid, ctx.served_name, created, ctx.tokenizer, tokens, index))
-        return await respond(ctx, request, choices, body.n, body.stream, include_usage(body))
+        return await respond(ctx, request, body, prompts, params)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         body: ChatCompletionRequest = await parse_body(request, ChatCompletionRequest)
-        check_model(ctx, body.model)
+        check_model(ctx.served_name, body.model)
         prompt_ids = ctx.tokenizer.encode(body.prompt_text(ctx.tokenizer), add_special_tokens=False)
         params = body.sampling_params(max(1, ctx.max_model_len - len(prompt_ids)), ctx.tokenizer.vocab_size)
         check_length(ctx.max_model_len, len(prompt_ids), params)
-        rid, created = new_id("chatcmpl"), now()
-        choices = expand(rid, [prompt_ids], params, body.n, lambda tokens, index: ChatFormatter(
-            rid, ctx.served_name, created, ctx.tokenizer, tokens, index))
-        return await respond(ctx, request, choices, body.n, body.stream, include_usage(body))
+        return await respond(ctx, request, body, [prompt_ids], params)
 
     add_internal_routes(app, ctx)
     return app
 
 
-def include_usage(body) -> bool:
-    return bool(body.stream_options and body.stream_options.include_usage)
-
-
-def check_model(ctx: ServingContext, model: str) -> None:
-    if model != ctx.served_name:
-        raise APIError(404, f"The model '{model}' does not exist; this server serves '{ctx.served_name}'",
-                       param="model", code="model_not_found")
-
-
-async def respond(ctx: ServingContext, request: Request, choices: list[Choice], n: int, stream: bool,
-                  usage_in_stream: bool):
+async def respond(ctx: ServingContext, request: Request, body: CompletionRequest | ChatCompletionRequest,
+                  prompts: list[list[int]], params: SamplingParams):
+    choices = request_choices(body, prompts, params, ctx.served_name, ctx.tokenizer)
     arrival = time.monotonic()
-    streams = [ctx.engine.generate(c.request_id, c.prompt_ids, c.params, arrival) for c in choices]
-    fmt, outputs = combined(choices, n, staggered(choices, streams))
-    if stream:
-        return EventStreamResponse(openai_stream(fmt, outputs, usage_in_stream, stream_error_body), headers=SSE_HEADERS)
+    streams = staggered(choices, body.n, lambda c, after: held_until(
+        after, ctx.engine.generate(c.request_id, c.prompt_ids, c.params, arrival)))
+    fmt, outputs = combined(choices, body.n, streams)
+    if body.stream:
+        return EventStreamResponse(openai_stream(fmt, outputs, body.usage_in_stream, stream_error_body))
     try:
         async for out in outputs:
             fmt.add(out)

@@ -54,7 +54,7 @@ class AdmissionRequest:
     `uncached_prompt_tokens` is the router's estimate of the prompt tokens the prefill worker will have to
     compute (prompt minus the prefix it expects cached); None means all of them. `charge_tokens` is what the
     tenant's token bucket is charged; None means prompt + max_tokens (a request of several choices charges its
-    first choice with the whole and the others nothing: tandem.router.app.admit_choices).
+    first choice with the whole and the others nothing: tandem.router.app.serve).
     """
 
     request_id: str

@@ -277,7 +277,8 @@ class LLMEngine:
                 seqs = [scheduled.seqs[row] for row in sample_rows]
                 histories = None
                 if any(s.params.reads_history for s in seqs):
-                    histories = [self._requests[s.request_id].history(logits.device) for s in seqs]
+                    histories = [self._requests[s.request_id].history(logits.device) if s.params.reads_history
+                                 else None for s in seqs]
                 sampled = self.sampler(logits, [s.params for s in seqs], [s.next_token_generator() for s in seqs],
                                        histories)
                 now = time.monotonic()

@@ -66,7 +66,7 @@ class History:
 
 
 def adjust_logits(logits: torch.Tensor, params: Sequence[SamplingParams],
-                  histories: Sequence[History] | None) -> torch.Tensor:
+                  histories: Sequence[History | None] | None) -> torch.Tensor:
     """The logits each row samples from: its logit_bias added, the tokens that would stop it masked while it has
     fewer than min_tokens, then its penalties applied (vLLM's order). A copy when any row has one of these; rows
     with none are unchanged. `histories` is needed only when a row reads_history."""
@@ -96,18 +96,18 @@ def apply_penalties(row: torch.Tensor, p: SamplingParams, history: History) -> N
     prompt or output: a positive logit is divided by r, a negative one multiplied (r > 1 makes any seen token less
     likely). frequency_penalty f and presence_penalty p on the output so far: a token generated c times loses
     c * f + p (p once, however often)."""
-    output = torch.tensor(history.tokens[history.output_start:], dtype=torch.int64)
+    output = torch.tensor(history.tokens[history.output_start:], dtype=torch.int64, device=row.device)
     if p.repetition_penalty != 1.0:
         prompt = history.prompt_ids
         if prompt is None:
             prompt = torch.tensor(history.tokens[:history.output_start], dtype=torch.int64)
         # A token seen twice is read and written twice, with the same value: no need to make them unique.
-        seen = torch.cat([prompt.to(row.device), output.to(row.device)])
+        seen = torch.cat([prompt.to(row.device), output])
         values = row[seen]
         row[seen] = torch.where(values > 0, values / p.repetition_penalty, values * p.repetition_penalty)
     if (p.frequency_penalty or p.presence_penalty) and len(output):
         made, counts = output.unique(return_counts=True)
-        row[made.to(row.device)] -= (p.frequency_penalty * counts + p.presence_penalty).to(row)
+        row[made] -= (p.frequency_penalty * counts + p.presence_penalty).to(row)
 
 
 # Below this a temperature is greedy in all but name, and dividing by it could overflow (vLLM's epsilon).
@@ -128,7 +128,7 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, params: Sequence[SamplingParams],
                  generators: Sequence[torch.Generator | None],
-                 histories: Sequence[History] | None = None) -> SamplerOutput:
+                 histories: Sequence[History | None] | None = None) -> SamplerOutput:
         """`histories` (see adjust_logits) is needed only when a row reads_history (penalties, min_tokens)."""
         if logits.dim() != 2 or logits.shape[0] != len(params):
             raise ValueError(f"logits {tuple(logits.shape)} do not match {len(params)} requests")

@@ -5,8 +5,9 @@ Each step has a token budget (max_num_batched_tokens) and a cap on running seque
   1. decodes: running sequences with one token left to compute;
   2. continuing prefills: running sequences whose prompt (or recompute) is still partial,
      each taking as much of the remaining budget as it needs (chunked prefill);
-  3. admissions from the waiting queue in arrival order (FCFS, no overtaking), after a
-     prefix-cache lookup so cached blocks cost no budget.
+  3. admissions from the waiting queue in arrival order, after a prefix-cache lookup so cached
+     blocks cost no budget; once one does not fit, only those behind it that already hold their
+     imported KV blocks may still go (see schedule()).
 When a running sequence cannot get a block, the latest-arrived running sequence is preempted
 by recompute: its blocks are freed, its progress reset, and it goes back to the head of the
 waiting queue. No admission happens in a step that preempted.
