@@ -20,8 +20,10 @@ from tandem.protocol import (
     MAX_REPETITION_PENALTY,
     MIN_REPETITION_PENALTY,
     SamplingParams,
+    StructuredOutput,
     TokenId,
 )
+from tandem.structured_output import ANY_JSON_OBJECT, choice_spec, grammar_text, json_schema_spec
 
 MAX_N = 128  # completions per prompt: OpenAI's bound on n
 MAX_LOGIT_BIAS = 300  # biased tokens per request: each costs the worker work at every step
@@ -34,6 +36,28 @@ class _Request(BaseModel):
 
 class StreamOptions(_Request):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(_Request):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict | bool | None = Field(None, alias="schema", description="the JSON schema the output follows")
+    strict: bool | None = None  # the schema is always enforced
+
+
+class ResponseFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(_Request):
+    """vLLM's structured_outputs: exactly one of these."""
+
+    json_: dict | bool | str | None = Field(None, alias="json", description="a JSON schema")
+    regex: str | None = None
+    choice: list[str] | None = Field(None, min_length=1)
+    grammar: str | None = Field(None, description="a Lark or GBNF grammar")
+    json_object: bool | None = None
 
 
 class _CommonParams(_Request):
@@ -50,10 +74,9 @@ class _CommonParams(_Request):
     user: str | None = None
     logit_bias: dict[str, float] | None = Field(None, description="token id (as a string) -> bias in [-100, 100], "
                                                               "added to its logit")
-    # OpenAI parameters this server does not implement. Declared so that setting one is refused (400) rather
-    # than ignored: a client that sends them relies on what they do.
-    response_format: dict | None = None
+    response_format: ResponseFormat | None = None
     # Extensions that vLLM users rely on.
+    structured_outputs: StructuredOutputs | None = None
     top_k: int | None = Field(None, ge=-1, le=INT64_MAX)
     ignore_eos: bool = False
     stop_token_ids: list[TokenId] | None = None
@@ -87,13 +110,45 @@ class _CommonParams(_Request):
                 raise ValueError(f"biases must lie in [-100, 100], got {bias} for token {token}")
         return v
 
-    def _check_supported(self) -> None:
-        if self.response_format is not None and self.response_format.get("type", "text") != "text":
-            raise APIError(400, "response_format other than text (JSON mode, JSON schema) is not supported",
-                           param="response_format")
+    def structured_output(self) -> StructuredOutput | None:
+        """The constraint the request puts on its whole output (tandem.structured_output), checked: a 400 naming
+        the parameter when it is malformed or its schema, regex or grammar is not valid."""
+        fmt, vllm = self.response_format, self.structured_outputs
+        if fmt is not None and fmt.type != "text":
+            if vllm is not None:
+                raise APIError(400, "set response_format or structured_outputs, not both", param="structured_outputs")
+            param = "response_format"
+            if fmt.type == "json_object":
+                spec = json_schema_spec(ANY_JSON_OBJECT)
+            elif fmt.json_schema is None or fmt.json_schema.schema_ is None:
+                raise APIError(400, "response_format of type json_schema needs json_schema.schema", param=param)
+            else:
+                spec = json_schema_spec(fmt.json_schema.schema_)
+        elif vllm is not None:
+            param = "structured_outputs"
+            given = {name: value for name, value in vllm if value is not None and value is not False}
+            if len(given) != 1:
+                names = sorted(StructuredOutputs.model_fields[name].alias or name for name in given)
+                raise APIError(400, "structured_outputs takes exactly one of json, regex, choice, grammar and "
+                                    f"json_object; got {names or 'none'}", param=param)
+            (name, value), = given.items()
+            if name == "json_":
+                spec = json_schema_spec(value)
+            elif name == "json_object":
+                spec = json_schema_spec(ANY_JSON_OBJECT)
+            elif name == "choice":
+                spec = choice_spec(value)
+            else:
+                spec = StructuredOutput(kind=name, value=value)
+        else:
+            return None
+        try:
+            grammar_text(spec)
+        except ValueError as exc:
+            raise APIError(400, f"{param}: {exc}", param=param) from None
+        return spec
 
     def _sampling(self, max_tokens: int, logprobs: int | None, vocab_size: int) -> SamplingParams:
-        self._check_supported()
         bias = [(int(token), value) for token, value in (self.logit_bias or {}).items()]
         if any(token >= vocab_size for token, _ in bias):
             raise APIError(400, f"logit_bias names a token id outside the vocabulary [0, {vocab_size})",
@@ -118,6 +173,7 @@ class _CommonParams(_Request):
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
             logit_bias=bias,
             min_tokens=self.min_tokens or 0,
+            structured=self.structured_output(),
         )
 
 

@@ -5,7 +5,7 @@ One definition each, imported by the router and the workers alike (ARCHITECTURE.
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -15,6 +15,18 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # the seed range: wider seeds overfl
 # A token id as a client may name one: ids past the vocabulary never match, but ints past 64 bits would not
 # even serialize on the way to the workers.
 TokenId = Annotated[int, Field(ge=0, le=INT64_MAX)]
+
+
+class StructuredOutput(BaseModel):
+    """A constraint on the whole output (tandem.structured_output): the tokens a step may pick are those that keep
+    the text within it."""
+
+    model_config = ConfigDict(frozen=True)  # hashable: compiled grammars are cached by it
+
+    kind: Literal["json", "regex", "choice", "grammar"]
+    # json: a JSON schema (as JSON text); regex: a regular expression the whole output matches; choice: a JSON list
+    # of the strings the output may be; grammar: a Lark or GBNF grammar.
+    value: str
 
 
 class SamplingParams(BaseModel):
@@ -41,6 +53,7 @@ class SamplingParams(BaseModel):
                                                  "are generated (vLLM's); stop strings still apply")
     logit_bias: list[tuple[TokenId, float]] = Field(default_factory=list, description="(token id, bias) pairs "
                                                     "added to the logits before penalties and sampling")
+    structured: StructuredOutput | None = None
 
     @property
     def greedy(self) -> bool:

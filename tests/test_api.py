@@ -219,6 +219,32 @@ def check_logit_bias(client) -> None:
     assert "banana" not in client.completions.create(**kwargs, logit_bias={str(banana): -100}).choices[0].text
 
 
+def check_structured_outputs(client, preamble: str = "") -> None:
+    """JSON schema (OpenAI's response_format), choice and a streamed regex (vLLM's structured_outputs).
+    `preamble` goes before each prompt: through a router, a long one sends the requests down the P/D path."""
+    person = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+              "required": ["name", "age"], "additionalProperties": False}
+    r = client.chat.completions.create(
+        model="smollm2", max_tokens=40, temperature=0,
+        messages=[{"role": "user", "content": preamble + "Give me a person as JSON with name and age."}],
+        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": person}})
+    answer = json.loads(r.choices[0].message.content)
+    assert set(answer) == {"name", "age"} and isinstance(answer["name"], str) and isinstance(answer["age"], int)
+    assert r.choices[0].finish_reason == "stop"
+    kwargs = dict(model="smollm2", max_tokens=12, temperature=0)
+    r = client.completions.create(**kwargs, prompt=preamble + "Is the sky blue? Answer:",
+                                  extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
+    assert r.choices[0].text in ("yes", "no") and r.choices[0].finish_reason == "stop"
+    pattern = "[0-9]{3}-[0-9]{4}"
+    chunks = client.completions.create(**kwargs, prompt=preamble + "Call me at", stream=True,
+                                       extra_body={"structured_outputs": {"regex": pattern}})
+    assert re.fullmatch(pattern, "".join(c.choices[0].text for c in chunks if c.choices))
+
+
+def test_structured_outputs_hold_the_answer_to_a_schema_a_choice_or_a_regex(client):
+    check_structured_outputs(client)
+
+
 def test_min_tokens_holds_the_end_back(client):
     kwargs = dict(model="smollm2", messages=[{"role": "user", "content": "Say hi."}], max_tokens=60, temperature=0)
     short = client.chat.completions.create(**kwargs)
@@ -286,8 +312,18 @@ BAD_INPUTS = [
      {"model": "smollm2", "prompt": "x", "logit_bias": {"hello": 5}}, 400, "logit_bias"),
     ("logit_bias past 100", "/v1/chat/completions", {"model": "smollm2", "messages": [{"role": "user", "content": "x"}],
                                                      "logit_bias": {"42": 101}}, 400, "logit_bias"),
-    ("json mode", "/v1/chat/completions", {"model": "smollm2", "messages": [{"role": "user", "content": "x"}],
-                                           "response_format": {"type": "json_object"}}, 400, "response_format"),
+    ("json schema not valid", "/v1/chat/completions",
+     {"model": "smollm2", "messages": [{"role": "user", "content": "x"}],
+      "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
+     400, "response_format"),
+    ("response_format unknown", "/v1/chat/completions",
+     {"model": "smollm2", "messages": [{"role": "user", "content": "x"}], "response_format": {"type": "yaml"}},
+     400, "response_format"),
+    ("regex not valid", "/v1/completions", {"model": "smollm2", "prompt": "x", "structured_outputs": {"regex": "[0-9"}},
+     400, "structured_outputs"),
+    ("two structured outputs", "/v1/completions",
+     {"model": "smollm2", "prompt": "x", "structured_outputs": {"regex": "a", "choice": ["b"]}}, 400,
+     "structured_outputs"),
     ("tools", "/v1/chat/completions", {"model": "smollm2", "messages": [{"role": "user", "content": "x"}],
                                        "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
     ("min_tokens past max_tokens", "/v1/completions",

@@ -4,13 +4,14 @@ NIXL / TCP transfers between two engines in one process), and the tokens equal c
 from __future__ import annotations
 
 import random
+import re
 import time
 
 import pytest
 
 from tandem.config import EngineConfig
 from tandem.metrics import EngineMetrics
-from tandem.protocol import SamplingParams
+from tandem.protocol import SamplingParams, StructuredOutput
 from tandem.workers.engine.llm_engine import LLMEngine, RemoteKV
 from tandem.workers.kv_transfer import create_kv_transfer, nixl_available
 from tandem.workers.models.loader import load_model
@@ -233,6 +234,20 @@ def test_min_tokens_counts_the_same_output_split(pd_pair, colocated):
     split, _ = disaggregated(prefill, decode, "held-split", prompt, held)
     assert len(early) <= 2 and len(alone) > 4 and free[1] not in alone[:4]
     assert split == alone  # the decode worker counts the prefill's first token among the four
+
+
+def test_a_structured_output_holds_split_or_resumed(pd_pair, colocated, tiny):
+    """The decode worker's grammar starts where the prefill worker's first token (and, on a resume, the output that
+    came back as prompt) left it: every split picks what one worker does, and the output follows the grammar."""
+    pattern = "[a-z]{3}-[0-9]{4}"
+    params = SamplingParams(temperature=0.0, max_tokens=16, structured=StructuredOutput(kind="regex", value=pattern))
+    prompt = prompt_of(40, seed=12)
+    alone, split, resumed = alone_split_resumed(pd_pair, colocated, "structured", prompt, params, resume_after=3)
+    free, _ = run(colocated, "unstructured", prompt, params.model_copy(update={"structured": None}))
+    assert split == alone and resumed == alone
+    assert re.fullmatch(pattern, tiny.tokenizer.decode(alone)) and free != alone
+    _, outs = run(colocated, "structured-ends", prompt, params)
+    assert outs[-1].finish_reason == "stop"  # at the grammar's end, not at max_tokens
 
 
 def test_aborting_a_done_prefill_releases_its_lease(pd_pair):

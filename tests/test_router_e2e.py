@@ -14,7 +14,14 @@ import time
 import httpx
 import openai
 import pytest
-from test_api import BAD_INPUTS, MAX_BODY, check_logit_bias, check_several_completions, wait_for
+from test_api import (
+    BAD_INPUTS,
+    MAX_BODY,
+    check_logit_bias,
+    check_several_completions,
+    check_structured_outputs,
+    wait_for,
+)
 
 from tandem.launcher import ServiceProcess
 from tandem.tokenizer import load_tokenizer
@@ -165,6 +172,15 @@ def test_several_completions_and_logit_bias(fleet, tokenizer):
     assert len(tokenizer.encode(long_prompt)) >= DISAGG_MIN
     check_several_completions(sdk(fleet["disagg"]), long_prompt)
     check_logit_bias(sdk(fleet["disagg"]))
+
+
+def test_structured_outputs_through_prefill_and_decode(fleet, tokenizer):
+    """The prefill worker samples the first token under the grammar, the decode worker goes on from there."""
+    preamble = f"Some notes to ignore: {long_text(5)}.\n\n"
+    assert len(tokenizer.encode(preamble)) >= DISAGG_MIN
+    before = metric(fleet["disagg"].url, "tandem_router_routing_decisions_total", 'path="disagg"')
+    check_structured_outputs(sdk(fleet["disagg"]), preamble)
+    assert metric(fleet["disagg"].url, "tandem_router_routing_decisions_total", 'path="disagg"') == before + 3
 
 
 def test_models_names_the_served_model_and_its_context_length(fleet):

@@ -20,6 +20,7 @@ from tandem.metrics import EngineMetrics
 from tandem.protocol import LayoutFingerprint, SamplingParams
 from tandem.workers.engine.block_manager import BlockManager
 from tandem.workers.engine.detokenizer import IncrementalDetokenizer
+from tandem.workers.engine.grammar import GrammarMatchers
 from tandem.workers.engine.kv_leases import KVLease, LeaseTable
 from tandem.workers.engine.model_runner import ModelRunner
 from tandem.workers.engine.sampler import History, Sampler, TokenLogprobs
@@ -70,12 +71,14 @@ class GenerationResult:
 
 
 class _Request:
-    __slots__ = ("seq", "detokenizer", "stop_token_ids", "kv_status", "prompt_ids")
+    __slots__ = ("seq", "detokenizer", "stop_token_ids", "kv_status", "prompt_ids", "matcher")
 
-    def __init__(self, seq: Sequence, detokenizer: IncrementalDetokenizer | None, stop_token_ids: frozenset[int]):
+    def __init__(self, seq: Sequence, detokenizer: IncrementalDetokenizer | None, stop_token_ids: frozenset[int],
+                 matcher=None):
         self.seq = seq
         self.detokenizer = detokenizer
         self.stop_token_ids = stop_token_ids
+        self.matcher = matcher  # a structured output's grammar state (tandem.workers.engine.grammar)
         self.kv_status: str | None = None  # reported once, on the first output
         self.prompt_ids: torch.Tensor | None = None  # made once, for a repetition penalty (sampler.History)
 
@@ -136,6 +139,7 @@ class LLMEngine:
         if self.tokenizer is not None:
             eos.update(getattr(self.tokenizer, "eos_token_ids", None) or [])
         self.eos_token_ids = frozenset(eos)
+        self.grammars = GrammarMatchers(self.tokenizer, loaded.config.vocab_size, self.eos_token_ids)
         self._requests: dict[str, _Request] = {}
         self._abort_outputs: list[RequestOutput] = []
         # Cumulative counters (also mirrored into `metrics`).
@@ -198,6 +202,11 @@ class LLMEngine:
                              f"in [0, {len(prompt_token_ids)})")
         if kv_source is not None and first_token_id is None:
             raise ValueError(f"request {request_id!r}: a kv_source needs the first token it was prefilled with")
+        matcher = None
+        if params.structured is not None:
+            output_so_far = [] if first_token_id is None else [
+                *prompt_token_ids[len(prompt_token_ids) - output_tokens_in_prompt:], first_token_id]
+            matcher = self.grammars.start(params.structured, output_so_far)
 
         seq = Sequence(request_id, list(prompt_token_ids), params, arrival_time, device=self.runner.device)
         prompt_end = len(seq.prompt_token_ids) - output_tokens_in_prompt  # where the client's own prompt ends
@@ -217,7 +226,7 @@ class LLMEngine:
             if detokenizer is not None:
                 _replay_output(detokenizer, [*seq.prompt_token_ids[prompt_end:], first_token_id])
             seq.kv_source = kv_source
-        self._requests[request_id] = _Request(seq, detokenizer, frozenset(stop_ids))
+        self._requests[request_id] = _Request(seq, detokenizer, frozenset(stop_ids), matcher)
         self.scheduler.add(seq)
         self.num_prompt_tokens += seq.num_prompt_tokens
         if self.metrics is not None:
@@ -279,8 +288,12 @@ class LLMEngine:
                 if any(s.params.reads_history for s in seqs):
                     histories = [self._requests[s.request_id].history(logits.device) if s.params.reads_history
                                  else None for s in seqs]
+                allowed = None
+                if any(s.params.structured is not None for s in seqs):
+                    matchers = [self._requests[s.request_id].matcher for s in seqs]
+                    allowed = self.grammars.allowed(matchers, logits.device)
                 sampled = self.sampler(logits, [s.params for s in seqs], [s.next_token_generator() for s in seqs],
-                                       histories)
+                                       histories, allowed)
                 now = time.monotonic()
                 self.num_generation_tokens += len(seqs)
                 if self.metrics is not None:
@@ -430,6 +443,12 @@ class LLMEngine:
                 text = detokenizer.add_token(token_id)
                 if detokenizer.stopped:
                     reason = "stop"
+            # A finished grammar admits nothing more (its mask holds EOS alone). A token it refuses can only come
+            # from a row whose every token was masked (a grammar at odds with min_tokens): it ends there too.
+            matcher = request.matcher
+            if reason is None and matcher is not None and (not matcher.consume_token(token_id)
+                                                           or matcher.is_stopped()):
+                reason = "stop"
             if reason is None and (seq.num_output_tokens >= seq.params.max_tokens
                                    or seq.num_tokens >= self.max_model_len):
                 reason = "length"

@@ -3,9 +3,9 @@
 Greedy rows take the argmax. Random rows are scaled by temperature, cut by top-k then top-p,
 and sampled with the exponential-race trick (argmax of p / E, E ~ Exp(1)), which is one
 vectorised pass and lets each seeded row draw its noise from its own generator: a seeded
-request gets the same tokens whatever else is in the batch. A row's logit_bias, min_tokens and
-penalties (presence, frequency, repetition) change its logits before any of this, greedy rows
-included. Logprobs describe the model's raw distribution (log_softmax of the unmodified logits),
+request gets the same tokens whatever else is in the batch. A row's logit_bias, min_tokens,
+penalties (presence, frequency, repetition) and grammar change its logits before any of this,
+greedy rows included. Logprobs describe the model's raw distribution (log_softmax of the unmodified logits),
 as vLLM reports them by default.
 """
 
@@ -66,14 +66,17 @@ class History:
 
 
 def adjust_logits(logits: torch.Tensor, params: Sequence[SamplingParams],
-                  histories: Sequence[History | None] | None) -> torch.Tensor:
+                  histories: Sequence[History | None] | None, allowed: torch.Tensor | None = None) -> torch.Tensor:
     """The logits each row samples from: its logit_bias added, the tokens that would stop it masked while it has
-    fewer than min_tokens, then its penalties applied (vLLM's order). A copy when any row has one of these; rows
-    with none are unchanged. `histories` is needed only when a row reads_history."""
+    fewer than min_tokens, then its penalties applied (vLLM's order). The tokens not `allowed` ([B, V] bool: a
+    structured output's grammar, tandem.workers.engine.grammar) stay at -inf whatever these add. A copy when any
+    row has one of these; rows with none are unchanged. `histories` is needed only when a row reads_history."""
     rows = [i for i, p in enumerate(params) if p.logit_bias or p.reads_history]
-    if not rows:
+    if not rows and allowed is None:
         return logits
     out = logits.clone()
+    if allowed is not None:
+        out.masked_fill_(~allowed, float("-inf"))
     for i in rows:
         p, row = params[i], out[i]
         if p.logit_bias:
@@ -128,11 +131,13 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, params: Sequence[SamplingParams],
                  generators: Sequence[torch.Generator | None],
-                 histories: Sequence[History | None] | None = None) -> SamplerOutput:
-        """`histories` (see adjust_logits) is needed only when a row reads_history (penalties, min_tokens)."""
+                 histories: Sequence[History | None] | None = None,
+                 allowed: torch.Tensor | None = None) -> SamplerOutput:
+        """`histories` (see adjust_logits) is needed only when a row reads_history (penalties, min_tokens);
+        `allowed` only when a row's output follows a grammar."""
         if logits.dim() != 2 or logits.shape[0] != len(params):
             raise ValueError(f"logits {tuple(logits.shape)} do not match {len(params)} requests")
-        scores = adjust_logits(logits, params, histories)
+        scores = adjust_logits(logits, params, histories, allowed)
         random_rows = [i for i, p in enumerate(params) if not (p.greedy or p.temperature < _MIN_TEMPERATURE)]
         tokens = _argmax(scores)
         if random_rows:
