@@ -47,6 +47,11 @@ class EngineConfig(BaseModel):
                                    "copying in its own thread")
     kv_lease_ttl_s: float = Field(30.0, gt=0, description="a prefill's pinned blocks are freed after this long")
     kv_pull_timeout_s: float = Field(10.0, gt=0, description="a KV pull slower than this falls back to recompute")
+    kv_pull_in_background: Literal["auto", "on", "off"] = Field(
+        "auto", description="pull a request's KV on a thread of its own while the running requests' steps go on; "
+        "auto: when the KV cache is on a GPU (the NIC or NVLink copies), not on a CPU (there the copy takes the cores "
+        "the steps compute with, and costs the running requests as much as a pause or more: "
+        "benchmarks/decode_during_pull.py)")
 
 
 API_KEY_ENV = "TANDEM_API_KEY"  # the router's key kept off its command line (and out of `ps`), as VLLM_API_KEY

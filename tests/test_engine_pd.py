@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 import re
+import threading
 import time
 
 import pytest
@@ -26,7 +27,10 @@ def tiny(tiny_llama_dir):
 
 
 def engine(loaded, role: str, **overrides) -> LLMEngine:
-    settings = dict(num_kv_blocks=96, block_size=16, max_num_batched_tokens=64, max_num_seqs=16)
+    # Pulls in the background, as on a GPU: the CPU's default (the step waits for its pull) is what the worker
+    # tests (e2e/test_pd_workers.py) run.
+    settings = dict(num_kv_blocks=96, block_size=16, max_num_batched_tokens=64, max_num_seqs=16,
+                    kv_pull_in_background="on")
     settings.update(overrides)
     return LLMEngine(loaded, EngineConfig(**settings), EngineMetrics(loaded.config.name, role))
 
@@ -248,6 +252,82 @@ def test_a_structured_output_holds_split_or_resumed(pd_pair, colocated, tiny):
     assert re.fullmatch(pattern, tiny.tokenizer.decode(alone)) and free != alone
     _, outs = run(colocated, "structured-ends", prompt, params)
     assert outs[-1].finish_reason == "stop"  # at the grammar's end, not at max_tokens
+
+
+class HeldTransfer:
+    """The decode engine's real transfer, each read held at its start until `release` is set: a slow link."""
+
+    def __init__(self, inner):
+        self.inner, self.started, self.release = inner, threading.Event(), threading.Event()
+
+    def read_blocks(self, *args):
+        self.started.set()
+        self.release.wait(30)
+        return self.inner.read_blocks(*args)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def prefilled(prefill: LLMEngine, name: str, prompt: list[int]) -> tuple[int, RemoteKV, str]:
+    """(first token, where its KV is, lease id) of a prompt prefilled on `prefill`."""
+    first, outs = run(prefill, name, prompt, prefill_only=True)
+    lease = outs[-1].kv_lease
+    return first[0], RemoteKV(prefill.kv_transfer.agent_info(), lease.block_ids, lease.expires_at), lease.lease_id
+
+
+def test_running_requests_keep_decoding_while_a_prompts_kv_arrives(pd_pair, colocated):
+    """A pull runs beside the steps: the decode worker's running requests do not stall while it lasts."""
+    prefill, decode = pd_pair
+    prompt = prompt_of(100, seed=13)
+    first, source, lease_id = prefilled(prefill, "arriving", prompt)
+    real, decode.kv_transfer = decode.kv_transfer, HeldTransfer(decode.kv_transfer)
+    try:
+        decode.add_request("running", prompt_of(20, seed=14), SamplingParams(temperature=0, max_tokens=30,
+                                                                             ignore_eos=True))
+        decode.add_request("arriving", prompt, GREEDY, first_token_id=first, kv_source=source)
+        while_held = [out for _ in range(10) for out in decode.step()]
+        assert decode.kv_transfer.started.is_set()
+        assert [out.request_id for out in while_held] == ["running"] * 10
+        decode.kv_transfer.release.set()
+        tokens, status = [first], None
+        while decode.has_unfinished_requests():
+            for out in decode.step():
+                if out.request_id == "arriving":
+                    tokens += out.new_token_ids
+                    status = status or out.kv_status
+    finally:
+        decode.kv_transfer = real
+        prefill.release_lease(lease_id)
+    assert status == "pulled" and tokens == run(colocated, "arriving-alone", prompt)[0]
+
+
+def test_a_request_aborted_while_its_kv_arrives_keeps_its_blocks_until_the_read_is_over(pd_pair):
+    """The pull thread writes into the request's blocks until its read ends: given to another request before that,
+    they would get KV that is not theirs."""
+    prefill, decode = pd_pair
+    prompt = prompt_of(100, seed=15)
+    first, source, lease_id = prefilled(prefill, "aborted", prompt)
+    used = decode.num_kv_blocks_used
+    real, decode.kv_transfer = decode.kv_transfer, HeldTransfer(decode.kv_transfer)
+    try:
+        decode.add_request("aborted", prompt, GREEDY, first_token_id=first, kv_source=source)
+        decode.step()
+        assert decode.kv_transfer.started.wait(10)
+        landing = decode.num_kv_blocks_used - used
+        assert landing == -(-len(prompt) // 16)
+        assert decode.abort_request("aborted")
+        assert [(o.request_id, o.finish_reason) for o in decode.step()] == [("aborted", "abort")]
+        assert decode.num_kv_blocks_used == used + landing  # still held: the read goes on
+        decode.kv_transfer.release.set()
+        for _ in range(1000):
+            if not decode.has_unfinished_requests():
+                break
+            decode.step()
+    finally:
+        decode.kv_transfer = real
+        prefill.release_lease(lease_id)
+    assert decode.num_kv_blocks_used == used
 
 
 def test_aborting_a_done_prefill_releases_its_lease(pd_pair):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence as Seq
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,6 +57,22 @@ class RemoteKV:
     agent_info: dict
     block_ids: list[int]
     expires_at: float  # unix time
+
+
+@dataclass
+class _Pull:
+    """A KV pull under way on the pull thread, into blocks `seq` already holds."""
+
+    seq: Sequence
+    source: RemoteKV
+    future: Future  # (bytes moved, seconds the read took)
+    num_blocks: int
+    orphaned: bool = False  # the request was aborted meanwhile: its blocks are freed once the read is over
+
+
+# How long a step with nothing to compute waits for a pull to end before it returns (the worker's loop then takes
+# in new requests and steps again): the bound on what an idle engine adds to a new request's start.
+_PULL_WAIT_S = 0.005
 
 
 @dataclass
@@ -129,6 +146,10 @@ class LLMEngine:
         self.leases = LeaseTable(self.block_manager.pool, config.kv_lease_ttl_s)
         # Set by the worker when it serves P/D (prefill workers publish it, decode workers pull with it).
         self.kv_transfer: KVTransfer | None = None
+        self._pulls: dict[str, _Pull] = {}  # by request id
+        background = config.kv_pull_in_background
+        self._pull_in_background = background == "on" or (background == "auto" and self.runner.device.type == "cuda")
+        self._pull_thread: ThreadPoolExecutor | None = None  # made at the first pull
         mc = loaded.config
         self.layout = LayoutFingerprint(model=self.model_name, dtype=str(self.runner.kv_cache.dtype).removeprefix("torch."),
                                         block_size=config.block_size, num_layers=mc.num_layers,
@@ -244,7 +265,10 @@ class LLMEngine:
                 self._update_gauges()
             return released
         seq = request.seq
-        self.scheduler.abort(request_id)
+        pull = self._pulls.get(request_id)
+        if pull is not None:  # the pull thread still writes into its blocks: they are freed when it is done
+            pull.orphaned = True
+        self.scheduler.abort(request_id, free_blocks=pull is None)
         self._count_finished("abort")
         self._abort_outputs.append(RequestOutput(request_id, [], "", None, True, "abort", seq.num_prompt_tokens,
                                                  seq.num_cached_tokens))
@@ -252,7 +276,7 @@ class LLMEngine:
         return True
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._requests) or bool(self._abort_outputs)
+        return bool(self._requests) or bool(self._abort_outputs) or bool(self._pulls)
 
     # ----------------------------------------------------------------- stepping
 
@@ -300,6 +324,9 @@ class LLMEngine:
                     self.metrics.generation_tokens.inc(len(seqs))
                 for seq, token_id, logprobs in zip(seqs, sampled.token_ids, sampled.logprobs, strict=True):
                     outputs.append(self._append_token(seq, token_id, logprobs, now))
+        elif self._pulls and not outputs:
+            # Only pulls are left to wait for: wait for one here rather than have the caller spin on empty steps.
+            wait([pull.future for pull in self._pulls.values()], timeout=_PULL_WAIT_S, return_when=FIRST_COMPLETED)
 
         self._update_gauges()
         return outputs
@@ -346,21 +373,22 @@ class LLMEngine:
         return expired
 
     def _import_remote_kv(self) -> None:
-        """Pull the prompt KV of waiting P/D requests, so they join the batch as plain decodes."""
-        for seq in list(self.scheduler.waiting):
-            source = seq.kv_source
-            if source is None:
+        """Pull the prompt KV of waiting P/D requests, so they join the batch as plain decodes. Pulls run one at a
+        time (each uses the whole link) on a thread of their own. In the background (config.kv_pull_in_background)
+        the steps go on meanwhile, so a decode worker's running requests do not stall while a new one's prompt
+        arrives; the scheduler leaves a request alone while its KV is on the way. Otherwise the step waits for
+        the pull, and the request joins this step's batch."""
+        for seq in self.scheduler.waiting:
+            if seq.kv_source is None or seq.request_id in self._pulls:
                 continue
-            status = self._pull(seq, source)
-            if status is None:
-                continue  # no room in the cache yet: try again next step
-            seq.kv_source = None
-            self._requests[seq.request_id].kv_status = status
-            if status != "pulled" and self.metrics is not None:
-                self.metrics.fallback(status)
+            status = self._start_pull(seq, seq.kv_source)
+            if status is not None:
+                self._settle_pull(seq, status)
+        self._end_pulls()
 
-    def _pull(self, seq: Sequence, source: RemoteKV) -> str | None:
-        """'pulled', a fallback reason (the prompt is then computed here), or None to retry later."""
+    def _start_pull(self, seq: Sequence, source: RemoteKV) -> str | None:
+        """A fallback reason (the prompt is then computed here), or None: the pull is under way, or there is no
+        room in the cache for it yet and it is tried again next step."""
         if self.kv_transfer is None:
             return "no_transfer_backend"
         if not _lease_holds(source):
@@ -372,22 +400,48 @@ class LLMEngine:
             return None
         num_blocks = bm.blocks_for(num_prompt)
         local, remote = seq.block_table[len(hits):num_blocks], source.block_ids[len(hits):num_blocks]
-        started = time.monotonic()
-        try:
-            moved = self.kv_transfer.read_blocks(source.agent_info, remote, local, self.config.kv_pull_timeout_s)
-        except KVTransferError:
-            return "transfer_failed"  # the blocks stay allocated; the scheduler computes the prompt into them
-        if not _lease_holds(source):
-            # The lease ran out during the read: the prefill worker may have reused the blocks under it, and
-            # what arrived may be another request's KV. Computed here instead, into the same blocks.
-            return "lease_expired"
-        seq.num_computed_tokens = num_prompt
-        bm.cache_computed_blocks(seq)
-        if self.metrics is not None:
-            self.metrics.kv_transfer_latency.observe(time.monotonic() - started)
-            self.metrics.kv_transfer_bytes.inc(moved)
-            self.metrics.kv_transfer_blocks.inc(len(local))
-        return "pulled"
+        if self._pull_thread is None:
+            self._pull_thread = ThreadPoolExecutor(1, thread_name_prefix="kv-pull")
+        future = self._pull_thread.submit(_timed_read, self.kv_transfer, source.agent_info, remote, local,
+                                          self.config.kv_pull_timeout_s)
+        self._pulls[seq.request_id] = _Pull(seq, source, future, len(local))
+        if not self._pull_in_background:
+            wait([future])
+        return None
+
+    def _end_pulls(self) -> None:
+        """Settle the pulls that are over: the request runs as a decode, or computes its prompt here instead."""
+        for request_id, pull in list(self._pulls.items()):
+            if not pull.future.done():
+                continue
+            del self._pulls[request_id]
+            seq = pull.seq
+            if pull.orphaned:
+                self.block_manager.free(seq)
+                continue
+            try:
+                moved, seconds = pull.future.result()
+            except KVTransferError:
+                self._settle_pull(seq, "transfer_failed")  # the blocks stay: the scheduler computes into them
+                continue
+            if not _lease_holds(pull.source):
+                # The lease ran out during the read: the prefill worker may have reused the blocks under it, and
+                # what arrived may be another request's KV. Computed here instead, into the same blocks.
+                self._settle_pull(seq, "lease_expired")
+                continue
+            seq.num_computed_tokens = seq.num_prompt_tokens
+            self.block_manager.cache_computed_blocks(seq)
+            if self.metrics is not None:
+                self.metrics.kv_transfer_latency.observe(seconds)
+                self.metrics.kv_transfer_bytes.inc(moved)
+                self.metrics.kv_transfer_blocks.inc(pull.num_blocks)
+            self._settle_pull(seq, "pulled")
+
+    def _settle_pull(self, seq: Sequence, status: str) -> None:
+        seq.kv_source = None
+        self._requests[seq.request_id].kv_status = status
+        if status != "pulled" and self.metrics is not None:
+            self.metrics.fallback(status)
 
     # ----------------------------------------------------------------- stats
 
@@ -498,6 +552,14 @@ class LLMEngine:
         if self.scheduler.num_preemptions != self._reported_preemptions:
             metrics.preemptions.inc(self.scheduler.num_preemptions - self._reported_preemptions)
             self._reported_preemptions = self.scheduler.num_preemptions
+
+
+def _timed_read(transfer: KVTransfer, agent_info: dict, remote: list[int], local: list[int],
+                timeout_s: float) -> tuple[int, float]:
+    """(bytes moved, seconds): on the pull thread, so the time is the read's own, not when a step noticed it."""
+    started = time.monotonic()
+    moved = transfer.read_blocks(agent_info, remote, local, timeout_s)
+    return moved, time.monotonic() - started
 
 
 def _replay_output(detokenizer: IncrementalDetokenizer, output_token_ids: list[int]) -> None:

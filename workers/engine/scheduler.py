@@ -89,6 +89,8 @@ class Scheduler:
             for seq in list(self.waiting):
                 if budget == 0 or len(self.running) >= self.max_num_seqs:
                     break
+                if seq.kv_source is not None:  # its prompt's KV is on the way (or waits for room to land)
+                    continue
                 if blocked and not seq.block_table:
                     continue
                 if seq.block_table:
@@ -113,22 +115,20 @@ class Scheduler:
         out.num_new_tokens = list(scheduled.values())
         return out
 
-    def finish(self, seq: Sequence, reason: str) -> None:
-        """Retire a sequence that stopped; its blocks go back to the pool at once."""
+    def finish(self, seq: Sequence, reason: str, free_blocks: bool = True) -> None:
+        """Retire a sequence that stopped; its blocks go back to the pool at once (unless `free_blocks` is False:
+        the caller frees them later)."""
         self._remove(seq)
-        self.block_manager.free(seq)
+        if free_blocks:
+            self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
 
-    def abort(self, request_id: str) -> Sequence | None:
+    def abort(self, request_id: str, free_blocks: bool = True) -> Sequence | None:
         """Drop a request wherever it is; returns it, or None if it is unknown or already done."""
-        for seq in self.running:
+        for seq in (*self.running, *self.waiting):
             if seq.request_id == request_id:
-                self.finish(seq, "abort")
-                return seq
-        for seq in self.waiting:
-            if seq.request_id == request_id:
-                self.finish(seq, "abort")
+                self.finish(seq, "abort", free_blocks)
                 return seq
         return None
 
