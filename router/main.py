@@ -100,6 +100,8 @@ class Router:
             rate_limiter=tenants.rate_limiter, rates=ServiceRates(initial_prefill_tps=config.initial_prefill_tps))
         self.dispatcher = Dispatcher(self.admission, config.max_in_flight, self.metrics)
         self.worker_client = WorkerClient(transport=config.worker_transport)  # the data path; httpx only probes
+        for pool in (self.prefill, self.decode):  # a worker that stops answering probes loses its requests' wait
+            pool.on_silent = self.worker_client.drop
         self.orchestrator = Orchestrator(config, self.prefill, self.decode, self.worker_client, self.metrics,
                                          model_seed(self.served_name))
         self.discovery = make_discovery(config)

@@ -156,6 +156,7 @@ class Orchestrator:
                       ) -> AsyncIterator[Delta]:
         failed: set[str] = set()
         attempt_id = rid
+        last_cached = 0  # the prefix-cache count the last delta reported
         for attempt in range(MAX_ATTEMPTS):
             if handle is not None:  # disaggregated: place by free KV blocks and running sequences
                 healthy = self.decode.decode_states(exclude=failed)
@@ -187,6 +188,7 @@ class Orchestrator:
                         worker.prefill_tokens_in_flight -= colocated_weight
                         colocated_weight = 0
                     generated.extend(delta.new_token_ids)
+                    last_cached = delta.num_cached_tokens
                     yield delta
                     finished = delta.finished
                 if finished:
@@ -201,6 +203,11 @@ class Orchestrator:
                 self.decode.record_failure(url)
                 self._abandon(touched, url, attempt_id)  # a worker that only stopped answering may still be at it
                 failed.add(url)
+                if handle is not None and trace.prefill_worker is not None:
+                    # Nobody will use the prefill's blocks now: freed at once rather than when the lease runs out
+                    # (the failed worker may never release it). Should it still be reading them, it reads blocks
+                    # its own request, abandoned above, no longer needs.
+                    spawn(self._abort(trace.prefill_worker, rid))
                 handle = None  # the KV now comes from recomputing prompt + tokens so far
                 trace.migrations += 1
                 self._route("migrated")
@@ -208,6 +215,8 @@ class Orchestrator:
                 if not generated:
                     continue
                 if len(generated) >= params.max_tokens:
+                    # Every token arrived, only the end that says so did not: said here, as the worker would have.
+                    yield Delta([], "", None, True, "length", last_cached)
                     return
             finally:
                 worker.prefill_tokens_in_flight -= colocated_weight

@@ -2,13 +2,17 @@
 
 Health is active and passive: a probe loop reads each worker's /internal/load (200 = ready) every
 `interval` seconds, and every failed request counts against its worker; after `eject_after`
-consecutive failures a worker leaves the hash ring until a probe succeeds again.
+consecutive failures a worker leaves the hash ring until a probe succeeds again. A worker that does not
+answer its probes at all (`silent_after` in a row: hung, or its host cut off) also has the requests in
+flight on it failed (`on_silent`), so they move on in seconds rather than when a heartbeat or read timeout
+notices; one that answers "not ready" (draining) keeps them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import httpx
@@ -31,14 +35,18 @@ class Worker:
     total_blocks: int = 0
     running: int = 0
     max_model_len: int = 0
+    silent_probes: int = 0  # probes in a row that got no answer at all
 
 
 class WorkerPool:
-    def __init__(self, role: str, http: httpx.AsyncClient, metrics: RouterMetrics, eject_after: int = 3):
+    def __init__(self, role: str, http: httpx.AsyncClient, metrics: RouterMetrics, eject_after: int = 3,
+                 silent_after: int = 2, on_silent: Callable[[str], None] | None = None):
         self.role = role
         self.http = http
         self.metrics = metrics
         self.eject_after = eject_after
+        self.silent_after = silent_after
+        self.on_silent = on_silent  # called with the URL once a worker's probes went unanswered silent_after times
         self.workers: dict[str, Worker] = {}
         self.ring = HashRing()  # healthy workers only
 
@@ -86,6 +94,7 @@ class WorkerPool:
 
     # -- active health and load ------------------------------------------------------------
     async def probe(self, worker: Worker, timeout_s: float = 2.0) -> None:
+        silent = False
         try:
             r = await self.http.get(f"{worker.url}/internal/load", timeout=timeout_s)
             ok = r.status_code == 200
@@ -95,8 +104,15 @@ class WorkerPool:
                 worker.running = load["running"] + load["waiting"]
                 worker.max_model_len = load.get("max_model_len", 0)
             ready = ok and (await self.http.get(f"{worker.url}/ready", timeout=timeout_s)).status_code == 200
+        except httpx.TransportError:  # no answer: refused, reset, or nothing within the timeout
+            ready, silent = False, True
         except (httpx.HTTPError, ValueError, KeyError):
             ready = False
+        worker.silent_probes = worker.silent_probes + 1 if silent else 0
+        if worker.silent_probes == self.silent_after and self.on_silent is not None:
+            log.warning("%s worker %s has not answered %d probes: failing the requests in flight on it",
+                        self.role, worker.url, self.silent_after)
+            self.on_silent(worker.url)
         self._set_healthy(worker, ready)
 
     async def probe_all(self) -> None:

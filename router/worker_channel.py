@@ -22,6 +22,7 @@ import orjson
 from tandem.background import spawn
 
 HEARTBEAT_S = 20.0  # a ping every 20 s; no pong within half of that (aiohttp's rule) closes the connection
+HANDSHAKE_TIMEOUT_S = 10.0
 
 
 class ChannelClosed(aiohttp.ServerDisconnectedError):
@@ -66,6 +67,7 @@ class WorkerChannel:
     def __init__(self, ws: aiohttp.ClientWebSocketResponse, read_timeout_s: float):
         self.ws = ws
         self.closed = False
+        self._aborted = False
         self.read_timeout_s = read_timeout_s
         self._inboxes: dict[int, Inbox] = {}
         self._ids = itertools.count()
@@ -76,7 +78,10 @@ class WorkerChannel:
     @classmethod
     async def connect(cls, session: aiohttp.ClientSession, worker_url: str, read_timeout_s: float) -> WorkerChannel:
         """aiohttp.WSServerHandshakeError when the worker has no channel (an older worker)."""
-        ws = await session.ws_connect(f"{worker_url}/internal/ws", heartbeat=HEARTBEAT_S, max_msg_size=0)
+        # Bounded: a hung worker's kernel still accepts the connection, but nothing answers the upgrade, and every
+        # request waiting for this connect would wait with it.
+        ws = await asyncio.wait_for(session.ws_connect(f"{worker_url}/internal/ws", heartbeat=HEARTBEAT_S,
+                                                       max_msg_size=0), HANDSHAKE_TIMEOUT_S)
         channel = cls(ws, read_timeout_s)
         cork(ws, busy=lambda: len(channel._inboxes) > 1)
         return channel
@@ -121,6 +126,9 @@ class WorkerChannel:
                         inbox.heard = loop.time()
         except (aiohttp.ClientError, ValueError):  # ValueError: an answer that is not JSON
             pass
+        except asyncio.CancelledError:
+            if not self._aborted:
+                raise
         finally:
             self.closed = True
             self._watchdog.cancel()
@@ -138,6 +146,12 @@ class WorkerChannel:
                 if inbox.heard < silent_since:
                     inbox.put(TIMED_OUT)
                     inbox.heard = math.inf  # once is enough
+
+    def abort(self) -> None:
+        """Fail every request on the channel now and close it, without waiting for the worker (which may not
+        answer): what the connection breaking would do."""
+        self._aborted = True
+        self._reader.cancel()  # its end fails the requests and closes the connection in the background
 
     async def close(self) -> None:
         await self.ws.close()

@@ -11,6 +11,7 @@ separately). The health probes stay on httpx: they run once a second.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -34,6 +35,11 @@ NO_CHANNEL_STATUSES = (403, 404, 405)
 # A worker that refused the upgrade is asked again after this long: the refusal may have come from something in
 # front of it (an ingress mid-rollout), or the worker may have been upgraded since.
 NO_CHANNEL_RETRY_S = 60.0
+
+
+# The message a request's task is cancelled with when its worker is dropped (WorkerClient.drop): the cancellation
+# becomes a transport error for that request alone.
+_DROPPED = "tandem: the worker was dropped"
 
 
 class WorkerStatusError(Exception):
@@ -64,6 +70,7 @@ class WorkerClient:
         self._channels: dict[str, WorkerChannel] = {}
         self._connecting: dict[str, asyncio.Task] = {}
         self._http_only: dict[str, float] = {}  # worker -> when it answered the upgrade with an HTTP error
+        self._http_waits: dict[str, set[asyncio.Task]] = {}  # worker -> tasks waiting on it over HTTP now
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -76,7 +83,8 @@ class WorkerClient:
         """The JSON answer of a 200; WorkerStatusError otherwise."""
         channel = await self._channel(worker)
         if channel is None:
-            return await self._post_http(f"{worker}{path}", payload, timeout_s)
+            with self._waiting_on(worker):
+                return await self._post_http(f"{worker}{path}", payload, timeout_s)
         request_id, inbox = await channel.send(path, payload)
         try:
             answers = await (asyncio.wait_for(inbox.take(), timeout_s) if timeout_s is not None else inbox.take())
@@ -91,7 +99,7 @@ class WorkerClient:
         worker refuses the request; a transport error after the events that arrived before it."""
         channel = await self._channel(worker)
         if channel is None:
-            async for batch in self._event_batches_http(f"{worker}{path}", payload):
+            async for batch in self._event_batches_http(worker, f"{worker}{path}", payload):
                 yield batch
             return
         request_id, inbox = await channel.send(path, payload)
@@ -116,6 +124,33 @@ class WorkerClient:
                     return
         finally:
             channel.forget(request_id)
+
+    def drop(self, worker: str) -> None:
+        """Fail every request in flight on `worker` now with a transport error, as its connections breaking
+        would (the orchestrator retries or resumes them elsewhere): for a worker that stopped answering without
+        closing them (hung, or its host cut off), which a heartbeat or the read timeout notices much later."""
+        channel = self._channels.get(worker)
+        if channel is not None and not channel.closed:
+            channel.abort()
+        for task in self._http_waits.get(worker, ()):
+            task.cancel(_DROPPED)
+
+    @contextlib.contextmanager
+    def _waiting_on(self, worker: str):
+        """Around each wait for a worker's HTTP answer (and only there): drop() cancels the waiting task, and the
+        cancellation becomes the transport error. Outside these waits the task is the caller's, and not cancelled."""
+        task = asyncio.current_task()
+        waits = self._http_waits.setdefault(worker, set())
+        waits.add(task)
+        try:
+            yield
+        except asyncio.CancelledError as exc:
+            if exc.args != (_DROPPED,):
+                raise
+            task.uncancel()
+            raise aiohttp.ServerDisconnectedError("the worker stopped answering") from None
+        finally:
+            waits.discard(task)
 
     async def _channel(self, worker: str) -> WorkerChannel | None:
         """The worker's open channel, connecting it on first use (one connect however many requests wait for
@@ -155,14 +190,21 @@ class WorkerClient:
                 raise WorkerStatusError(r.status, _error_message(raw))
             return orjson.loads(raw)
 
-    async def _event_batches_http(self, url: str, payload: dict) -> AsyncIterator[list[dict]]:
-        async with self.session.post(url, data=orjson.dumps(payload), headers=_JSON) as r:
-            if r.status != 200:
-                raise WorkerStatusError(r.status, _error_message(await r.read()))
+    async def _event_batches_http(self, worker: str, url: str, payload: dict) -> AsyncIterator[list[dict]]:
+        async with contextlib.AsyncExitStack() as stack:
+            with self._waiting_on(worker):
+                r = await stack.enter_async_context(self.session.post(url, data=orjson.dumps(payload), headers=_JSON))
+                if r.status != 200:
+                    raise WorkerStatusError(r.status, _error_message(await r.read()))
             # Read as the bytes arrive and split into lines here: aiohttp's line iterator costs a readline per
             # line, and the events of one read make one batch.
             partial = b""
-            async for data in r.content.iter_any():
+            reads = r.content.iter_any()
+            while True:
+                with self._waiting_on(worker):
+                    data = await anext(reads, None)
+                if data is None:
+                    break
                 lines = (partial + data).split(b"\n")
                 partial = lines.pop()
                 batch = [event for line in lines if (event := parse_sse_line(line)) is not None]

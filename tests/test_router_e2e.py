@@ -287,10 +287,16 @@ def test_a_client_that_leaves_mid_stream_stops_the_work(fleet, tokenizer):
     assert metric(router_url, "tandem_router_worker_in_flight") == 0
 
 
-def test_decode_worker_killed_mid_stream_the_stream_continues():
+@pytest.mark.parametrize("fault,transport", [("kill", "websocket"), ("hang", "websocket"), ("hang", "http")])
+def test_a_decode_worker_lost_mid_stream_the_stream_continues(fault, transport):
+    """kill: the worker dies, and its connections close. hang: it stops answering without closing them (SIGSTOP: a
+    hung process, or its node cut off); once it has missed two probes the router fails its requests and resumes
+    them elsewhere, well before the channel's heartbeat (20 s, then 10 s for the pong) or an HTTP read timeout
+    (600 s) would notice."""
     decode = [worker("both"), worker("both")]
     start_all(*decode)
-    front = router([], decode, "--eject-after-failures", "1")
+    front = router([], decode, "--eject-after-failures", "1", "--worker-transport", transport)
+    stopped = None
     try:
         start_all(front)
         client = sdk(front)
@@ -298,16 +304,22 @@ def test_decode_worker_killed_mid_stream_the_stream_continues():
                       extra_body={"ignore_eos": True})
         reference = client.completions.create(**kwargs).choices[0].text
         pieces = []
-        stream = client.completions.create(**kwargs, stream=True)
-        for i, chunk in enumerate(stream):
+        for i, chunk in enumerate(client.completions.create(**kwargs, stream=True)):
             pieces.append(chunk.choices[0].text if chunk.choices else "")
-            if i == 5:  # mid-stream: kill the worker that is serving it
-                busy = [d for d in decode if httpx.get(d.url + "/internal/load").json()["in_flight"] > 0]
-                assert len(busy) == 1
-                busy[0].kill()
+            if i == 5:  # mid-stream: lose the worker that is serving it
+                [busy] = [d for d in decode if httpx.get(d.url + "/internal/load").json()["in_flight"] > 0]
+                if fault == "kill":
+                    busy.kill()
+                else:
+                    os.kill(busy.proc.pid, signal.SIGSTOP)
+                    stopped = busy
+                lost_at = time.monotonic()
         assert "".join(pieces) == reference
+        assert time.monotonic() - lost_at < 25  # a hang left to the heartbeat alone would take 30 s
         assert metric(front.url, "tandem_router_routing_decisions_total", 'path="migrated"') >= 1
     finally:
+        if stopped is not None:
+            os.kill(stopped.proc.pid, signal.SIGCONT)
         front.stop()
         for d in decode:
             d.stop()

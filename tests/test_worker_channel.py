@@ -340,3 +340,60 @@ def test_frames_written_in_one_pass_of_the_loop_leave_in_one_write():
         assert inner.writes == [b"ab"]  # a closing transport takes nothing more
 
     asyncio.run(run())
+
+
+@pytest.mark.parametrize("transport", ["websocket", "http"])
+def test_a_dropped_worker_fails_the_requests_waiting_on_it_and_spares_the_others(transport):
+    """A worker that sent one token and then hung (its connection open, nothing more coming): drop() fails the
+    requests on it at once with a transport error (the orchestrator resumes them elsewhere), after the token
+    that did arrive. A request on another worker goes on."""
+    async def one_token_then_hang_ws(request: web.Request) -> web.WebSocketResponse:
+        ws = web.WebSocketResponse()
+        await ws.prepare(request)
+        async for message in ws:
+            call = orjson.loads(message.data)
+            if "path" in call:
+                await ws.send_bytes(orjson.dumps({"id": call["id"], "event": {"token_ids": [5], "text": "x"}}))
+        return ws
+
+    async def one_token_then_hang_http(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        await response.write(b'data: {"token_ids": [5], "text": "x"}\n\n')
+        await asyncio.sleep(3600)
+        return response
+
+    async def run():
+        hung_port, other_port = free_port(), free_port()
+        runners = [await serve_routes(port, web.get("/internal/ws", one_token_then_hang_ws),
+                                      web.post("/internal/decode", one_token_then_hang_http))
+                   for port in (hung_port, other_port)]
+        client = WorkerClient(transport=transport)
+        hung, other = f"http://127.0.0.1:{hung_port}", f"http://127.0.0.1:{other_port}"
+
+        async def tokens_then_error(url: str):
+            received = []
+            try:
+                async for batch in client.event_batches(url, "/internal/decode", decode_body("r", [1, 2])):
+                    received += [event["token_ids"] for event in batch]
+            except TRANSPORT_ERRORS as exc:
+                return received, exc
+            return received, None
+
+        try:
+            on_hung = asyncio.create_task(tokens_then_error(hung))
+            on_other = asyncio.create_task(tokens_then_error(other))
+            await asyncio.sleep(0.5)  # both have their first token and wait for more
+            client.drop(hung)
+            received, error = await asyncio.wait_for(on_hung, 5)
+            await asyncio.sleep(0.2)
+            return received, error, on_other.done()
+        finally:
+            on_other.cancel()
+            await client.close()
+            for runner in runners:
+                await runner.cleanup()
+
+    received, error, other_done = asyncio.run(run())
+    assert received == [[5]] and isinstance(error, TRANSPORT_ERRORS)
+    assert not other_done  # its worker was not dropped: it still waits

@@ -204,3 +204,44 @@ def test_once_a_decode_worker_has_the_handle_the_prefill_worker_is_not_aborted()
     assert [d.new_token_ids for d in asyncio.run(leave_after_the_first_decoded_token())] == [[6], [7]]
     assert http.bodies[0]["kv_handle"] == {"lease_id": "lease-1"}
     assert http.aborts == [("http://d", "r1")]
+
+
+def test_a_decode_worker_lost_with_the_handle_frees_the_prefill_workers_blocks_at_once():
+    """The failed decode worker may never release the lease (it died, or hangs): the router gives the blocks back
+    when it gives up on it, not when the lease runs out, and resumes elsewhere from prompt + tokens."""
+    orchestrator, pool, http = orchestrator_over({"http://a": [], "http://b": []})
+    first, other = "http://a", "http://b"
+    pool.workers[first].free_blocks = 1000  # the decode worker the handle goes to: the one with room
+    http.script[first] = [aiohttp.ClientConnectionError("gone")]
+    http.script[other] = [{"token_ids": [8], "text": "y", "finish_reason": "length"}]
+    orchestrator.prefill.workers["http://p"] = Worker("http://p", healthy=True)
+    orchestrator.prefill.ring.add("http://p")
+    orchestrator.config.disagg_min_tokens = 1
+
+    async def run_it():
+        deltas = [d async for d in orchestrator.run("r1", [1, 2, 3], SamplingParams(temperature=0, max_tokens=2),
+                                                    Trace())]
+        await asyncio.sleep(0.01)  # the aborts are sent on their way
+        return deltas
+
+    assert [d.new_token_ids for d in asyncio.run(run_it())] == [[6], [8]]
+    assert http.bodies[0]["kv_handle"] == {"lease_id": "lease-1"} and http.bodies[1]["kv_handle"] is None
+    assert sorted(http.aborts) == sorted([(first, "r1"), ("http://p", "r1")])
+
+
+def test_a_stream_lost_after_its_last_token_still_ends_with_its_finish_reason():
+    """All max_tokens arrived but not the event that says the stream is over: nothing is left to resume, and the
+    client still gets a finish_reason ("length", as the worker would have said)."""
+    orchestrator, pool, http = orchestrator_over({"http://a": [], "http://b": []})
+    first, _ = first_and_other(orchestrator, pool)
+    http.script[first] = [{"token_ids": [7], "text": "x", "num_cached_tokens": 16},
+                          {"token_ids": [8], "text": "y", "num_cached_tokens": 16}, aiohttp.ClientConnectionError()]
+
+    async def run_it():
+        return [d async for d in orchestrator.run("r1", [1, 2, 3], SamplingParams(temperature=0, max_tokens=2),
+                                                  Trace())]
+
+    deltas = asyncio.run(run_it())
+    assert [(d.new_token_ids, d.finished, d.finish_reason) for d in deltas] == [
+        ([7], False, None), ([8], False, None), ([], True, "length")]
+    assert deltas[-1].num_cached_tokens == 16 and http.calls == [first]
