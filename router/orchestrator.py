@@ -76,7 +76,9 @@ class Orchestrator:
         per 1,000 tokens). `coalesce` (a client that does not stream): the decode worker sends the first token
         at once and the rest as one delta at the end, not one event per token to read, parse and format."""
         hashes, key = plan if plan is not None else self.plan(prompt)
-        disagg = len(prompt) >= self.config.disagg_min_tokens and bool(self.prefill.healthy())
+        # Prompt logprobs come from the worker that computes the whole prompt: the decode worker, colocated.
+        disagg = len(prompt) >= self.config.disagg_min_tokens and bool(self.prefill.healthy()) \
+            and params.prompt_logprobs is None
         touched: set[tuple[str, str]] = set()  # (worker, request id there): what to abort if the client leaves
         finished = False
         try:
@@ -173,6 +175,7 @@ class Orchestrator:
                     "first_token_id": generated[-1] if generated else None, "coalesce_after_first": coalesce}
             if generated:  # the first token (or all tokens so far, after a migration) counts as output
                 body["sampling"]["max_tokens"] = params.max_tokens - len(generated) + 1
+                body["sampling"]["prompt_logprobs"] = None  # the client has them from the first attempt
                 if len(generated) > 1:
                     body["output_tokens_in_prompt"] = len(generated) - 1
             colocated_weight = 0 if handle is not None or attempt else trace.uncached_tokens
@@ -203,11 +206,9 @@ class Orchestrator:
                 self.decode.record_failure(url)
                 self._abandon(touched, url, attempt_id)  # a worker that only stopped answering may still be at it
                 failed.add(url)
-                if handle is not None and trace.prefill_worker is not None:
-                    # Nobody will use the prefill's blocks now: freed at once rather than when the lease runs out
-                    # (the failed worker may never release it). Should it still be reading them, it reads blocks
-                    # its own request, abandoned above, no longer needs.
-                    spawn(self._abort(trace.prefill_worker, rid))
+                # The prefill's lease, if this attempt had its handle, is left to run out (--kv-lease-ttl-s): the
+                # failed worker may be hung mid-read rather than dead, and a pull that ends within the lease's time
+                # is trusted (LLMEngine._end_pulls). Freed early, the blocks could be another prompt's by then.
                 handle = None  # the KV now comes from recomputing prompt + tokens so far
                 trace.migrations += 1
                 self._route("migrated")
@@ -320,9 +321,10 @@ def _entry(d: dict) -> _Entry:
 def _delta(chunks: list[dict]) -> Delta:
     """Consecutive decode events (tandem.protocol.DecodeChunk as JSON) as one delta."""
     event = join_decode_events(chunks)
-    logprobs = event.get("logprobs")
+    logprobs, prompt_logprobs = event.get("logprobs"), event.get("prompt_logprobs")
     return Delta(event["token_ids"], event.get("text", ""), [_entry(e) for e in logprobs] if logprobs else None,
-                 event.get("finish_reason") is not None, event.get("finish_reason"), event.get("num_cached_tokens", 0))
+                 event.get("finish_reason") is not None, event.get("finish_reason"), event.get("num_cached_tokens", 0),
+                 None if prompt_logprobs is None else [e and _entry(e) for e in prompt_logprobs])
 
 
 def _worker_error(error: dict) -> Exception:

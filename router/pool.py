@@ -36,6 +36,7 @@ class Worker:
     running: int = 0
     max_model_len: int = 0
     silent_probes: int = 0  # probes in a row that got no answer at all
+    silence_reported: bool = False  # on_silent was called for this silence
 
 
 class WorkerPool:
@@ -109,14 +110,23 @@ class WorkerPool:
         except (httpx.HTTPError, ValueError, KeyError):
             ready = False
         worker.silent_probes = worker.silent_probes + 1 if silent else 0
-        if worker.silent_probes == self.silent_after and self.on_silent is not None:
-            log.warning("%s worker %s has not answered %d probes: failing the requests in flight on it",
-                        self.role, worker.url, self.silent_after)
-            self.on_silent(worker.url)
+        worker.silence_reported = worker.silence_reported and silent
         self._set_healthy(worker, ready)
 
-    async def probe_all(self) -> None:
-        await asyncio.gather(*(self.probe(w) for w in list(self.workers.values())))
+    async def probe_all(self, timeout_s: float = 2.0) -> None:
+        workers = list(self.workers.values())
+        await asyncio.gather(*(self.probe(w, timeout_s) for w in workers))
+        # Silence is the worker's only if another worker answered in the same round: when none did, the likelier
+        # cause is this router (its event loop held up past the timeout) or its network, and failing every request
+        # in flight would not help them.
+        if self.on_silent is None or all(w.silent_probes for w in workers):
+            return
+        for worker in workers:
+            if worker.silent_probes >= self.silent_after and not worker.silence_reported:
+                worker.silence_reported = True
+                log.warning("%s worker %s has not answered %d probes: failing the requests in flight on it",
+                            self.role, worker.url, self.silent_after)
+                self.on_silent(worker.url)
 
     # -- placement inputs ------------------------------------------------------------------
     def prefill_loads(self) -> dict[str, float]:

@@ -145,7 +145,9 @@ class WorkerClient:
         try:
             yield
         except asyncio.CancelledError as exc:
-            if exc.args != (_DROPPED,):
+            # Only a cancel of drop()'s alone becomes the transport error; one from the caller (its client left)
+            # landing in the same pass of the loop stays a cancel.
+            if exc.args != (_DROPPED,) or task.cancelling() > 1:
                 raise
             task.uncancel()
             raise aiohttp.ServerDisconnectedError("the worker stopped answering") from None

@@ -73,8 +73,18 @@ def request_choices(body: CompletionRequest | ChatCompletionRequest, prompts: li
     chat = isinstance(body, ChatCompletionRequest)
     formatter = ChatFormatter if chat else CompletionFormatter
     request_id, created = new_id("chatcmpl" if chat else "cmpl"), now()
-    return expand(request_id, prompts, params, body.n, lambda num_prompt_tokens, index: formatter(
-        request_id, served_name, created, tokenizer, num_prompt_tokens, index))
+    echoes = None
+    if not chat and body.echo:  # each prompt as the client sent it (token ids decoded)
+        echoes = [(text if isinstance(text, str) else tokenizer.decode(ids), ids)
+                  for text, ids in zip(body.prompts(), prompts, strict=True)]
+
+    def make_formatter(num_prompt_tokens: int, index: int) -> Formatter:
+        fmt = formatter(request_id, served_name, created, tokenizer, num_prompt_tokens, index)
+        if echoes is not None:
+            fmt.echo = echoes[index // body.n]
+        return fmt
+
+    return expand(request_id, prompts, params, body.n, make_formatter)
 
 
 @dataclass

@@ -22,6 +22,7 @@ class Delta:
     finished: bool
     finish_reason: str | None
     num_cached_tokens: int = 0
+    prompt_logprobs: list | None = None  # on the first delta, when asked for: an entry per prompt token (None first)
 
 
 RequestOutput = Delta  # the engine's RequestOutput is read through the same fields
@@ -91,28 +92,48 @@ class Formatter:
 
 class CompletionFormatter(Formatter):
     object_name = chunk_object_name = "text_completion"
+    # echo: (the prompt's text, its token ids), which the answer repeats before its own text (and, with logprobs,
+    # the prompt tokens' logprobs before its own: the first token has none, nothing predicts it).
+    echo: tuple[str, list[int]] | None = None
+    prompt_logprobs: list | None = None
+    echoed = False
 
-    def _logprobs_block(self, entries: list) -> dict | None:
+    def add(self, out: RequestOutput) -> None:
+        super().add(out)
+        if getattr(out, "prompt_logprobs", None) is not None:
+            self.prompt_logprobs = out.prompt_logprobs
+
+    def _logprobs_block(self, entries: list, with_prompt: bool = False) -> dict | None:
         if not self.wants_logprobs:
             return None
-        return {
-            "tokens": [self._token_text(e.token_id) for e in entries],
-            "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [{self._token_text(t): lp for t, lp in e.top_logprobs} for e in entries],
-            "text_offset": [],
-        }
+        tokens, token_logprobs, top_logprobs = [], [], []
+        if with_prompt and self.echo is not None:
+            known = self.prompt_logprobs or []
+            for i, token_id in enumerate(self.echo[1]):
+                entry = known[i] if i < len(known) else None
+                tokens.append(self._token_text(token_id))
+                token_logprobs.append(None if entry is None else entry.logprob)
+                top_logprobs.append(None if entry is None else {self._token_text(t): lp for t, lp in entry.top_logprobs})
+        tokens += [self._token_text(e.token_id) for e in entries]
+        token_logprobs += [e.logprob for e in entries]
+        top_logprobs += [{self._token_text(t): lp for t, lp in e.top_logprobs} for e in entries]
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs, "text_offset": []}
 
     def chunks(self, out: RequestOutput) -> list[dict]:
         self.add(out)
         # Tokens with no text yet (part of a UTF-8 character) still have logprobs to send.
-        if not out.new_text and not out.finished and not out.new_logprobs:
+        if not out.new_text and not out.finished and not out.new_logprobs and (self.echo is None or self.echoed):
             return []
-        choice = {"index": self.index, "text": out.new_text, "logprobs": self._logprobs_block(out.new_logprobs or []),
+        echo_now = self.echo is not None and not self.echoed  # the first chunk carries the prompt
+        self.echoed = True
+        choice = {"index": self.index, "text": (self.echo[0] if echo_now else "") + out.new_text,
+                  "logprobs": self._logprobs_block(out.new_logprobs or [], with_prompt=echo_now),
                   "finish_reason": out.finish_reason if out.finished else None}
         return [self.envelope(self.chunk_object_name, [choice])]
 
     def final(self) -> dict:
-        choice = {"index": self.index, "text": self.text, "logprobs": self._logprobs_block(self.logprobs),
+        text = (self.echo[0] if self.echo is not None else "") + self.text
+        choice = {"index": self.index, "text": text, "logprobs": self._logprobs_block(self.logprobs, with_prompt=True),
                   "finish_reason": self.finish_reason}
         return self.envelope(self.object_name, [choice], self.usage())
 

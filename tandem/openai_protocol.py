@@ -23,7 +23,7 @@ from tandem.protocol import (
     StructuredOutput,
     TokenId,
 )
-from tandem.structured_output import ANY_JSON_OBJECT, choice_spec, grammar_text, json_schema_spec
+from tandem.structured_output import ANY_JSON_OBJECT, MAX_SPEC_CHARS, choice_spec, json_schema_spec
 
 MAX_N = 128  # completions per prompt: OpenAI's bound on n
 MAX_LOGIT_BIAS = 300  # biased tokens per request: each costs the worker work at every step
@@ -110,9 +110,17 @@ class _CommonParams(_Request):
                 raise ValueError(f"biases must lie in [-100, 100], got {bias} for token {token}")
         return v
 
+    @property
+    def structured_param(self) -> str | None:
+        """The parameter the request's structured output comes from, for its errors."""
+        if self.response_format is not None and self.response_format.type != "text":
+            return "response_format"
+        return "structured_outputs" if self.structured_outputs is not None else None
+
     def structured_output(self) -> StructuredOutput | None:
-        """The constraint the request puts on its whole output (tandem.structured_output), checked: a 400 naming
-        the parameter when it is malformed or its schema, regex or grammar is not valid."""
+        """The constraint the request puts on its whole output (tandem.structured_output): a 400 naming the
+        parameter when it is malformed or too large. Whether its schema, regex or grammar compiles is for
+        tandem.structured_output.check, off the event loop."""
         fmt, vllm = self.response_format, self.structured_outputs
         if fmt is not None and fmt.type != "text":
             if vllm is not None:
@@ -142,13 +150,13 @@ class _CommonParams(_Request):
                 spec = StructuredOutput(kind=name, value=value)
         else:
             return None
-        try:
-            grammar_text(spec)
-        except ValueError as exc:
-            raise APIError(400, f"{param}: {exc}", param=param) from None
+        if len(spec.value) > MAX_SPEC_CHARS:
+            raise APIError(400, f"{param}: at most {MAX_SPEC_CHARS} characters of schema, regex, grammar or choices "
+                                f"are accepted, got {len(spec.value)}", param=param)
         return spec
 
-    def _sampling(self, max_tokens: int, logprobs: int | None, vocab_size: int) -> SamplingParams:
+    def _sampling(self, max_tokens: int, logprobs: int | None, vocab_size: int,
+                  prompt_logprobs: int | None = None) -> SamplingParams:
         bias = [(int(token), value) for token, value in (self.logit_bias or {}).items()]
         if any(token >= vocab_size for token, _ in bias):
             raise APIError(400, f"logit_bias names a token id outside the vocabulary [0, {vocab_size})",
@@ -174,6 +182,7 @@ class _CommonParams(_Request):
             logit_bias=bias,
             min_tokens=self.min_tokens or 0,
             structured=self.structured_output(),
+            prompt_logprobs=prompt_logprobs,
         )
 
 
@@ -181,10 +190,14 @@ PositiveInt = Annotated[int, Field(ge=1)]
 
 
 class CompletionRequest(_CommonParams):
+    model_config = ConfigDict(json_schema_extra={"examples": [{"model": "smollm2", "prompt": "Once upon a time",
+                                                               "max_tokens": 8}]})
+
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = Field(16, description="tokens to generate; must be >= 1")
     logprobs: int | None = Field(None, ge=0, le=20)
-    echo: bool = False
+    echo: bool = Field(False, description="repeat the prompt before the completion (with logprobs: the prompt "
+                                          "tokens' logprobs too)")
     best_of: int | None = None  # not implemented: refused unless 1
     suffix: str | None = None  # not implemented: refused unless empty
 
@@ -199,13 +212,14 @@ class CompletionRequest(_CommonParams):
 
     def sampling_params(self, default_max_tokens: int, vocab_size: int) -> SamplingParams:
         """`vocab_size` bounds the token ids of logit_bias."""
-        if self.echo:
-            raise APIError(400, "echo is not supported", param="echo")
         if self.best_of not in (None, 1):
             raise APIError(400, "best_of is not supported; only 1 is", param="best_of")
         if self.suffix:
             raise APIError(400, "suffix is not supported", param="suffix")
-        return self._sampling(_max_tokens(self.max_tokens, default_max_tokens), self.logprobs, vocab_size)
+        # echo with logprobs: the prompt's logprobs as well, with as many alternatives as the output's.
+        prompt_logprobs = self.logprobs if self.echo else None
+        return self._sampling(_max_tokens(self.max_tokens, default_max_tokens), self.logprobs, vocab_size,
+                              prompt_logprobs)
 
 
 class ContentPart(_Request):
@@ -225,6 +239,9 @@ class ChatMessage(_Request):
 
 
 class ChatCompletionRequest(_CommonParams):
+    model_config = ConfigDict(json_schema_extra={"examples": [{"model": "smollm2", "max_tokens": 8, "messages": [
+        {"role": "user", "content": "Say hello."}]}]})
+
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None

@@ -54,6 +54,8 @@ class SamplingParams(BaseModel):
     logit_bias: list[tuple[TokenId, float]] = Field(default_factory=list, description="(token id, bias) pairs "
                                                     "added to the logits before penalties and sampling")
     structured: StructuredOutput | None = None
+    prompt_logprobs: int | None = Field(None, ge=0, le=20, description="logprobs of the prompt's tokens (each "
+                                        "with this many top alternatives), computed in full: no prefix-cache hit")
 
     @property
     def greedy(self) -> bool:
@@ -151,11 +153,13 @@ class DecodeChunk(BaseModel):
     finish_reason: str | None = None
     num_cached_tokens: int = 0
     kv_source: str | None = Field(None, description="'pulled', 'local' or a fallback reason; on the first chunk")
+    prompt_logprobs: list[TokenLogprob | None] | None = Field(None, description="on the first chunk, when asked "
+                                                              "for: one per prompt token, None for the first")
 
 
 def join_decode_events(events: list[dict]) -> dict:
     """Consecutive decode events of one request (DecodeChunk as JSON) as one: tokens, text and logprobs in
-    order, the last event's finish and cached-token count, the first kv_source. A worker joins what it holds
+    order, the last event's finish and cached-token count, the first kv_source and prompt_logprobs. A worker joins what it holds
     back (coalesce_after_first); a router joins what arrived together, to relay it once."""
     if len(events) == 1:
         return events[0]
@@ -168,9 +172,10 @@ def join_decode_events(events: list[dict]) -> dict:
     for key in ("finish_reason", "num_cached_tokens"):
         if key in last:
             joined[key] = last[key]
-    kv_source = next((e["kv_source"] for e in events if e.get("kv_source")), None)
-    if kv_source is not None:
-        joined["kv_source"] = kv_source
+    for key in ("kv_source", "prompt_logprobs"):  # the first event's
+        value = next((e[key] for e in events if e.get(key)), None)
+        if value is not None:
+            joined[key] = value
     return joined
 
 

@@ -245,6 +245,29 @@ def test_structured_outputs_hold_the_answer_to_a_schema_a_choice_or_a_regex(clie
     check_structured_outputs(client)
 
 
+def check_echo(client, prompt: str) -> None:
+    """echo repeats the prompt before the completion, streamed (in the first chunk) or not, and with logprobs gives
+    the prompt tokens' logprobs too (the first has none): what lm-eval's loglikelihood tasks read."""
+    kwargs = dict(model="smollm2", prompt=prompt, max_tokens=1, temperature=0, logprobs=2)
+    plain = client.completions.create(**kwargs).choices[0]
+    echoed = client.completions.create(**kwargs, echo=True)
+    choice, num_prompt = echoed.choices[0], echoed.usage.prompt_tokens
+    assert choice.text == prompt + plain.text
+    lp = choice.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == num_prompt + 1
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(x <= 0 for x in lp.token_logprobs[1:]) and all(len(top) == 2 for top in lp.top_logprobs[1:])
+    assert lp.tokens[-1] == plain.logprobs.tokens[0]
+    assert lp.token_logprobs[-1] == pytest.approx(plain.logprobs.token_logprobs[0], abs=1e-4)
+    chunks = [c.choices[0] for c in client.completions.create(**kwargs, echo=True, stream=True) if c.choices]
+    assert chunks[0].text.startswith(prompt) and "".join(c.text for c in chunks) == choice.text
+    assert chunks[0].logprobs.token_logprobs[1:num_prompt] == pytest.approx(lp.token_logprobs[1:num_prompt], abs=1e-4)
+
+
+def test_echo_repeats_the_prompt_with_its_logprobs(client):
+    check_echo(client, "The capital of France is")
+
+
 def test_min_tokens_holds_the_end_back(client):
     kwargs = dict(model="smollm2", messages=[{"role": "user", "content": "Say hi."}], max_tokens=60, temperature=0)
     short = client.chat.completions.create(**kwargs)

@@ -158,11 +158,14 @@ def test_runner_flattens_a_mixed_batch():
     decode = Sequence("decode", [1, 2, 3, 4, 5], SamplingParams())
     decode.append_token(6)
     decode.num_computed_tokens, decode.block_table = 5, [9, 3]
-    chunk = Sequence("chunk", list(range(10, 20)), SamplingParams())  # 10 tokens, 3 computed, 5 more now
+    # 10 tokens, 3 computed, 5 more now; prompt logprobs wanted: positions 3-7 each predict a prompt token.
+    chunk = Sequence("chunk", list(range(10, 20)), SamplingParams(prompt_logprobs=1))
     chunk.num_computed_tokens, chunk.block_table = 3, [7, 2]
-    last = Sequence("last", [30, 31, 32], SamplingParams())  # whole prompt in one go
+    # Whole prompt in one go; of its positions 0-2 only 0 and 1 predict a prompt token (2 predicts the output).
+    last = Sequence("last", [30, 31, 32], SamplingParams(prompt_logprobs=0))
     last.block_table = [5]
-    input_ids, positions, meta, logits_indices, rows = runner.prepare([decode, chunk, last], [1, 5, 3])
+    input_ids, positions, meta, logits_indices, rows, prompt_spans = runner.prepare([decode, chunk, last], [1, 5, 3])
+    assert prompt_spans == [(1, 1, 5), (2, 6, 2)]
     assert input_ids.tolist() == [6, 13, 14, 15, 16, 17, 30, 31, 32]
     assert positions.tolist() == [5, 3, 4, 5, 6, 7, 0, 1, 2]
     # decode pos 5 -> block 3 offset 1; chunk pos 3 -> block 7 offset 3, pos 4..7 -> block 2; last -> block 5.
@@ -369,3 +372,21 @@ def test_metrics_are_updated(tiny_llama):
     engine.step()
     assert metric(engine, "tandem_num_requests_running") == 1
     assert metric(engine, "tandem_kv_blocks_used") == 1
+
+
+def test_prompt_logprobs_are_the_models_own_over_chunks_and_cached_blocks(mut):
+    """Each prompt token's logprob as HF computes it from the positions before it, for a prompt prefilled in
+    several chunks, and the same again when the prompt's blocks are cached: a request that wants them computes
+    its whole prompt (no prefix-cache hit)."""
+    prompt = mut.text_ids[:100]
+    with torch.inference_mode():
+        reference = torch.log_softmax(mut.hf(torch.tensor([prompt])).logits[0].float(), dim=-1)
+    engine = make_engine(mut.loaded, max_num_batched_tokens=32)
+    for _ in range(2):  # the second time, every full block of the prompt is in the cache
+        _, steps = run(engine, [(prompt, greedy(2, prompt_logprobs=3))])
+        [first] = [out for outs in steps for out in outs if out.prompt_logprobs is not None]
+        entries = first.prompt_logprobs
+        assert len(entries) == len(prompt) and entries[0] is None and first.num_cached_tokens == 0
+        got = torch.tensor([entry.logprob for entry in entries[1:]])
+        torch.testing.assert_close(got, reference[torch.arange(len(prompt) - 1), prompt[1:]], rtol=0, atol=1e-3)
+        assert [t for t, _ in entries[50].top_logprobs] == reference[49].topk(3).indices.tolist()

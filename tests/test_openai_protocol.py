@@ -42,7 +42,7 @@ def test_strict_validation(field, value):
 
 
 @pytest.mark.parametrize("kwargs,param", [({"max_tokens": 0}, "max_tokens"),
-                                          ({"echo": True}, "echo")])
+                                          ({"suffix": "x"}, "suffix")])
 def test_unsupported_or_invalid_values_raise_api_errors(kwargs, param):
     with pytest.raises(APIError) as info:
         CompletionRequest(model="m", prompt="x", **kwargs).sampling_params(16, VOCAB)

@@ -17,6 +17,7 @@ import pytest
 from test_api import (
     BAD_INPUTS,
     MAX_BODY,
+    check_echo,
     check_logit_bias,
     check_several_completions,
     check_structured_outputs,
@@ -181,6 +182,21 @@ def test_structured_outputs_through_prefill_and_decode(fleet, tokenizer):
     before = metric(fleet["disagg"].url, "tandem_router_routing_decisions_total", 'path="disagg"')
     check_structured_outputs(sdk(fleet["disagg"]), preamble)
     assert metric(fleet["disagg"].url, "tandem_router_routing_decisions_total", 'path="disagg"') == before + 3
+
+
+def test_echo_with_prompt_logprobs_is_served_by_one_worker(fleet, tokenizer):
+    """A long prompt would go to a prefill worker, but its logprobs come from the worker that computes it all: the
+    request runs colocated on a decode worker, and the answer is the one that worker gives directly."""
+    prompt = f"Some notes: {long_text(6)}. The notes are about"
+    assert len(tokenizer.encode(prompt)) >= DISAGG_MIN
+    before = metric(fleet["disagg"].url, "tandem_router_routing_decisions_total", 'path="colocated"')
+    check_echo(sdk(fleet["disagg"]), prompt)  # one request without echo (disaggregated), two with
+    assert metric(fleet["disagg"].url, "tandem_router_routing_decisions_total", 'path="colocated"') == before + 2
+    kwargs = dict(model="smollm2", prompt=prompt, max_tokens=1, temperature=0, logprobs=1, echo=True)
+    routed = sdk(fleet["disagg"]).completions.create(**kwargs).choices[0]
+    direct = sdk(fleet["decode"][0]).completions.create(**kwargs).choices[0]
+    assert routed.text == direct.text and routed.logprobs.tokens == direct.logprobs.tokens
+    assert routed.logprobs.token_logprobs[1:] == pytest.approx(direct.logprobs.token_logprobs[1:], abs=1e-4)
 
 
 def test_models_names_the_served_model_and_its_context_length(fleet):

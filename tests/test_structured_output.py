@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
@@ -10,10 +11,10 @@ import torch
 from tandem.errors import APIError
 from tandem.openai_protocol import ChatCompletionRequest, CompletionRequest
 from tandem.protocol import SamplingParams, StructuredOutput
-from tandem.structured_output import grammar_text
+from tandem.structured_output import check, grammar_text
 from tandem.tokenizer import load_tokenizer
 from tandem.workers.engine.grammar import GrammarMatchers
-from tandem.workers.engine.sampler import Sampler
+from tandem.workers.engine.sampler import History, Sampler
 
 VOCAB = 49152
 PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
@@ -58,8 +59,10 @@ def test_text_or_nothing_constrains_nothing():
      "not both"),
 ])
 def test_a_malformed_or_invalid_constraint_is_a_400_naming_its_parameter(fields, param, fragment):
+    """Malformed: when the request is read. Not compiling: when it is checked at the API edge (check)."""
     with pytest.raises(APIError) as info:
-        structured(**fields)
+        request = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "x"}], **fields)
+        asyncio.run(check(request.sampling_params(16, VOCAB).structured, request.structured_param))
     assert info.value.status == 400 and info.value.param == param and fragment in info.value.message
 
 
@@ -93,34 +96,35 @@ def grammars(tokenizer):
     return GrammarMatchers(tokenizer, VOCAB, tokenizer.eos_token_ids)
 
 
-def allowed_ids(mask_row: torch.Tensor) -> set[int]:
-    return set(mask_row.nonzero().flatten().tolist())
+def allowed_ids(grammars: GrammarMatchers, matcher) -> set[int]:
+    _, mask = grammars.allowed([matcher], torch.device("cpu"))
+    return set(mask[0].nonzero().flatten().tolist())
 
 
 def test_the_mask_is_llguidances_own_bit_for_bit(grammars):
     digits = grammars.start(StructuredOutput(kind="regex", value="[0-9]+"), [])
     reference = torch.frombuffer(bytearray(digits.compute_bitmask()), dtype=torch.uint8)
     bits = ((reference.unsqueeze(-1) >> torch.arange(8, dtype=torch.uint8)) & 1).flatten()[:VOCAB].bool()
-    rows = grammars.allowed([None, digits], torch.device("cpu"))
-    assert rows.shape == (2, VOCAB) and rows[0].all()  # a row without a grammar keeps every token
-    assert torch.equal(rows[1], bits)
-    assert 0 < int(rows[1].sum()) < VOCAB
+    rows, mask = grammars.allowed([None, digits], torch.device("cpu"))
+    assert rows == [1] and mask.shape == (1, VOCAB)  # a row without a grammar is left alone
+    assert torch.equal(mask[0], bits)
+    assert 0 < int(mask[0].sum()) < VOCAB
 
 
 def test_a_choice_allows_only_its_beginnings_then_only_the_end(grammars, tokenizer):
     matcher = grammars.start(StructuredOutput(kind="choice", value='["yes", "no"]'), [])
-    first = allowed_ids(grammars.allowed([matcher], torch.device("cpu"))[0])
+    first = allowed_ids(grammars, matcher)
     assert {tokenizer.decode([t]) for t in first} <= {"y", "ye", "yes", "n", "no"}
     assert tokenizer.encode("yes", add_special_tokens=False)[0] in first
     assert matcher.consume_tokens(tokenizer.encode("no", add_special_tokens=False)) and matcher.is_stopped()
-    assert allowed_ids(grammars.allowed([matcher], torch.device("cpu"))[0]) == set(tokenizer.eos_token_ids)
+    assert allowed_ids(grammars, matcher) == set(tokenizer.eos_token_ids)
 
 
 def test_a_continued_request_resumes_its_grammar_where_its_output_left_it(grammars, tokenizer):
     spec = StructuredOutput(kind="regex", value="[a-z]+-[0-9]+")
     dash = tokenizer.encode("abc-", add_special_tokens=False)
     resumed = grammars.start(spec, dash)
-    assert all(tokenizer.decode([t]).isdigit() for t in allowed_ids(grammars.allowed([resumed], "cpu")[0]))
+    assert all(tokenizer.decode([t]).isdigit() for t in allowed_ids(grammars, resumed))
     with pytest.raises(ValueError, match="does not follow"):
         grammars.start(spec, tokenizer.encode("ABC", add_special_tokens=False))
 
@@ -140,9 +144,9 @@ def test_no_tokenizer_no_structured_output():
 
 def test_the_sampler_never_picks_a_masked_token():
     logits = torch.randn(3, 40, generator=torch.Generator().manual_seed(0))
-    allowed = torch.zeros(3, 40, dtype=torch.bool)
-    allowed[0, 7] = allowed[1, [3, 5]] = True
-    allowed[2] = True  # unconstrained
+    mask = torch.zeros(2, 40, dtype=torch.bool)
+    mask[0, 7] = mask[1, [3, 5]] = True
+    allowed = ([0, 1], mask)  # row 2 unconstrained
     params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0), SamplingParams(temperature=0.0)]
     for seed in range(20):
         out = Sampler(seed)(logits, params, [None] * 3, None, allowed)
@@ -152,3 +156,42 @@ def test_the_sampler_never_picks_a_masked_token():
     lp = Sampler()(logits, [SamplingParams(temperature=0.0, logprobs=0)] * 3, [None] * 3, None, allowed).logprobs[0]
     assert lp.logprob == pytest.approx(float(torch.log_softmax(logits[0], -1)[7]))
 
+
+
+def test_when_min_tokens_leaves_a_grammar_nothing_the_grammar_wins():
+    """A grammar that admits only its end while min_tokens holds the end back: no token at all would be left, and
+    argmax over -inf everywhere picks token 0, a token the grammar refuses. The grammar's end is taken instead."""
+    logits = torch.randn(2, 40, generator=torch.Generator().manual_seed(1))
+    eos = 2
+    mask = torch.zeros(1, 40, dtype=torch.bool)
+    mask[0, eos] = True
+    held = SamplingParams(temperature=0.0, min_tokens=5)
+    history = History([11, 12, 13], output_start=3, stop_token_ids=frozenset({eos}))
+    out = Sampler()(logits, [held, SamplingParams(temperature=0.0)], [None] * 2, [history, None], ([0], mask))
+    assert out.token_ids == [eos, int(logits[1].argmax())]
+
+
+@pytest.mark.parametrize("spec", [
+    StructuredOutput(kind="json", value=json.dumps({"$defs": {f"d{i}": {"$ref": f"#/$defs/d{i + 1}"} for i in range(1000)}
+                                                   | {"d1000": {"type": "string"}}, "$ref": "#/$defs/d0"})),
+    StructuredOutput(kind="grammar", value="start: r0\n" + "\n".join(f'r{i}: "x" r{i + 1}' for i in range(4000))
+                     + '\nr4000: "end"'),
+])
+def test_a_deeply_nested_grammar_compiles_without_taking_the_process_down(spec):
+    """llguidance compiles recursively: these overflowed an 8 MiB stack (the process died). On the grammar
+    thread's deep stack they compile, or are refused with a reason."""
+    try:
+        asyncio.run(check(spec, "structured_outputs"))
+    except APIError as exc:
+        assert exc.status == 400
+
+
+def test_a_spec_past_the_size_bound_is_refused_before_any_compiling():
+    with pytest.raises(APIError) as info:
+        structured(structured_outputs={"choice": [f"option {i}" for i in range(20000)]})
+    assert info.value.status == 400 and "at most" in info.value.message
+
+
+def test_a_schema_that_compiles_but_cannot_start_is_refused(grammars):
+    with pytest.raises(ValueError, match="structured output"):
+        grammars.start(StructuredOutput(kind="json", value='{"$ref": "#"}'), [])

@@ -397,3 +397,27 @@ def test_a_dropped_worker_fails_the_requests_waiting_on_it_and_spares_the_others
     received, error, other_done = asyncio.run(run())
     assert received == [[5]] and isinstance(error, TRANSPORT_ERRORS)
     assert not other_done  # its worker was not dropped: it still waits
+
+
+def test_a_callers_own_cancel_landing_with_a_drop_stays_a_cancel():
+    """The client leaves (its request's task is cancelled) in the same pass of the loop as its worker is dropped:
+    the request ends cancelled, not with the transport error that would send it to another worker."""
+    async def run():
+        client = WorkerClient(transport="http")
+        outcome = []
+
+        async def request():
+            try:
+                with client._waiting_on("http://w"):
+                    await asyncio.sleep(10)  # stands for the wait for the worker's answer
+            except TRANSPORT_ERRORS:
+                outcome.append("transport error: would be retried elsewhere")
+
+        task = asyncio.create_task(request())
+        await asyncio.sleep(0)
+        client.drop("http://w")
+        task.cancel()
+        await asyncio.sleep(0.05)
+        return outcome, task.cancelled()
+
+    assert asyncio.run(run()) == ([], True)

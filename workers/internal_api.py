@@ -251,7 +251,10 @@ async def decode_events(ctx, outputs: AsyncIterator[RequestOutput], handle: KVHa
                                 finish_reason=out.finish_reason if out.finished else None,
                                 num_cached_tokens=out.num_cached_tokens,
                                 kv_source=(out.kv_status or fallback or ("local" if handle is None else None))
-                                if first else None).model_dump(exclude_none=True)
+                                if first else None,
+                                prompt_logprobs=None if out.prompt_logprobs is None else [
+                                    None if e is None else logprob_entry(e) for e in out.prompt_logprobs],
+                                ).model_dump(exclude_none=True)
             if coalesce_after_first and not first:
                 held.append(event)
                 if not out.finished:

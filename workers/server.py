@@ -30,6 +30,7 @@ from tandem.openai_protocol import (
 )
 from tandem.protocol import LayoutFingerprint, SamplingParams
 from tandem.sse import EventStreamResponse, openai_stream
+from tandem.structured_output import check as check_structured
 from tandem.tokenizer import Tokenizer
 from tandem.workers.async_engine import AsyncEngine, EngineDeadError
 from tandem.workers.internal_api import AgentDirectory, add_internal_routes
@@ -116,6 +117,7 @@ def build_app(ctx: ServingContext) -> FastAPI:
 
 async def respond(ctx: ServingContext, request: Request, body: CompletionRequest | ChatCompletionRequest,
                   prompts: list[list[int]], params: SamplingParams):
+    await check_structured(params.structured, body.structured_param)
     choices = request_choices(body, prompts, params, ctx.served_name, ctx.tokenizer)
     arrival = time.monotonic()
     streams = staggered(choices, body.n, lambda c, after: held_until(

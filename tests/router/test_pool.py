@@ -3,7 +3,6 @@ the requests in flight on it failed, once; one that answers "not ready" (drainin
 
 from __future__ import annotations
 
-import asyncio
 import socket
 
 import httpx
@@ -43,10 +42,30 @@ async def test_only_a_worker_that_stops_answering_loses_its_requests_and_once():
             pool.set_members([hung_url, draining_url])
             rounds = []
             for _ in range(4):
-                await asyncio.gather(*(pool.probe(w, timeout_s=0.2) for w in pool.workers.values()))
+                await pool.probe_all(timeout_s=0.2)
                 rounds.append(list(dropped))
     finally:
         hung.close()
         await runner.cleanup()
     assert rounds == [[], [hung_url], [hung_url], [hung_url]]  # at the second silent probe, and only then
     assert not pool.healthy()  # both are out of rotation all the same
+
+
+async def test_when_no_worker_answers_the_silence_is_not_theirs():
+    """Every probe of a round timing out says more about this router (its event loop held up) or its network than
+    about the workers: nothing is failed."""
+    hung = [socket.socket() for _ in range(2)]
+    for s in hung:
+        s.bind(("127.0.0.1", 0))
+        s.listen(16)
+    dropped: list[str] = []
+    try:
+        async with httpx.AsyncClient() as http:
+            pool = WorkerPool("decode", http, RouterMetrics("test"), silent_after=2, on_silent=dropped.append)
+            pool.set_members([f"http://127.0.0.1:{s.getsockname()[1]}" for s in hung])
+            for _ in range(3):
+                await pool.probe_all(timeout_s=0.2)
+    finally:
+        for s in hung:
+            s.close()
+    assert dropped == []

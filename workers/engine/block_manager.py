@@ -47,7 +47,7 @@ class BlockManager:
         At least one token is always left to compute, because sampling needs the logits of
         the last one: a prompt that is entirely cached still recomputes its last block.
         """
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:  # those need every logit
             return []
         self._extend_hashes(seq)
         max_blocks = (seq.num_tokens - 1) // self.block_size

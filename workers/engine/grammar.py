@@ -15,7 +15,7 @@ import llguidance
 import torch
 
 from tandem.protocol import StructuredOutput
-from tandem.structured_output import grammar_text
+from tandem.structured_output import grammar_text, on_grammar_thread
 
 _CACHED_GRAMMARS = 64
 
@@ -27,6 +27,8 @@ class GrammarMatchers:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.eos_token_ids = sorted(eos_token_ids)
+        # llguidance's vocabulary covers the tokenizer's tokens and the model's logits, whichever is the larger.
+        self._mask_vocab = max(vocab_size, tokenizer.vocab_size if tokenizer is not None else 0)
         self._ll_tokenizer: llguidance.LLTokenizer | None = None
         self._executor: llguidance.LLExecutor | None = None
         self._start_states: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()  # grammar -> start state, LRU
@@ -34,12 +36,10 @@ class GrammarMatchers:
     def start(self, spec: StructuredOutput, output_so_far: list[int]) -> llguidance.LLMatcher:
         """A matcher for `spec`, moved past `output_so_far` (the output a continued or resumed request already
         has). ValueError if the spec is not valid, or the output so far does not follow it."""
-        grammar = grammar_text(spec)
+        grammar = on_grammar_thread(grammar_text, spec).result()
         start = self._start_states.get(grammar)
         if start is None:
-            start = llguidance.LLMatcher(self._tokenizer(), grammar, log_level=0)
-            if start.is_error():
-                raise ValueError(f"structured output: {start.get_error()}")
+            start = on_grammar_thread(_compiled, self._tokenizer(), grammar).result()
             self._start_states[grammar] = start
             if len(self._start_states) > _CACHED_GRAMMARS:
                 self._start_states.popitem(last=False)
@@ -50,20 +50,21 @@ class GrammarMatchers:
             raise ValueError(f"the output so far does not follow the structured output: {matcher.get_error()}")
         return matcher
 
-    def allowed(self, matchers: list[llguidance.LLMatcher | None], device: torch.device) -> torch.Tensor:
-        """[rows, vocab] bool: the tokens each row may sample next (every token in rows without a matcher)."""
-        words = (self.vocab_size + 31) // 32
-        bits = torch.full((len(matchers), words), -1, dtype=torch.int32)
-        rows = [(matcher, row) for row, matcher in enumerate(matchers) if matcher is not None]
+    def allowed(self, matchers: list[llguidance.LLMatcher | None], device: torch.device
+                ) -> tuple[list[int], torch.Tensor]:
+        """(the rows with a matcher, [those rows, vocab] bool: the tokens each may sample next)."""
+        rows = [row for row, matcher in enumerate(matchers) if matcher is not None]
+        words = (self._mask_vocab + 31) // 32
+        bits = torch.empty((len(rows), words), dtype=torch.int32)
         if self._executor is None:
             self._executor = llguidance.LLExecutor()
         # One call for the batch: llguidance computes the rows on its own threads, without the GIL.
-        self._executor.unsafe_compute_mask_ptr(rows, bits.data_ptr(), words * 4, len(matchers))
-        bits = bits.to(device)
-        # Bit i of word j is token 32 j + i (llguidance's layout). An arithmetic shift keeps the sign bit, and & 1
-        # reads only the bit shifted down.
-        shifts = torch.arange(32, dtype=torch.int32, device=device)
-        return ((bits.unsqueeze(-1) >> shifts) & 1).view(len(matchers), -1)[:, :self.vocab_size].bool()
+        self._executor.unsafe_compute_mask_ptr([(matchers[row], i) for i, row in enumerate(rows)], bits.data_ptr(),
+                                               words * 4, len(rows))
+        # Bit i of word j is token 32 j + i (llguidance's layout, little-endian words): byte by byte, bit by bit.
+        as_bytes = bits.to(device).view(torch.uint8)
+        shifts = torch.arange(8, dtype=torch.uint8, device=device)
+        return rows, ((as_bytes.unsqueeze(-1) >> shifts) & 1).view(len(rows), -1)[:, :self.vocab_size].bool()
 
     def _tokenizer(self) -> llguidance.LLTokenizer:
         # Built at the first request that needs it (about 0.2 s for a 49k vocabulary), from the tokenizer's own
@@ -71,6 +72,17 @@ class GrammarMatchers:
         if self._ll_tokenizer is None:
             if self.tokenizer is None:
                 raise ValueError("structured outputs need a tokenizer, and this model was loaded without one")
-            self._ll_tokenizer = llguidance.LLTokenizer(self.tokenizer.backend.to_str(), n_vocab=self.vocab_size,
+            self._ll_tokenizer = llguidance.LLTokenizer(self.tokenizer.backend.to_str(), n_vocab=self._mask_vocab,
                                                         eos_token=self.eos_token_ids or None)
         return self._ll_tokenizer
+
+
+def _compiled(tokenizer: llguidance.LLTokenizer, grammar: str) -> llguidance.LLMatcher:
+    """A matcher in its start state (on the grammar thread). A grammar that compiles but whose very first mask
+    fails (a schema that refers only to itself) is refused here rather than answered with an empty "stop"."""
+    matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+    if not matcher.is_error():
+        matcher.compute_bitmask()
+    if matcher.is_error():
+        raise ValueError(f"structured output: {matcher.get_error()}")
+    return matcher

@@ -7,6 +7,7 @@ with add_request/abort_request between steps. Times are time.monotonic() seconds
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence as Seq
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
@@ -31,6 +32,8 @@ from tandem.workers.kv_transfer import KVTransfer, KVTransferError
 from tandem.workers.layers.ops import resolve_backend
 from tandem.workers.models.loader import LoadedModel, load_model
 
+log = logging.getLogger(__name__)
+
 FINISH_REASONS = ("stop", "length", "abort", "prefill_done")
 
 
@@ -48,6 +51,8 @@ class RequestOutput:
     num_cached_tokens: int
     kv_lease: KVLease | None = None  # prefill-only requests: the blocks now pinned for a decode worker
     kv_status: str | None = None  # requests with a kv_source, first output: "pulled" or the fallback reason
+    # params.prompt_logprobs, first output: one entry per prompt token (None for the first, which nothing predicts)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 @dataclass
@@ -293,10 +298,12 @@ class LLMEngine:
                     self.metrics.queue_time.observe(now - seq.arrival_time)
 
         if scheduled:
-            logits, sample_rows = self.runner.execute(scheduled.seqs, scheduled.num_new_tokens)
+            logits, sample_rows, prompt_logits = self.runner.execute(scheduled.seqs, scheduled.num_new_tokens)
             computed_prompt = 0
-            for seq, num_new in zip(scheduled.seqs, scheduled.num_new_tokens, strict=True):
+            for row, (seq, num_new) in enumerate(zip(scheduled.seqs, scheduled.num_new_tokens, strict=True)):
                 start = seq.num_computed_tokens
+                if row in prompt_logits:
+                    _record_prompt_logprobs(seq, start, prompt_logits[row])
                 if start < seq.num_prompt_tokens:
                     computed_prompt += min(start + num_new, seq.num_prompt_tokens) - start
                 seq.num_computed_tokens = start + num_new
@@ -402,7 +409,7 @@ class LLMEngine:
         local, remote = seq.block_table[len(hits):num_blocks], source.block_ids[len(hits):num_blocks]
         if self._pull_thread is None:
             self._pull_thread = ThreadPoolExecutor(1, thread_name_prefix="kv-pull")
-        future = self._pull_thread.submit(_timed_read, self.kv_transfer, source.agent_info, remote, local,
+        future = self._pull_thread.submit(_timed_read, self.kv_transfer, source, remote, local,
                                           self.config.kv_pull_timeout_s)
         self._pulls[seq.request_id] = _Pull(seq, source, future, len(local))
         if not self._pull_in_background:
@@ -421,7 +428,9 @@ class LLMEngine:
                 continue
             try:
                 moved, seconds = pull.future.result()
-            except KVTransferError:
+            except Exception as exc:  # noqa: BLE001 - any backend failure costs this request a recompute, not the engine
+                if not isinstance(exc, KVTransferError):
+                    log.warning("KV pull for %s failed: %r", request_id, exc)
                 self._settle_pull(seq, "transfer_failed")  # the blocks stay: the scheduler computes into them
                 continue
             if not _lease_holds(pull.source):
@@ -497,12 +506,16 @@ class LLMEngine:
                 text = detokenizer.add_token(token_id)
                 if detokenizer.stopped:
                     reason = "stop"
-            # A finished grammar admits nothing more (its mask holds EOS alone). A token it refuses can only come
-            # from a row whose every token was masked (a grammar at odds with min_tokens): it ends there too.
+            # A finished grammar admits nothing more (its mask holds EOS alone). One that llguidance gave up on
+            # midway (a limit of its own, e.g. an automaton too large to build) ends the answer there too.
             matcher = request.matcher
-            if reason is None and matcher is not None and (not matcher.consume_token(token_id)
-                                                           or matcher.is_stopped()):
-                reason = "stop"
+            if reason is None and matcher is not None:
+                if not matcher.consume_token(token_id):
+                    log.warning("request %s: its grammar failed after %d tokens (%s); ending it", seq.request_id,
+                                seq.num_output_tokens, matcher.get_error())
+                    reason = "stop"
+                elif matcher.is_stopped():
+                    reason = "stop"
             if reason is None and (seq.num_output_tokens >= seq.params.max_tokens
                                    or seq.num_tokens >= self.max_model_len):
                 reason = "length"
@@ -518,9 +531,11 @@ class LLMEngine:
                 text += detokenizer.flush()
             self._finish(seq, reason, now)
         kv_status, request.kv_status = request.kv_status, None
+        prompt_logprobs = seq.prompt_logprobs if seq.num_output_tokens == 1 else None
         return RequestOutput(seq.request_id, [token_id], text, None if logprobs is None else [logprobs],
                              reason is not None or lease is not None, reason, seq.num_prompt_tokens,
-                             seq.num_cached_tokens, kv_lease=lease, kv_status=kv_status)
+                             seq.num_cached_tokens, kv_lease=lease, kv_status=kv_status,
+                             prompt_logprobs=prompt_logprobs)
 
     def _finish(self, seq: Sequence, reason: str, now: float) -> None:
         self.scheduler.finish(seq, reason)
@@ -554,11 +569,30 @@ class LLMEngine:
             self._reported_preemptions = self.scheduler.num_preemptions
 
 
-def _timed_read(transfer: KVTransfer, agent_info: dict, remote: list[int], local: list[int],
+def _record_prompt_logprobs(seq: Sequence, start: int, logits: torch.Tensor) -> None:
+    """The logprobs of the prompt tokens that positions start, start + 1, ... predict (logits [n, V]), each with
+    params.prompt_logprobs top alternatives, as the sampler reports an output token's: of the raw distribution.
+    Positions computed before (a recompute after preemption) are not recorded again."""
+    logprobs = torch.log_softmax(logits, dim=-1)
+    targets = seq.token_ids[start + 1:start + 1 + logits.shape[0]]
+    chosen = logprobs.gather(1, torch.tensor(targets, device=logits.device).unsqueeze(1)).squeeze(1).tolist()
+    num_top = seq.params.prompt_logprobs
+    top_values, top_ids = logprobs.topk(num_top, dim=-1) if num_top else (None, None)
+    for i, token_id in enumerate(targets):
+        if start + 1 + i < len(seq.prompt_logprobs):
+            continue
+        top = list(zip(top_ids[i].tolist(), top_values[i].tolist(), strict=True)) if num_top else []
+        seq.prompt_logprobs.append(TokenLogprobs(token_id, chosen[i], top))
+
+
+def _timed_read(transfer: KVTransfer, source: RemoteKV, remote: list[int], local: list[int],
                 timeout_s: float) -> tuple[int, float]:
-    """(bytes moved, seconds): on the pull thread, so the time is the read's own, not when a step noticed it."""
+    """(bytes moved, seconds): on the pull thread, so the time is the read's own, not when a step noticed it. A
+    pull that waited behind others until its lease ran out is not read at all."""
+    if not _lease_holds(source):
+        raise KVTransferError("the lease ran out before the read began")
     started = time.monotonic()
-    moved = transfer.read_blocks(agent_info, remote, local, timeout_s)
+    moved = transfer.read_blocks(source.agent_info, remote, local, timeout_s)
     return moved, time.monotonic() - started
 
 

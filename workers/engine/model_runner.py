@@ -76,23 +76,30 @@ class ModelRunner:
                 log.warning("CUDA graph capture failed, decode steps run eagerly: %s", exc)
 
     @torch.inference_mode()
-    def execute(self, seqs: Seq[Sequence], num_new_tokens: Seq[int]) -> tuple[torch.Tensor | None, list[int]]:
-        """Run one step. Returns (float32 logits [S, V], the indices into `seqs` of those S rows)."""
-        input_ids, positions, meta, logits_indices, sample_rows = self.prepare(seqs, num_new_tokens)
+    def execute(self, seqs: Seq[Sequence], num_new_tokens: Seq[int]
+                ) -> tuple[torch.Tensor | None, list[int], dict[int, torch.Tensor]]:
+        """Run one step. Returns (float32 logits [S, V], the indices into `seqs` of those S rows, and for each row
+        whose request wants prompt logprobs, the float32 logits [n, V] of the prompt positions it computed that
+        predict a prompt token)."""
+        input_ids, positions, meta, logits_indices, sample_rows, prompt_spans = self.prepare(seqs, num_new_tokens)
         if self.decode_graphs is not None and self.decode_graphs.can_run(meta):
             hidden = self.decode_graphs.run(input_ids, positions, meta)
         else:
             hidden = self.model.forward(input_ids, positions, self.kv_cache, meta)
+        prompt_logits = {row: self.model.compute_logits(hidden[first:first + count])
+                         for row, first, count in prompt_spans}
         if not sample_rows:
-            return None, sample_rows
+            return None, sample_rows, prompt_logits
         if len(logits_indices) == hidden.shape[0]:
             last_hidden = hidden
         else:
             last_hidden = hidden[torch.tensor(logits_indices, device=self.device)]
-        return self.model.compute_logits(last_hidden), sample_rows
+        return self.model.compute_logits(last_hidden), sample_rows, prompt_logits
 
     def prepare(self, seqs: Seq[Sequence], num_new_tokens: Seq[int]):
-        """Flatten a step into (input_ids, positions, AttentionMetadata, logits_indices, sample_rows)."""
+        """Flatten a step into (input_ids, positions, AttentionMetadata, logits_indices, sample_rows, prompt_spans):
+        prompt_spans (row, first index into the flattened tokens, count) are the positions of rows that want prompt
+        logprobs whose logits predict a prompt token (the last prompt position predicts the first output)."""
         block_size = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -101,6 +108,7 @@ class ModelRunner:
         seq_lens: list[int] = []
         logits_indices: list[int] = []
         sample_rows: list[int] = []
+        prompt_spans: list[tuple[int, int, int]] = []
         for row, (seq, num_new) in enumerate(zip(seqs, num_new_tokens, strict=True)):
             start = seq.num_computed_tokens
             end = start + num_new
@@ -119,6 +127,8 @@ class ModelRunner:
                     first = table[pos // block_size] * block_size + offset
                     slots.extend(range(first, first + run))
                     pos += run
+            if seq.prompt_logprobs is not None and start < seq.num_prompt_tokens - 1:
+                prompt_spans.append((row, query_start_loc[-1], min(end, seq.num_prompt_tokens - 1) - start))
             query_start_loc.append(query_start_loc[-1] + num_new)
             seq_lens.append(end)
             if end == seq.num_tokens:
@@ -140,4 +150,4 @@ class ModelRunner:
         )
         return (torch.tensor(input_ids, dtype=torch.int64, device=device),
                 torch.tensor(positions, dtype=torch.int64, device=device),
-                meta, logits_indices, sample_rows)
+                meta, logits_indices, sample_rows, prompt_spans)

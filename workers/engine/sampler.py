@@ -66,17 +66,21 @@ class History:
 
 
 def adjust_logits(logits: torch.Tensor, params: Sequence[SamplingParams],
-                  histories: Sequence[History | None] | None, allowed: torch.Tensor | None = None) -> torch.Tensor:
+                  histories: Sequence[History | None] | None,
+                  allowed: tuple[list[int], torch.Tensor] | None = None) -> torch.Tensor:
     """The logits each row samples from: its logit_bias added, the tokens that would stop it masked while it has
-    fewer than min_tokens, then its penalties applied (vLLM's order). The tokens not `allowed` ([B, V] bool: a
-    structured output's grammar, tandem.workers.engine.grammar) stay at -inf whatever these add. A copy when any
-    row has one of these; rows with none are unchanged. `histories` is needed only when a row reads_history."""
+    fewer than min_tokens, then its penalties applied (vLLM's order). `allowed` (rows, [len(rows), V] bool: a
+    structured output's grammar, tandem.workers.engine.grammar) keeps the tokens it does not allow at -inf
+    whatever these add; and should min_tokens leave a grammar row nothing at all, the grammar wins (what it allows
+    is then only the end). A copy when any row has one of these; rows with none are unchanged. `histories` is
+    needed only when a row reads_history."""
     rows = [i for i, p in enumerate(params) if p.logit_bias or p.reads_history]
     if not rows and allowed is None:
         return logits
     out = logits.clone()
     if allowed is not None:
-        out.masked_fill_(~allowed, float("-inf"))
+        grammar_rows, mask = allowed
+        out[grammar_rows] = out[grammar_rows].masked_fill(~mask, float("-inf"))
     for i in rows:
         p, row = params[i], out[i]
         if p.logit_bias:
@@ -91,6 +95,12 @@ def adjust_logits(logits: torch.Tensor, params: Sequence[SamplingParams],
             row[torch.tensor(sorted(history.stop_token_ids), device=out.device)] = float("-inf")
         if p.penalized:
             apply_penalties(row, p, history)
+    if allowed is not None and rows:
+        grammar_rows, mask = allowed
+        dead = torch.isneginf(out[grammar_rows]).all(dim=-1)
+        if dead.any():
+            stuck = [row for row, is_dead in zip(grammar_rows, dead.tolist(), strict=True) if is_dead]
+            out[stuck] = logits[stuck].masked_fill(~mask[dead], float("-inf"))
     return out
 
 
@@ -132,7 +142,7 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, params: Sequence[SamplingParams],
                  generators: Sequence[torch.Generator | None],
                  histories: Sequence[History | None] | None = None,
-                 allowed: torch.Tensor | None = None) -> SamplerOutput:
+                 allowed: tuple[list[int], torch.Tensor] | None = None) -> SamplerOutput:
         """`histories` (see adjust_logits) is needed only when a row reads_history (penalties, min_tokens);
         `allowed` only when a row's output follows a grammar."""
         if logits.dim() != 2 or logits.shape[0] != len(params):

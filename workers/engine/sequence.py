@@ -35,7 +35,7 @@ class Sequence:
         "finish_reason", "num_computed_tokens", "block_table", "block_hashes", "num_cached_blocks",
         "num_cached_tokens", "arrival_time", "arrival_order", "first_scheduled_time",
         "first_token_time", "last_token_time", "generator", "num_preemptions", "prefill_only", "kv_source",
-        "output_tokens_in_prompt",
+        "output_tokens_in_prompt", "prompt_logprobs",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -71,6 +71,8 @@ class Sequence:
         self.kv_source = None
         # A resumed request: how many of its prompt tokens are output made before (by the worker that failed).
         self.output_tokens_in_prompt = 0
+        # params.prompt_logprobs: one entry per prompt token as its prefill computes them (none for the first).
+        self.prompt_logprobs: list | None = None if params.prompt_logprobs is None else [None]
         # A private generator makes a seeded request reproducible whatever shares its batch (see
         # next_token_generator for where it is seeded).
         self.generator: torch.Generator | None = None
