@@ -7,7 +7,7 @@ batches of 1, 16 and 64 requests (one chat prompt each, greedy, --tokens new tok
                its tokens are out and both runs take the same steps).
 Per run: the median wall time of a decode step (the first step, which prefills, left out), the ratio
 structured / free, and the time the grammar masks took within a structured step (GrammarMatchers.allowed:
-llguidance's masks for the batch, unpacked to a [batch, vocab] tensor on the device). Also the one-off cost
+llguidance's masks for the grammar rows, unpacked to a [rows, vocab] tensor on the device). Also the one-off cost
 at the first structured request: llguidance's view of the tokenizer and the grammar's compilation.
 Prints conditions and figures; asserts nothing.
 
@@ -70,7 +70,7 @@ def main() -> None:
     def timed_allowed(self, matchers, device):
         t = time.perf_counter()
         out = allowed(self, matchers, device)
-        if out.is_cuda:
+        if out[1].is_cuda:
             torch.cuda.synchronize()
         mask_seconds.append(time.perf_counter() - t)
         return out

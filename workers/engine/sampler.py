@@ -80,7 +80,10 @@ def adjust_logits(logits: torch.Tensor, params: Sequence[SamplingParams],
     out = logits.clone()
     if allowed is not None:
         grammar_rows, mask = allowed
-        out[grammar_rows] = out[grammar_rows].masked_fill(~mask, float("-inf"))
+        if len(grammar_rows) == out.shape[0]:  # every row: in place, no gather and scatter of the batch
+            out.masked_fill_(~mask, float("-inf"))
+        else:
+            out[grammar_rows] = out[grammar_rows].masked_fill(~mask, float("-inf"))
     for i in rows:
         p, row = params[i], out[i]
         if p.logit_bias:
