@@ -178,7 +178,8 @@ class Orchestrator:
                 body["sampling"]["prompt_logprobs"] = None  # the client has them from the first attempt
                 if len(generated) > 1:
                     body["output_tokens_in_prompt"] = len(generated) - 1
-            colocated_weight = 0 if handle is not None or attempt else trace.uncached_tokens
+            colocated_weight = 0 if handle is not None or attempt else \
+                len(prompt) if params.prompt_logprobs is not None else trace.uncached_tokens  # those compute it all
             worker = self.decode.workers[url]
             worker.prefill_tokens_in_flight += colocated_weight
             worker.in_flight += 1

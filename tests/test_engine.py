@@ -165,7 +165,7 @@ def test_runner_flattens_a_mixed_batch():
     last = Sequence("last", [30, 31, 32], SamplingParams(prompt_logprobs=0))
     last.block_table = [5]
     input_ids, positions, meta, logits_indices, rows, prompt_spans = runner.prepare([decode, chunk, last], [1, 5, 3])
-    assert prompt_spans == [(1, 1, 5), (2, 6, 2)]
+    assert prompt_spans == [(1, 1, 5, 3), (2, 6, 2, 0)]
     assert input_ids.tolist() == [6, 13, 14, 15, 16, 17, 30, 31, 32]
     assert positions.tolist() == [5, 3, 4, 5, 6, 7, 0, 1, 2]
     # decode pos 5 -> block 3 offset 1; chunk pos 3 -> block 7 offset 3, pos 4..7 -> block 2; last -> block 5.

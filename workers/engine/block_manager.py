@@ -47,8 +47,10 @@ class BlockManager:
         At least one token is always left to compute, because sampling needs the logits of
         the last one: a prompt that is entirely cached still recomputes its last block.
         """
-        if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:  # those need every logit
+        if not self.enable_prefix_caching:
             return []
+        if seq.prompt_logprobs is not None and len(seq.prompt_logprobs) < seq.num_prompt_tokens:
+            return []  # its prompt logprobs need the logits of every prompt position not yet recorded
         self._extend_hashes(seq)
         max_blocks = (seq.num_tokens - 1) // self.block_size
         hits: list[int] = []

@@ -228,6 +228,9 @@ class LLMEngine:
                              f"in [0, {len(prompt_token_ids)})")
         if kv_source is not None and first_token_id is None:
             raise ValueError(f"request {request_id!r}: a kv_source needs the first token it was prefilled with")
+        if params.prompt_logprobs is not None and (first_token_id is not None or prefill_only):
+            raise ValueError(f"request {request_id!r}: prompt logprobs come from a worker that computes the whole "
+                             f"prompt and its first token, not from a prefill/decode split")
         matcher = None
         if params.structured is not None:
             output_so_far = [] if first_token_id is None else [
@@ -298,12 +301,12 @@ class LLMEngine:
                     self.metrics.queue_time.observe(now - seq.arrival_time)
 
         if scheduled:
-            logits, sample_rows, prompt_logits = self.runner.execute(scheduled.seqs, scheduled.num_new_tokens)
+            logits, sample_rows, prompt_logprobs = self.runner.execute(scheduled.seqs, scheduled.num_new_tokens)
+            for row, entries in prompt_logprobs.items():
+                scheduled.seqs[row].prompt_logprobs.extend(entries)
             computed_prompt = 0
-            for row, (seq, num_new) in enumerate(zip(scheduled.seqs, scheduled.num_new_tokens, strict=True)):
+            for seq, num_new in zip(scheduled.seqs, scheduled.num_new_tokens, strict=True):
                 start = seq.num_computed_tokens
-                if row in prompt_logits:
-                    _record_prompt_logprobs(seq, start, prompt_logits[row])
                 if start < seq.num_prompt_tokens:
                     computed_prompt += min(start + num_new, seq.num_prompt_tokens) - start
                 seq.num_computed_tokens = start + num_new
@@ -567,22 +570,6 @@ class LLMEngine:
         if self.scheduler.num_preemptions != self._reported_preemptions:
             metrics.preemptions.inc(self.scheduler.num_preemptions - self._reported_preemptions)
             self._reported_preemptions = self.scheduler.num_preemptions
-
-
-def _record_prompt_logprobs(seq: Sequence, start: int, logits: torch.Tensor) -> None:
-    """The logprobs of the prompt tokens that positions start, start + 1, ... predict (logits [n, V]), each with
-    params.prompt_logprobs top alternatives, as the sampler reports an output token's: of the raw distribution.
-    Positions computed before (a recompute after preemption) are not recorded again."""
-    logprobs = torch.log_softmax(logits, dim=-1)
-    targets = seq.token_ids[start + 1:start + 1 + logits.shape[0]]
-    chosen = logprobs.gather(1, torch.tensor(targets, device=logits.device).unsqueeze(1)).squeeze(1).tolist()
-    num_top = seq.params.prompt_logprobs
-    top_values, top_ids = logprobs.topk(num_top, dim=-1) if num_top else (None, None)
-    for i, token_id in enumerate(targets):
-        if start + 1 + i < len(seq.prompt_logprobs):
-            continue
-        top = list(zip(top_ids[i].tolist(), top_values[i].tolist(), strict=True)) if num_top else []
-        seq.prompt_logprobs.append(TokenLogprobs(token_id, chosen[i], top))
 
 
 def _timed_read(transfer: KVTransfer, source: RemoteKV, remote: list[int], local: list[int],

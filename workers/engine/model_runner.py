@@ -18,10 +18,13 @@ import torch
 from tandem.config import EngineConfig
 from tandem.workers.engine.cuda_graphs import DecodeGraphs, default_batch_sizes
 from tandem.workers.engine.huge_pages import collapse_into_huge_pages
+from tandem.workers.engine.sampler import TokenLogprobs
 from tandem.workers.engine.sequence import Sequence
 from tandem.workers.layers.metadata import AttentionMetadata
 
 log = logging.getLogger(__name__)
+
+_PROMPT_LOGPROBS_ROWS = 64  # prompt positions turned into logits at a time (see ModelRunner._prompt_logprobs)
 
 
 def _as_dtype(dtype: Any) -> torch.dtype:
@@ -77,29 +80,50 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, seqs: Seq[Sequence], num_new_tokens: Seq[int]
-                ) -> tuple[torch.Tensor | None, list[int], dict[int, torch.Tensor]]:
+                ) -> tuple[torch.Tensor | None, list[int], dict[int, list[TokenLogprobs]]]:
         """Run one step. Returns (float32 logits [S, V], the indices into `seqs` of those S rows, and for each row
-        whose request wants prompt logprobs, the float32 logits [n, V] of the prompt positions it computed that
-        predict a prompt token)."""
+        whose request wants prompt logprobs, those of the prompt tokens this step's positions predict, in order)."""
         input_ids, positions, meta, logits_indices, sample_rows, prompt_spans = self.prepare(seqs, num_new_tokens)
         if self.decode_graphs is not None and self.decode_graphs.can_run(meta):
             hidden = self.decode_graphs.run(input_ids, positions, meta)
         else:
             hidden = self.model.forward(input_ids, positions, self.kv_cache, meta)
-        prompt_logits = {row: self.model.compute_logits(hidden[first:first + count])
-                         for row, first, count in prompt_spans}
+        prompt_logprobs = {row: self._prompt_logprobs(hidden[first:first + count], seqs[row], position)
+                           for row, first, count, position in prompt_spans}
         if not sample_rows:
-            return None, sample_rows, prompt_logits
+            return None, sample_rows, prompt_logprobs
         if len(logits_indices) == hidden.shape[0]:
             last_hidden = hidden
         else:
             last_hidden = hidden[torch.tensor(logits_indices, device=self.device)]
-        return self.model.compute_logits(last_hidden), sample_rows, prompt_logits
+        return self.model.compute_logits(last_hidden), sample_rows, prompt_logprobs
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, seq: Sequence, position: int) -> list[TokenLogprobs]:
+        """The logprobs of the prompt tokens that hidden rows at positions position, position + 1, ... predict,
+        each with params.prompt_logprobs alternatives (of the raw distribution, as the sampler reports an output
+        token's). A slice of rows at a time: a whole chunk's logits would be [chunk, vocab] float32, gigabytes for a
+        large vocabulary, beside a KV cache sized without them."""
+        num_top = seq.params.prompt_logprobs
+        entries = []
+        for lo in range(0, hidden.shape[0], _PROMPT_LOGPROBS_ROWS):
+            logprobs = torch.log_softmax(self.model.compute_logits(hidden[lo:lo + _PROMPT_LOGPROBS_ROWS]), dim=-1)
+            targets = seq.token_ids[position + 1 + lo:position + 1 + lo + logprobs.shape[0]]
+            chosen = logprobs.gather(1, torch.tensor(targets, device=logprobs.device).unsqueeze(1)).squeeze(1)
+            if num_top:
+                top_values, top_ids = logprobs.topk(num_top, dim=-1)
+                tops = [list(zip(ids, values, strict=True))
+                        for ids, values in zip(top_ids.tolist(), top_values.tolist(), strict=True)]
+            else:
+                tops = [[] for _ in targets]
+            entries += [TokenLogprobs(token, lp, top) for token, lp, top in zip(targets, chosen.tolist(), tops,
+                                                                                   strict=True)]
+        return entries
 
     def prepare(self, seqs: Seq[Sequence], num_new_tokens: Seq[int]):
         """Flatten a step into (input_ids, positions, AttentionMetadata, logits_indices, sample_rows, prompt_spans):
-        prompt_spans (row, first index into the flattened tokens, count) are the positions of rows that want prompt
-        logprobs whose logits predict a prompt token (the last prompt position predicts the first output)."""
+        prompt_spans (row, first index into the flattened tokens, count, first position) are the positions of rows
+        that want prompt logprobs whose logits predict a prompt token not yet recorded (the last prompt position
+        predicts the first output)."""
         block_size = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -127,8 +151,13 @@ class ModelRunner:
                     first = table[pos // block_size] * block_size + offset
                     slots.extend(range(first, first + run))
                     pos += run
-            if seq.prompt_logprobs is not None and start < seq.num_prompt_tokens - 1:
-                prompt_spans.append((row, query_start_loc[-1], min(end, seq.num_prompt_tokens - 1) - start))
+            if seq.prompt_logprobs is not None:
+                # Positions whose logits predict a prompt token not yet recorded (a recompute after preemption
+                # records nothing twice).
+                first = max(start, len(seq.prompt_logprobs) - 1)
+                count = min(end, seq.num_prompt_tokens - 1) - first
+                if count > 0:
+                    prompt_spans.append((row, query_start_loc[-1] + first - start, count, first))
             query_start_loc.append(query_start_loc[-1] + num_new)
             seq_lens.append(end)
             if end == seq.num_tokens:
