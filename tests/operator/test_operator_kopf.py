@@ -219,11 +219,13 @@ async def test_invalid_spec_sets_spec_valid_false_posts_an_event_and_creates_not
         CR, "smollm2")["status"]["conditions"]}["SpecValid"] == "True")
 
 
-async def test_a_deleted_deployment_is_recreated(cluster):
+async def test_a_deleted_deployment_is_recreated_each_time(cluster):
     await cluster.apply_example()
     await _all_owned(cluster)
-    await cluster.delete(DEPLOYMENTS, "smollm2-router")
-    await cluster.wait_for("the router Deployment back", lambda: cluster.get(DEPLOYMENTS, "smollm2-router"))
+    for attempt in range(3):
+        await cluster.delete(DEPLOYMENTS, "smollm2-router")
+        await cluster.wait_for(f"the router Deployment back ({attempt + 1})",
+                               lambda: cluster.get(DEPLOYMENTS, "smollm2-router"))
 
 
 async def test_tandem_operator_command_reconciles_and_exits_cleanly_on_sigterm(emulator, tmp_path):
