@@ -82,6 +82,7 @@ def request_choices(body: CompletionRequest | ChatCompletionRequest, prompts: li
         fmt = formatter(request_id, served_name, created, tokenizer, num_prompt_tokens, index)
         if echoes is not None:
             fmt.echo = echoes[index // body.n]
+            fmt.echo_only = body.echo_only
         return fmt
 
     return expand(request_id, prompts, params, body.n, make_formatter)

@@ -95,13 +95,17 @@ class CompletionFormatter(Formatter):
     # echo: (the prompt's text, its token ids), which the answer repeats before its own text (and, with logprobs,
     # the prompt tokens' logprobs before its own: the first token has none, nothing predicts it).
     echo: tuple[str, list[int]] | None = None
+    echo_only = False  # max_tokens 0 with echo: the one token made is not part of the answer
     prompt_logprobs: list | None = None
     echoed = False
 
     def add(self, out: RequestOutput) -> None:
-        super().add(out)
         if getattr(out, "prompt_logprobs", None) is not None:
             self.prompt_logprobs = out.prompt_logprobs
+            self.wants_logprobs = self.wants_logprobs or out.new_logprobs is not None
+        if self.echo_only:
+            out = Delta([], "", None, out.finished, out.finish_reason, out.num_cached_tokens)
+        super().add(out)
 
     def _logprobs_block(self, entries: list, with_prompt: bool = False) -> dict | None:
         if not self.wants_logprobs:
@@ -121,6 +125,8 @@ class CompletionFormatter(Formatter):
 
     def chunks(self, out: RequestOutput) -> list[dict]:
         self.add(out)
+        if self.echo_only:
+            out = Delta([], "", None, out.finished, out.finish_reason, out.num_cached_tokens)
         # Tokens with no text yet (part of a UTF-8 character) still have logprobs to send.
         if not out.new_text and not out.finished and not out.new_logprobs and (self.echo is None or self.echoed):
             return []

@@ -194,7 +194,8 @@ class CompletionRequest(_CommonParams):
                                                                "max_tokens": 8}]})
 
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, description="tokens to generate; must be >= 1")
+    max_tokens: int | None = Field(16, description="tokens to generate; must be >= 1, or 0 with echo (the prompt "
+                                                   "alone)")
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = Field(False, description="repeat the prompt before the completion (with logprobs: the prompt "
                                           "tokens' logprobs too)")
@@ -218,8 +219,14 @@ class CompletionRequest(_CommonParams):
             raise APIError(400, "suffix is not supported", param="suffix")
         # echo with logprobs: the prompt's logprobs as well, with as many alternatives as the output's.
         prompt_logprobs = self.logprobs if self.echo else None
-        return self._sampling(_max_tokens(self.max_tokens, default_max_tokens), self.logprobs, vocab_size,
-                              prompt_logprobs)
+        # max_tokens 0 with echo (the prompt alone, scored: vLLM's): one token is made and not shown
+        # (CompletionFormatter.echo_only).
+        max_tokens = 1 if self.echo_only else _max_tokens(self.max_tokens, default_max_tokens)
+        return self._sampling(max_tokens, self.logprobs, vocab_size, prompt_logprobs)
+
+    @property
+    def echo_only(self) -> bool:
+        return self.echo and self.max_tokens == 0
 
 
 class ContentPart(_Request):

@@ -262,6 +262,10 @@ def check_echo(client, prompt: str) -> None:
     chunks = [c.choices[0] for c in client.completions.create(**kwargs, echo=True, stream=True) if c.choices]
     assert chunks[0].text.startswith(prompt) and "".join(c.text for c in chunks) == choice.text
     assert chunks[0].logprobs.token_logprobs[1:num_prompt] == pytest.approx(lp.token_logprobs[1:num_prompt], abs=1e-4)
+    # max_tokens 0 with echo (vLLM's): the prompt alone, scored.
+    alone = client.completions.create(**{**kwargs, "max_tokens": 0}, echo=True)
+    assert alone.choices[0].text == prompt and alone.usage.completion_tokens == 0
+    assert alone.choices[0].logprobs.token_logprobs == pytest.approx(lp.token_logprobs[:num_prompt], abs=1e-4)
 
 
 def test_echo_repeats_the_prompt_with_its_logprobs(client):
