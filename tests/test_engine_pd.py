@@ -420,3 +420,22 @@ def test_a_lease_that_runs_out_during_the_pull_is_not_trusted(pd_pair, colocated
     assert status == "lease_expired"
     assert tokens == run(colocated, "slow-pull-ref", prompt)[0]
     assert decode.num_kv_blocks_used == 0
+
+
+def test_requests_with_different_grammars_and_none_share_a_batch(colocated, tiny):
+    """Rows with grammars and rows without, in one batch: each follows its own grammar (the masks go to the right
+    rows), and the free ones pick what they pick alone."""
+    patterns = ["[a-z]{4}", "[0-9]{2}-[0-9]{2}", "(yes|no)", "x+y"]
+    prompts = [prompt_of(30 + i, seed=20 + i) for i in range(6)]
+    params = [SamplingParams(temperature=0.0, max_tokens=10, structured=StructuredOutput(kind="regex", value=p))
+              for p in patterns] + [GREEDY, GREEDY]
+    alone = [run(colocated, f"alone-{i}", prompt, p)[0] for i, (prompt, p) in enumerate(zip(prompts, params))]
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        colocated.add_request(f"together-{i}", prompt, p)
+    together = {f"together-{i}": [] for i in range(6)}
+    while colocated.has_unfinished_requests():
+        for out in colocated.step():
+            together[out.request_id] += out.new_token_ids
+    for i, pattern in enumerate(patterns):
+        assert re.fullmatch(pattern, tiny.tokenizer.decode(together[f"together-{i}"])), (pattern, together)
+    assert [together[f"together-{i}"] for i in range(6)] == alone
