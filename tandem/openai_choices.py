@@ -59,8 +59,11 @@ def expand(request_id: str, prompts: list[list[int]], params: SamplingParams, n:
         for j in range(n):
             index = p * n + j
             sample_params = params
-            if j and params.seed is not None:
-                sample_params = params.model_copy(update={"seed": sample_seed(params.seed, j)})
+            if j and (params.seed is not None or params.prompt_logprobs is not None):
+                # A later sample draws from a seed of its own, and takes the prompt's logprobs from its first
+                # sample (request_choices) instead of computing the whole prompt again.
+                sample_params = params.model_copy(update={
+                    "seed": None if params.seed is None else sample_seed(params.seed, j), "prompt_logprobs": None})
             choices.append(Choice(request_id if total == 1 else f"{request_id}-{index}", p, j, ids, sample_params,
                                   make_formatter(len(ids), index)))
     return choices
@@ -85,7 +88,14 @@ def request_choices(body: CompletionRequest | ChatCompletionRequest, prompts: li
             fmt.echo_only = body.echo_only
         return fmt
 
-    return expand(request_id, prompts, params, body.n, make_formatter)
+    choices = expand(request_id, prompts, params, body.n, make_formatter)
+    if echoes is not None:
+        # A prompt's logprobs are computed by its first sample (expand); its later samples start once that one has
+        # its first token (staggered), whose delta carries them, so they are there when a later sample needs them.
+        for choice in choices:
+            if choice.sample:
+                choice.fmt.prompt_source = choices[choice.prompt * body.n].fmt
+    return choices
 
 
 @dataclass

@@ -97,13 +97,14 @@ class CompletionFormatter(Formatter):
     echo: tuple[str, list[int]] | None = None
     echo_only = False  # max_tokens 0 with echo: the one token made is not part of the answer
     prompt_logprobs: list | None = None
+    prompt_source: CompletionFormatter | None = None  # a later sample's: its prompt's first sample, which has them
     echoed = False
 
     def add(self, out: RequestOutput) -> None:
         if getattr(out, "prompt_logprobs", None) is not None:
             self.prompt_logprobs = out.prompt_logprobs
-            self.wants_logprobs = self.wants_logprobs or out.new_logprobs is not None
         if self.echo_only:
+            self.wants_logprobs = self.wants_logprobs or out.new_logprobs is not None
             out = Delta([], "", None, out.finished, out.finish_reason, out.num_cached_tokens)
         super().add(out)
 
@@ -112,7 +113,7 @@ class CompletionFormatter(Formatter):
             return None
         tokens, token_logprobs, top_logprobs = [], [], []
         if with_prompt and self.echo is not None:
-            known = self.prompt_logprobs or []
+            known = (self.prompt_source or self).prompt_logprobs or []
             for i, token_id in enumerate(self.echo[1]):
                 entry = known[i] if i < len(known) else None
                 tokens.append(self._token_text(token_id))

@@ -266,6 +266,10 @@ def check_echo(client, prompt: str) -> None:
     alone = client.completions.create(**{**kwargs, "max_tokens": 0}, echo=True)
     assert alone.choices[0].text == prompt and alone.usage.completion_tokens == 0
     assert alone.choices[0].logprobs.token_logprobs == pytest.approx(lp.token_logprobs[:num_prompt], abs=1e-4)
+    # Several samples: the prompt's logprobs, computed by the first, in every one.
+    for sample in client.completions.create(**kwargs, echo=True, n=2).choices:
+        assert sample.text.startswith(prompt)
+        assert sample.logprobs.token_logprobs[:num_prompt] == pytest.approx(lp.token_logprobs[:num_prompt], abs=1e-4)
 
 
 def test_echo_repeats_the_prompt_with_its_logprobs(client):
