@@ -207,9 +207,11 @@ class Orchestrator:
                 self.decode.record_failure(url)
                 self._abandon(touched, url, attempt_id)  # a worker that only stopped answering may still be at it
                 failed.add(url)
-                # The prefill's lease, if this attempt had its handle, is left to run out (--kv-lease-ttl-s): the
-                # failed worker may be hung mid-read rather than dead, and a pull that ends within the lease's time
-                # is trusted (LLMEngine._end_pulls). Freed early, the blocks could be another prompt's by then.
+                if handle is not None and trace.prefill_worker is not None:
+                    # Nobody will use the prefill's blocks now: freed at once, not when the lease runs out (the
+                    # failed worker may never release it). One that was only hung and finishes its read later finds
+                    # the lease gone when it releases it, and does not use what it read (RemoteKV.release).
+                    spawn(self._abort(trace.prefill_worker, rid))
                 handle = None  # the KV now comes from recomputing prompt + tokens so far
                 trace.migrations += 1
                 self._route("migrated")

@@ -330,6 +330,34 @@ def test_a_request_aborted_while_its_kv_arrives_keeps_its_blocks_until_the_read_
     assert decode.num_kv_blocks_used == used
 
 
+@pytest.mark.parametrize("background", ["on", "off"])
+def test_a_read_whose_lease_was_released_meanwhile_is_not_used(tiny, colocated, background):
+    """The router gave up on this decode worker and freed the prefill's blocks while the read was on (they may now
+    hold another prompt's KV): the release that follows the read finds the lease gone, so what was read is not
+    used (settled as lease_expired, never cached), and the prompt is computed here instead, to the same tokens."""
+    prefill = engine(tiny, "prefill")
+    decode = engine(tiny, "decode", kv_pull_in_background=background)
+    prefill.kv_transfer = create_kv_transfer("tcp", prefill.runner.kv_cache, f"p-lost-{background}")
+    decode.kv_transfer = create_kv_transfer("tcp", decode.runner.kv_cache, f"d-lost-{background}")
+    try:
+        prompt = prompt_of(64, seed=16)
+        first, source, lease_id = prefilled(prefill, "lost", prompt)
+        releases = []
+
+        def release() -> bool:  # what the worker's RemoteKV.release does, against an early release by the router
+            releases.append(lease_id)
+            return prefill.release_lease(lease_id)
+
+        assert prefill.abort_request("lost")  # the router's abort: the lease is gone before the read ends
+        source.release = release
+        tokens, outs = run(decode, "lost", prompt, first_token_id=first, kv_source=source)
+        assert outs[0].kv_status == "lease_expired" and releases == [lease_id]
+        assert [first, *tokens] == run(colocated, "lost-alone", prompt)[0]
+    finally:
+        prefill.kv_transfer.close()
+        decode.kv_transfer.close()
+
+
 def test_aborting_a_done_prefill_releases_its_lease(pd_pair):
     """A client that leaves after its prefill, before any decode worker got the handle: the router's abort
     frees the pinned blocks now rather than at the lease's expiry."""

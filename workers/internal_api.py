@@ -177,7 +177,8 @@ async def serve_decode(ctx, body: DecodeRequest) -> AsyncIterator[tuple[dict, bo
             fallback = "agent_unreachable"
             ctx.metrics.fallback(fallback)
         else:
-            kv_source = RemoteKV(agent, handle.block_ids, handle.expires_at)
+            kv_source = RemoteKV(agent, handle.block_ids, handle.expires_at,
+                                 release=release_from_pull_thread(ctx, handle, asyncio.get_running_loop()))
     options = {"first_token_id": body.first_token_id, "kv_source": kv_source,
                "output_tokens_in_prompt": body.output_tokens_in_prompt}
     outputs = ctx.engine.generate(body.request_id, body.prompt_token_ids, body.sampling, time.monotonic(),
@@ -215,21 +216,31 @@ def check_handle(ctx, body: DecodeRequest, handle: KVHandle) -> None:
 RELEASE_ATTEMPTS = 3
 
 
-async def release_lease(ctx, handle: KVHandle) -> None:
-    """Tell the prefill worker it may free the blocks. A release is idempotent (a second one is a 404), so a failed
-    one is tried again: a try can fail without the worker being gone (likely: a pooled keep-alive connection the
-    prefill worker closed as it was reused), and the blocks would otherwise stay pinned for the whole lease TTL.
-    Best effort after that: the TTL covers the rest."""
+async def release_lease(ctx, handle: KVHandle) -> bool:
+    """Tell the prefill worker it may free the blocks; True if the lease was still held until then (200), False if
+    it was not (404: released, aborted or expired) or no answer came. A release is idempotent (a second one is a
+    404), so a failed one is tried again: a try can fail without the worker being gone (likely: a pooled keep-alive
+    connection the prefill worker closed as it was reused), and the blocks would otherwise stay pinned for the whole
+    lease TTL. Best effort after that: the TTL covers the rest."""
     for attempt in range(1, RELEASE_ATTEMPTS + 1):
         try:
-            await ctx.http.post(f"{handle.source_url}/internal/kv/release", json={"lease_id": handle.lease_id},
-                                timeout=2.0)
-            return
+            response = await ctx.http.post(f"{handle.source_url}/internal/kv/release",
+                                           json={"lease_id": handle.lease_id}, timeout=2.0)
+            return response.status_code == 200
         except httpx.HTTPError as exc:
             if attempt == RELEASE_ATTEMPTS:
                 log.info("could not release lease %s at %s: %s", handle.lease_id, handle.source_url, exc)
-                return
+                return False
             await asyncio.sleep(0.1 * attempt)
+    return False
+
+
+def release_from_pull_thread(ctx, handle: KVHandle, loop: asyncio.AbstractEventLoop):
+    """RemoteKV.release: the lease released by this worker's event loop for the engine's pull thread, which waits
+    for the answer (one round trip per pull, the price of knowing the blocks read were this prompt's)."""
+    def release() -> bool:
+        return asyncio.run_coroutine_threadsafe(release_lease(ctx, handle), loop).result(timeout=10)
+    return release
 
 
 async def decode_events(ctx, outputs: AsyncIterator[RequestOutput], handle: KVHandle | None,
@@ -245,7 +256,8 @@ async def decode_events(ctx, outputs: AsyncIterator[RequestOutput], handle: KVHa
         async for out in outputs:
             if not released:  # the pull is over (done or failed) once the engine reports anything
                 released = True
-                spawn(release_lease(ctx, handle))
+                if out.kv_status != "pulled":  # a pull that succeeded released the lease itself (RemoteKV.release)
+                    spawn(release_lease(ctx, handle))
             event = DecodeChunk(token_ids=out.new_token_ids, text=out.new_text,
                                 logprobs=[logprob_entry(e) for e in out.new_logprobs] if out.new_logprobs else None,
                                 finish_reason=out.finish_reason if out.finished else None,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
@@ -62,6 +63,14 @@ class RemoteKV:
     agent_info: dict
     block_ids: list[int]
     expires_at: float  # unix time
+    # Called on the pull thread once the read is over: releases the lease and says whether it was still held (the
+    # prefill worker may free a lease early: a router that gave up on this request). Only then are the blocks read
+    # known to be this prompt's. None: the lease's time alone decides.
+    release: Callable[[], bool] | None = None
+
+
+class LeaseLost(KVTransferError):
+    """The prefill worker's lease did not hold for the whole read: what was read may not be this prompt's KV."""
 
 
 @dataclass
@@ -434,7 +443,8 @@ class LLMEngine:
             except Exception as exc:  # noqa: BLE001 - any backend failure costs this request a recompute, not the engine
                 if not isinstance(exc, KVTransferError):
                     log.warning("KV pull for %s failed: %r", request_id, exc)
-                self._settle_pull(seq, "transfer_failed")  # the blocks stay: the scheduler computes into them
+                # The blocks stay: the scheduler computes the prompt into them.
+                self._settle_pull(seq, "lease_expired" if isinstance(exc, LeaseLost) else "transfer_failed")
                 continue
             if not _lease_holds(pull.source):
                 # The lease ran out during the read: the prefill worker may have reused the blocks under it, and
@@ -577,10 +587,13 @@ def _timed_read(transfer: KVTransfer, source: RemoteKV, remote: list[int], local
     """(bytes moved, seconds): on the pull thread, so the time is the read's own, not when a step noticed it. A
     pull that waited behind others until its lease ran out is not read at all."""
     if not _lease_holds(source):
-        raise KVTransferError("the lease ran out before the read began")
+        raise LeaseLost("the lease ran out before the read began")
     started = time.monotonic()
     moved = transfer.read_blocks(source.agent_info, remote, local, timeout_s)
-    return moved, time.monotonic() - started
+    seconds = time.monotonic() - started
+    if source.release is not None and not source.release():
+        raise LeaseLost("the lease was no longer held when the read ended: the blocks may be another prompt's")
+    return moved, seconds
 
 
 def _replay_output(detokenizer: IncrementalDetokenizer, output_token_ids: list[int]) -> None:
