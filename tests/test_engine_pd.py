@@ -335,7 +335,7 @@ def test_a_read_whose_lease_was_released_meanwhile_is_not_used(tiny, colocated, 
     """The router gave up on this decode worker and freed the prefill's blocks while the read was on (they may now
     hold another prompt's KV): the release that follows the read finds the lease gone, so what was read is not
     used (settled as lease_expired, never cached), and the prompt is computed here instead, to the same tokens."""
-    prefill = engine(tiny, "prefill")
+    prefill = engine(tiny, "prefill", num_kv_blocks=8)  # small: the next prompt takes the freed blocks
     decode = engine(tiny, "decode", kv_pull_in_background=background)
     prefill.kv_transfer = create_kv_transfer("tcp", prefill.runner.kv_cache, f"p-lost-{background}")
     decode.kv_transfer = create_kv_transfer("tcp", decode.runner.kv_cache, f"d-lost-{background}")
@@ -349,10 +349,14 @@ def test_a_read_whose_lease_was_released_meanwhile_is_not_used(tiny, colocated, 
             return prefill.release_lease(lease_id)
 
         assert prefill.abort_request("lost")  # the router's abort: the lease is gone before the read ends
+        run(prefill, "next", prompt_of(100, seed=17))  # and the freed blocks now hold another prompt's KV
         source.release = release
         tokens, outs = run(decode, "lost", prompt, first_token_id=first, kv_source=source)
         assert outs[0].kv_status == "lease_expired" and releases == [lease_id]
         assert [first, *tokens] == run(colocated, "lost-alone", prompt)[0]
+        # What the decode worker caches for the prompt is what it computed: a later request hitting it is right.
+        later, outs = run(decode, "later", prompt + [7, 8, 9])
+        assert outs[-1].num_cached_tokens == 64 and later == run(colocated, "later-alone", prompt + [7, 8, 9])[0]
     finally:
         prefill.kv_transfer.close()
         decode.kv_transfer.close()
