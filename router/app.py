@@ -27,8 +27,8 @@ from tandem.openai_protocol import (
     CompletionRequest,
     ModelCard,
     ModelList,
-    check_length,
     check_model,
+    check_request,
     check_token_ids,
 )
 from tandem.protocol import SamplingParams
@@ -37,7 +37,6 @@ from tandem.router.api_keys import ApiKeyGate, bearer_token
 from tandem.router.fast_lane import FastLane, validation_error_response
 from tandem.router.orchestrator import Trace
 from tandem.sse import CancelOnDisconnect, ClientDisconnected, EventStreamResponse, openai_stream
-from tandem.structured_output import check as check_structured
 
 SLO_HEADER = "x-tandem-slo-class"
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left before its answer
@@ -127,9 +126,7 @@ async def serve(router, request: Request, body: CompletionRequest | ChatCompleti
                 prompts: list[list[int]], params: SamplingParams):
     """Admits every choice of the request (or none: a refused one releases the others), dispatches them and
     answers with their merged stream or body (tandem.openai_choices; one choice, the usual case, is not merged)."""
-    for ids in prompts:
-        check_length(router.max_model_len, len(ids), params)
-    await check_structured(params.structured, body.structured_param)
+    await check_request(body, prompts, params, router.max_model_len)
     choices = request_choices(body, prompts, params, router.served_name, router.tokenizer)
     queue_size = router.admission.queue.max_size
     if len(choices) > queue_size:  # they could never all be queued at once

@@ -105,8 +105,13 @@ class CompletionFormatter(Formatter):
             self.prompt_logprobs = out.prompt_logprobs
         if self.echo_only:
             self.wants_logprobs = self.wants_logprobs or out.new_logprobs is not None
-            out = Delta([], "", None, out.finished, out.finish_reason, out.num_cached_tokens)
-        super().add(out)
+        super().add(self._shown(out))
+
+    def _shown(self, out: RequestOutput) -> RequestOutput:
+        """What of `out` the answer shows: with echo_only, none of its tokens, only whether it ended."""
+        if not self.echo_only:
+            return out
+        return Delta([], "", None, out.finished, out.finish_reason, out.num_cached_tokens)
 
     def _logprobs_block(self, entries: list, with_prompt: bool = False) -> dict | None:
         if not self.wants_logprobs:
@@ -126,8 +131,7 @@ class CompletionFormatter(Formatter):
 
     def chunks(self, out: RequestOutput) -> list[dict]:
         self.add(out)
-        if self.echo_only:
-            out = Delta([], "", None, out.finished, out.finish_reason, out.num_cached_tokens)
+        out = self._shown(out)
         # Tokens with no text yet (part of a UTF-8 character) still have logprobs to send.
         if not out.new_text and not out.finished and not out.new_logprobs and (self.echo is None or self.echoed):
             return []

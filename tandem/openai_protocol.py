@@ -24,6 +24,7 @@ from tandem.protocol import (
     TokenId,
 )
 from tandem.structured_output import ANY_JSON_OBJECT, MAX_SPEC_CHARS, choice_spec, json_schema_spec
+from tandem.structured_output import check as check_structured
 
 MAX_N = 128  # completions per prompt: OpenAI's bound on n
 MAX_LOGIT_BIAS = 300  # biased tokens per request: each costs the worker work at every step
@@ -345,3 +346,12 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+async def check_request(body: CompletionRequest | ChatCompletionRequest, prompts: list[list[int]],
+                        params: SamplingParams, max_model_len: int) -> None:
+    """What a request is checked for once its prompts are token ids and its parameters known, on the router and a
+    worker alike: each prompt with max_tokens fits the context, and its structured output compiles."""
+    for ids in prompts:
+        check_length(max_model_len, len(ids), params)
+    await check_structured(params.structured, body.structured_param)

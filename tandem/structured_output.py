@@ -13,71 +13,43 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
-import queue
 import threading
 from collections.abc import Callable
-from concurrent.futures import Future
-from typing import TypeVar
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import llguidance
 
 from tandem.errors import APIError
 from tandem.protocol import StructuredOutput
 
-T = TypeVar("T")
-
 # JSON is written the way json.dumps writes it (", " and ": " between items, no other whitespace). The JSON
 # grammar's default, any whitespace anywhere, lets a small model emit newlines until max_tokens runs out.
 _JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 ANY_JSON_OBJECT = '{"type": "object"}'
-# Compiling takes time and memory that grow with the spec (an 80,000-string choice list took 10 s): bounded.
+# Compiling takes time and memory that grow with the spec: bounded.
 MAX_SPEC_CHARS = 64 * 1024
-# llguidance compiles recursively along a grammar's nesting: 1,000 chained $refs or 3,000 chained Lark rules (tens
-# of KB) overflowed an 8 MiB thread stack and killed the process. Grammars are compiled on a thread of their own
-# whose stack holds far more than a MAX_SPEC_CHARS spec can nest (it is address space; only what is used is
-# memory).
+# llguidance compiles recursively along a grammar's nesting: the chain of 4,000 Lark rules in
+# test_a_deeply_nested_grammar_compiles_without_taking_the_process_down, checked on a thread with the default 8 MiB
+# stack, kills the process (SIGSEGV). Grammars are compiled on a thread of their own whose stack holds far more than a MAX_SPEC_CHARS spec can
+# nest (it is address space; only what is used is memory).
 _GRAMMAR_STACK_BYTES = 1 << 30
+_grammar_thread: ThreadPoolExecutor | None = None
+_grammar_thread_lock = threading.Lock()
 
 
-class _GrammarThread:
-    """One thread with a deep stack that runs what compiles grammars, one call at a time."""
-
-    def __init__(self):
-        self._calls: queue.SimpleQueue = queue.SimpleQueue()
-        with _STACK_SIZE_LOCK:
+def on_grammar_thread(fn: Callable, *args) -> Future:
+    """fn(*args) run on the deep-stack grammar thread, one call at a time: what calls into llguidance's compilers
+    must use."""
+    global _grammar_thread
+    with _grammar_thread_lock:
+        if _grammar_thread is None:
             previous = threading.stack_size(_GRAMMAR_STACK_BYTES)
             try:
-                threading.Thread(target=self._run, name="grammar", daemon=True).start()
+                _grammar_thread = ThreadPoolExecutor(1, thread_name_prefix="grammar")
+                _grammar_thread.submit(int).result()  # its one thread starts here, while the stack size holds
             finally:
                 threading.stack_size(previous)
-
-    def submit(self, fn: Callable[..., T], *args) -> Future:
-        future: Future = Future()
-        self._calls.put((future, fn, args))
-        return future
-
-    def _run(self) -> None:
-        while True:
-            future, fn, args = self._calls.get()
-            if future.set_running_or_notify_cancel():
-                try:
-                    future.set_result(fn(*args))
-                except BaseException as exc:  # noqa: BLE001 - handed to the caller
-                    future.set_exception(exc)
-
-
-_STACK_SIZE_LOCK = threading.Lock()
-_thread: _GrammarThread | None = None
-_thread_lock = threading.Lock()
-
-
-def on_grammar_thread(fn: Callable[..., T], *args) -> Future:
-    """fn(*args) run on the deep-stack grammar thread: what calls into llguidance's compilers must use."""
-    global _thread
-    with _thread_lock:
-        if _thread is None:
-            _thread = _GrammarThread()
-    return _thread.submit(fn, *args)
+    return _grammar_thread.submit(fn, *args)
 
 
 async def check(spec: StructuredOutput | None, param: str | None) -> None:

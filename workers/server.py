@@ -24,13 +24,12 @@ from tandem.openai_protocol import (
     CompletionRequest,
     ModelCard,
     ModelList,
-    check_length,
     check_model,
+    check_request,
     check_token_ids,
 )
 from tandem.protocol import LayoutFingerprint, SamplingParams
 from tandem.sse import EventStreamResponse, openai_stream
-from tandem.structured_output import check as check_structured
 from tandem.tokenizer import Tokenizer
 from tandem.workers.async_engine import AsyncEngine, EngineDeadError
 from tandem.workers.internal_api import AgentDirectory, add_internal_routes
@@ -98,8 +97,6 @@ def build_app(ctx: ServingContext) -> FastAPI:
         prompts = [ctx.tokenizer.encode(p) if isinstance(p, str) else check_token_ids(ctx.tokenizer.vocab_size, p)
                    for p in body.prompts()]
         params = body.sampling_params(16, ctx.tokenizer.vocab_size)
-        for prompt_ids in prompts:
-            check_length(ctx.max_model_len, len(prompt_ids), params)
         return await respond(ctx, request, body, prompts, params)
 
     @app.post("/v1/chat/completions")
@@ -108,7 +105,6 @@ def build_app(ctx: ServingContext) -> FastAPI:
         check_model(ctx.served_name, body.model)
         prompt_ids = ctx.tokenizer.encode(body.prompt_text(ctx.tokenizer), add_special_tokens=False)
         params = body.sampling_params(max(1, ctx.max_model_len - len(prompt_ids)), ctx.tokenizer.vocab_size)
-        check_length(ctx.max_model_len, len(prompt_ids), params)
         return await respond(ctx, request, body, [prompt_ids], params)
 
     add_internal_routes(app, ctx)
@@ -117,7 +113,7 @@ def build_app(ctx: ServingContext) -> FastAPI:
 
 async def respond(ctx: ServingContext, request: Request, body: CompletionRequest | ChatCompletionRequest,
                   prompts: list[list[int]], params: SamplingParams):
-    await check_structured(params.structured, body.structured_param)
+    await check_request(body, prompts, params, ctx.max_model_len)
     choices = request_choices(body, prompts, params, ctx.served_name, ctx.tokenizer)
     arrival = time.monotonic()
     streams = staggered(choices, body.n, lambda c, after: held_until(

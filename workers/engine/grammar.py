@@ -2,8 +2,8 @@
 
 Each such request holds an llguidance matcher in the state its output so far has led to. Before a step samples,
 the matcher says which tokens keep the output within the grammar (a bitmask the sampler turns into -inf logits);
-after, it moves on by the token sampled. A grammar is compiled once and its start state copied for each request
-that asks for it: compiling a large JSON schema takes milliseconds, copying a matcher microseconds.
+after, it moves on by the token sampled. A grammar is compiled once (on the grammar thread,
+tandem.structured_output.on_grammar_thread) and its start state copied for each request that asks for it.
 """
 
 from __future__ import annotations
@@ -31,20 +31,19 @@ class GrammarMatchers:
         self._mask_vocab = max(vocab_size, tokenizer.vocab_size if tokenizer is not None else 0)
         self._ll_tokenizer: llguidance.LLTokenizer | None = None
         self._executor: llguidance.LLExecutor | None = None
-        self._start_states: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()  # grammar -> start state, LRU
+        self._start_states: OrderedDict[StructuredOutput, llguidance.LLMatcher] = OrderedDict()  # LRU
 
     def start(self, spec: StructuredOutput, output_so_far: list[int]) -> llguidance.LLMatcher:
         """A matcher for `spec`, moved past `output_so_far` (the output a continued or resumed request already
         has). ValueError if the spec is not valid, or the output so far does not follow it."""
-        grammar = on_grammar_thread(grammar_text, spec).result()
-        start = self._start_states.get(grammar)
+        start = self._start_states.get(spec)
         if start is None:
-            start = on_grammar_thread(_compiled, self._tokenizer(), grammar).result()
-            self._start_states[grammar] = start
+            start = on_grammar_thread(_compiled, self._tokenizer(), spec).result()
+            self._start_states[spec] = start
             if len(self._start_states) > _CACHED_GRAMMARS:
                 self._start_states.popitem(last=False)
         else:
-            self._start_states.move_to_end(grammar)
+            self._start_states.move_to_end(spec)
         matcher = start.deep_copy()
         if output_so_far and not matcher.consume_tokens(output_so_far):
             raise ValueError(f"the output so far does not follow the structured output: {matcher.get_error()}")
@@ -67,8 +66,9 @@ class GrammarMatchers:
         return rows, ((as_bytes.unsqueeze(-1) >> shifts) & 1).view(len(rows), -1)[:, :self.vocab_size].bool()
 
     def _tokenizer(self) -> llguidance.LLTokenizer:
-        # Built at the first request that needs it (about 0.2 s for a 49k vocabulary), from the tokenizer's own
-        # definition, so the grammar sees tokens exactly as the model's tokenizer spells them.
+        # Built at the first request that needs it (with that request's grammar, 230-260 ms for SmolLM2's
+        # vocabulary in benchmarks/structured_output.py), from the tokenizer's own definition, so the grammar sees
+        # tokens exactly as the model's tokenizer spells them.
         if self._ll_tokenizer is None:
             if self.tokenizer is None:
                 raise ValueError("structured outputs need a tokenizer, and this model was loaded without one")
@@ -77,10 +77,10 @@ class GrammarMatchers:
         return self._ll_tokenizer
 
 
-def _compiled(tokenizer: llguidance.LLTokenizer, grammar: str) -> llguidance.LLMatcher:
+def _compiled(tokenizer: llguidance.LLTokenizer, spec: StructuredOutput) -> llguidance.LLMatcher:
     """A matcher in its start state (on the grammar thread). A grammar that compiles but whose very first mask
     fails (a schema that refers only to itself) is refused here rather than answered with an empty "stop"."""
-    matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+    matcher = llguidance.LLMatcher(tokenizer, grammar_text(spec), log_level=0)
     if not matcher.is_error():
         matcher.compute_bitmask()
     if matcher.is_error():

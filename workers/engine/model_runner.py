@@ -18,7 +18,7 @@ import torch
 from tandem.config import EngineConfig
 from tandem.workers.engine.cuda_graphs import DecodeGraphs, default_batch_sizes
 from tandem.workers.engine.huge_pages import collapse_into_huge_pages
-from tandem.workers.engine.sampler import TokenLogprobs
+from tandem.workers.engine.sampler import TokenLogprobs, token_logprobs
 from tandem.workers.engine.sequence import Sequence
 from tandem.workers.layers.metadata import AttentionMetadata
 
@@ -103,20 +103,11 @@ class ModelRunner:
         each with params.prompt_logprobs alternatives (of the raw distribution, as the sampler reports an output
         token's). A slice of rows at a time: a whole chunk's logits would be [chunk, vocab] float32, gigabytes for a
         large vocabulary, beside a KV cache sized without them."""
-        num_top = seq.params.prompt_logprobs
         entries = []
         for lo in range(0, hidden.shape[0], _PROMPT_LOGPROBS_ROWS):
-            logprobs = torch.log_softmax(self.model.compute_logits(hidden[lo:lo + _PROMPT_LOGPROBS_ROWS]), dim=-1)
-            targets = seq.token_ids[position + 1 + lo:position + 1 + lo + logprobs.shape[0]]
-            chosen = logprobs.gather(1, torch.tensor(targets, device=logprobs.device).unsqueeze(1)).squeeze(1)
-            if num_top:
-                top_values, top_ids = logprobs.topk(num_top, dim=-1)
-                tops = [list(zip(ids, values, strict=True))
-                        for ids, values in zip(top_ids.tolist(), top_values.tolist(), strict=True)]
-            else:
-                tops = [[] for _ in targets]
-            entries += [TokenLogprobs(token, lp, top) for token, lp, top in zip(targets, chosen.tolist(), tops,
-                                                                                   strict=True)]
+            logits = self.model.compute_logits(hidden[lo:lo + _PROMPT_LOGPROBS_ROWS])
+            targets = seq.token_ids[position + 1 + lo:position + 1 + lo + logits.shape[0]]
+            entries += token_logprobs(logits, targets, [seq.params.prompt_logprobs] * len(targets))
         return entries
 
     def prepare(self, seqs: Seq[Sequence], num_new_tokens: Seq[int]):

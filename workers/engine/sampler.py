@@ -202,14 +202,19 @@ class Sampler:
     def _fill_logprobs(out: list[TokenLogprobs | None], logits: torch.Tensor, token_ids: list[int],
                        params: Sequence[SamplingParams]) -> None:
         rows = [i for i, p in enumerate(params) if p.logprobs is not None]
-        logprobs = torch.log_softmax(logits[rows], dim=-1)
-        chosen_ids = torch.tensor([token_ids[i] for i in rows], device=logits.device)
-        chosen = logprobs.gather(1, chosen_ids.unsqueeze(1)).squeeze(1).tolist()
-        num_top = max(params[i].logprobs for i in rows)
-        if num_top:
-            top_values, top_ids = logprobs.topk(num_top, dim=-1)
-            top_values, top_ids = top_values.tolist(), top_ids.tolist()
-        for j, i in enumerate(rows):
-            n = params[i].logprobs
-            top = list(zip(top_ids[j][:n], top_values[j][:n], strict=True)) if n else []
-            out[i] = TokenLogprobs(token_ids[i], chosen[j], top)
+        entries = token_logprobs(logits[rows], [token_ids[i] for i in rows], [params[i].logprobs for i in rows])
+        for i, entry in zip(rows, entries, strict=True):
+            out[i] = entry
+
+
+def token_logprobs(logits: torch.Tensor, token_ids: list[int], num_tops: list[int]) -> list[TokenLogprobs]:
+    """Row i's log-softmax at token_ids[i], with its num_tops[i] likeliest alternatives: one host copy of each
+    result for the whole batch (the sampler's output tokens, a chunk's prompt tokens)."""
+    logprobs = torch.log_softmax(logits, dim=-1)
+    chosen = logprobs.gather(1, torch.tensor(token_ids, device=logits.device).unsqueeze(1)).squeeze(1).tolist()
+    num_top = max(num_tops, default=0)
+    if num_top:
+        top_values, top_ids = logprobs.topk(num_top, dim=-1)
+        top_values, top_ids = top_values.tolist(), top_ids.tolist()
+    return [TokenLogprobs(token_id, chosen[j], list(zip(top_ids[j][:n], top_values[j][:n], strict=True)) if n else [])
+            for j, (token_id, n) in enumerate(zip(token_ids, num_tops, strict=True))]
