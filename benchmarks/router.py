@@ -166,6 +166,7 @@ class RunResult:
     errors: Counter = field(default_factory=Counter)
     elapsed_s: float = 0.0
     router_cpu_ms: float = float("nan")  # the router process's CPU time per request, when there is a router
+    router_gc_us: float = float("nan")  # of which garbage collection, from our router's own metric
 
     def pct(self, q: float) -> float:
         return float(np.percentile(self.latencies_ms, q)) if self.latencies_ms else float("nan")
@@ -275,6 +276,7 @@ class Target:
     url: str
     locality_pool: str = "b"  # which backends the locality counts: b (colocated/decode) or p (prefill)
     pid: int | None = None  # the router process, for its CPU time
+    ours: bool = False  # a tandem router: it reports its garbage-collection pauses (tandem_router_gc_pause_seconds)
 
 
 def cpu_seconds(pid: int | None) -> float:
@@ -302,11 +304,22 @@ async def reset_stats(mocks: list[Mock]) -> None:
                 await r.read()
 
 
+async def gc_pause_seconds(url: str) -> float:
+    """The total of a tandem router's tandem_router_gc_pause_seconds, all generations."""
+    async with aiohttp.ClientSession() as s, s.get(f"{url}/metrics") as r:
+        text = await r.text()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("tandem_router_gc_pause_seconds_sum"))
+
+
 async def measured_load(target: Target, bodies: list[bytes], concurrency: int, stream: bool) -> RunResult:
-    """run_load, with the router process's CPU time per request sent."""
+    """run_load, with the router process's CPU time per request sent (and, for ours, its collector's share)."""
+    gc0 = await gc_pause_seconds(target.url) if target.ours else float("nan")
     cpu0 = cpu_seconds(target.pid)
     result = await run_load(target.url, bodies, concurrency, stream)
     result.router_cpu_ms = (cpu_seconds(target.pid) - cpu0) * 1000 / len(bodies)
+    if target.ours:
+        result.router_gc_us = (await gc_pause_seconds(target.url) - gc0) * 1e6 / len(bodies)
     return result
 
 
@@ -460,9 +473,9 @@ async def mock_section(args) -> None:
         routers.append(ours_http)
         for r in (ours, ours_pd, ours_inline, ours_http):
             r.wait_ready(120)
-        targets += [Target("ours colocated", ours.url, pid=ours.proc.pid),
-                    Target("ours disagg (P/D)", ours_pd.url, "p", pid=ours_pd.proc.pid),
-                    Target(HTTP_NAME, ours_http.url, pid=ours_http.proc.pid)]
+        targets += [Target("ours colocated", ours.url, pid=ours.proc.pid, ours=True),
+                    Target("ours disagg (P/D)", ours_pd.url, "p", pid=ours_pd.proc.pid, ours=True),
+                    Target(HTTP_NAME, ours_http.url, pid=ours_http.proc.pid, ours=True)]
         floor = ProxyFloor([m.url for m in decode])
         routers.append(floor)
         await wait_serving(floor.url, 30, floor.proc)
@@ -497,6 +510,12 @@ async def mock_section(args) -> None:
                 if name != "direct":
                     print(f"{name:<26}" + "".join(f" | {res[(s, c)].router_cpu_ms:12.3f}" for s in (False, True)
                                                   for c in CONCURRENCY))
+            print("\nOf which garbage collection (us per request; the router's tandem_router_gc_pause_seconds)")
+            for t in targets:
+                if t.ours:
+                    res = latency[t.name]
+                    print(f"{t.name:<26}" + "".join(f" | {res[(s, c)].router_gc_us:12.1f}" for s in (False, True)
+                                                    for c in CONCURRENCY))
 
 
         tokenizer = load_tokenizer(MODEL)

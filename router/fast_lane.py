@@ -18,6 +18,7 @@ from starlette.responses import JSONResponse, Response
 
 from tandem.body_limit import declared_length_error, too_large
 from tandem.errors import APIError, api_error_response, error_body
+from tandem.response_head import head_with_body
 
 Handler = Callable[[BaseModel, Request], Awaitable[Response]]
 
@@ -44,7 +45,10 @@ class FastLane:
         self.max_body_bytes = max_body_bytes
 
     async def __call__(self, scope, receive, send):
-        route = self.routes.get(scope["path"]) if scope["type"] == "http" and scope["method"] == "POST" else None
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        send = head_with_body(send)  # every answer's head and first body part in one write
+        route = self.routes.get(scope["path"]) if scope["method"] == "POST" else None
         if route is None:
             return await self.app(scope, receive, send)
         model, handler = route

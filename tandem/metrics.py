@@ -16,6 +16,9 @@ disable_created_metrics()
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5,
                    0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 
+# Garbage-collection pauses: tens of microseconds for the youngest generation, up to milliseconds for a full one.
+GC_PAUSE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)
+
 ENGINE_LABELS = ("model", "pool")
 
 
@@ -122,6 +125,12 @@ class RouterMetrics:
                                          ROUTER_LABELS, registry=r)
         self.worker_healthy = Gauge("tandem_router_worker_healthy", "1 when the worker is in rotation",
                                     (*ROUTER_LABELS, "worker", "role"), registry=r)
+        # The collector runs on the event loop's thread and holds every request while it runs.
+        self.gc_pause = Histogram("tandem_router_gc_pause_seconds",
+                                  "Time one garbage collection held the router's event loop, by generation",
+                                  (*ROUTER_LABELS, "generation"), buckets=GC_PAUSE_BUCKETS, registry=r)
+        # Bound now: a collection's callback should allocate nothing and take no lock but its own.
+        self.gc_pauses = [self.gc_pause.labels(**self.labels, generation=str(g)) for g in range(3)]
         self.overload_diversions = Counter("tandem_router_overload_diversions",
                                            "Requests sent off their prefix key's worker because it was overloaded",
                                            (*ROUTER_LABELS, "role"), registry=r)

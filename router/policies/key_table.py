@@ -57,14 +57,6 @@ DEFAULT_TTL_S = 600.0
 DEFAULT_MAX_KEYS = 100_000
 
 
-class _Entry:
-    __slots__ = ("worker", "last_used")
-
-    def __init__(self, worker: str, last_used: float):
-        self.worker = worker
-        self.last_used = last_used
-
-
 class KeyAssignments:
     """The sticky key table of one worker pool."""
 
@@ -80,8 +72,10 @@ class KeyAssignments:
         self.ttl_s = ttl_s
         self.max_keys = max_keys
         self.clock = clock
-        # Least recently used first: expiry and the size cap both pop from the front.
-        self._table: OrderedDict[int, _Entry] = OrderedDict()
+        # key -> (worker, last used), least recently used first: expiry and the size cap both pop from the front.
+        # Plain tuples of a str and a float: the garbage collector stops tracking them once it has seen them,
+        # so a full table (100,000 keys by default) adds nothing to the collections that pause the event loop.
+        self._table: OrderedDict[int, tuple[str, float]] = OrderedDict()
         self._counts: dict[str, int] = {}
 
     def __len__(self) -> int:
@@ -99,7 +93,7 @@ class KeyAssignments:
     def worker_of(self, key: int) -> str | None:
         """The worker `key` is assigned to, without touching it; None when it is not in the table."""
         entry = self._table.get(key)
-        return entry.worker if entry is not None else None
+        return entry[0] if entry is not None else None
 
     def bound(self, candidates: Sequence[str]) -> int:
         """ceil((1 + eps) * (active keys on `candidates` + 1) / n): the most keys a candidate may hold after taking
@@ -118,15 +112,16 @@ class KeyAssignments:
         self._expire(now)
         entry = self._table.get(key)
         if entry is not None:
-            if entry.worker in candidates:
-                entry.last_used = now
+            worker = entry[0]
+            if worker in candidates:
+                self._table[key] = (worker, now)
                 self._table.move_to_end(key)
-                return entry.worker
+                return worker
             self._drop(key)  # its worker left the ring or is excluded: place it again
         bound = self.bound(candidates)
         # Some candidate always has room (see the module docstring); next() raising would be a bug.
         worker = next(w for w in candidates if self._counts.get(w, 0) + 1 <= bound)
-        self._table[key] = _Entry(worker, now)
+        self._table[key] = (worker, now)
         self._counts[worker] = self._counts.get(worker, 0) + 1
         while len(self._table) > self.max_keys:
             self._drop(next(iter(self._table)))
@@ -135,15 +130,15 @@ class KeyAssignments:
     def _expire(self, now: float) -> None:
         deadline = now - self.ttl_s
         while self._table:
-            key, entry = next(iter(self._table.items()))
-            if entry.last_used > deadline:
+            key, (_, last_used) = next(iter(self._table.items()))
+            if last_used > deadline:
                 return
             self._drop(key)
 
     def _drop(self, key: int) -> None:
-        entry = self._table.pop(key)
-        left = self._counts[entry.worker] - 1
+        worker, _ = self._table.pop(key)
+        left = self._counts[worker] - 1
         if left:
-            self._counts[entry.worker] = left
+            self._counts[worker] = left
         else:
-            del self._counts[entry.worker]
+            del self._counts[worker]

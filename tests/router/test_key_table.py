@@ -276,3 +276,16 @@ def test_an_excluded_worker_is_not_chosen(router):
     home = place(orchestrator, pool, key)
     assert place(orchestrator, pool, key, exclude={home}) != home
     assert place(orchestrator, pool, key, exclude=set(pool.workers)) is None
+
+
+def test_a_full_table_is_invisible_to_the_garbage_collector():
+    """Its entries are untracked once the collector has seen them, so a table of 100,000 keys does not lengthen
+    the full collections that pause the router's event loop."""
+    import gc
+
+    table = KeyAssignments(max_keys=1000)
+    for key in range(1000):
+        table.assign(key, ["http://a", "http://b"])
+    table.assign(5, ["http://a", "http://b"])  # a key used again gets a fresh entry
+    gc.collect()
+    assert not any(gc.is_tracked(entry) for entry in table._table.values())
