@@ -9,13 +9,15 @@ completion cut to the request's max_tokens (4 unless said) whose text names the 
 where each request landed.
   targets: direct (client -> b0), ours colocated (tandem router -> b0-b3, one multiplexed WebSocket per
   backend), ours disaggregated (--disagg-min-tokens 1: every request prefills on p0-p3, decodes on b0-b3),
-  ours colocated, HTTP (--worker-transport http: an HTTP request per worker call), the python floor
+  ours colocated, HTTP (--worker-transport http: an HTTP request per worker call), ours colocated, gc 700
+  (--gc-young-threshold 700: garbage collected at CPython's default threshold), the python floor
   (benchmarks/proxy_floor.py: uvicorn + aiohttp passing each request through to b0-b3 in turn, with none of
   a router's work: what this stack alone adds), sglang-router cache_aware and round_robin (-> b0-b3).
   latency: concurrency 1, 16, 64, non-streaming (end-to-end) and streaming (TTFT); "added" is the router's
   quantile minus direct's at the same concurrency; req/s is the best throughput over the three concurrencies.
   Requests to our router carry `x-tandem-slo-class: batch` (TTFT target 30 s) so that these cells measure
   routing, not admission; one extra cell shows what the default `interactive` class refuses.
+  garbage collection: our routers' own tandem_router_gc_pause_seconds over each latency cell, per request.
   locality: 32 prefix groups (shared prefix >= 80 tokens, so the 64-token routing key is the group's),
   4 backends, concurrency 16 and 1. Locality = fraction of requests on their group's most-used backend;
   load = requests per backend counted at the mocks, max/mean.
@@ -68,6 +70,7 @@ CONCURRENCY = (1, 16, 64)
 LONG_CONCURRENCY = (1, 16)
 FLOOR_NAME = "python floor"
 HTTP_NAME = "ours colocated, HTTP"  # --worker-transport http
+GC_700_NAME = "ours colocated, gc 700"  # --gc-young-threshold 700 (CPython's default)
 LONG_STREAM_TOKENS = 64
 WORDS = ("time person year way day thing man world life hand part child eye woman place work week case point "
          "government company number group problem fact river mountain garden window market letter story "
@@ -471,11 +474,16 @@ async def mock_section(args) -> None:
         # The same colocated router with an HTTP request per worker call instead of the multiplexed channel.
         ours_http = ServiceProcess([*common, "--worker-transport", "http"], name="router-http").start()
         routers.append(ours_http)
-        for r in (ours, ours_pd, ours_inline, ours_http):
+        # The same colocated router collecting garbage at CPython's default threshold, as it did before the
+        # eleventh session: what the garbage-collection line compares.
+        ours_gc = ServiceProcess([*common, "--gc-young-threshold", "700"], name="router-gc-700").start()
+        routers.append(ours_gc)
+        for r in (ours, ours_pd, ours_inline, ours_http, ours_gc):
             r.wait_ready(120)
         targets += [Target("ours colocated", ours.url, pid=ours.proc.pid, ours=True),
                     Target("ours disagg (P/D)", ours_pd.url, "p", pid=ours_pd.proc.pid, ours=True),
-                    Target(HTTP_NAME, ours_http.url, pid=ours_http.proc.pid, ours=True)]
+                    Target(HTTP_NAME, ours_http.url, pid=ours_http.proc.pid, ours=True),
+                    Target(GC_700_NAME, ours_gc.url, pid=ours_gc.proc.pid, ours=True)]
         floor = ProxyFloor([m.url for m in decode])
         routers.append(floor)
         await wait_serving(floor.url, 30, floor.proc)
@@ -527,7 +535,8 @@ async def mock_section(args) -> None:
             print_long_stream_table(long_streams, latency)
             long_targets = [targets[0], targets[1],
                             Target("ours colocated, tokenize in place", ours_inline.url, pid=ours_inline.proc.pid),
-                            *(t for t in targets[2:] if "round_robin" not in t.name and t.name != HTTP_NAME)]
+                            *(t for t in targets[2:]
+                              if "round_robin" not in t.name and t.name not in (HTTP_NAME, GC_700_NAME))]
             long_results = {t.name: await long_prompt_suite(t, int(1200 * scale), warmup) for t in long_targets}
             n_tokens = len(tokenizer.encode(json.loads(long_bodies(1, 0)[0])["prompt"]))
             print_long_prompt_table(long_results, n_tokens)
@@ -541,7 +550,8 @@ async def mock_section(args) -> None:
         work = {c: group_prompts(32, per_group[c], seed=c, tokenizer=tokenizer) for c in (16, 1)}
         locality: dict[str, dict] = {}
         for t in targets:
-            if t.name in ("direct", FLOOR_NAME, HTTP_NAME):  # the floor takes turns; HTTP routes as ours does
+            if t.name in ("direct", FLOOR_NAME, HTTP_NAME, GC_700_NAME):  # the floor takes turns; the others route
+                # as ours does
                 continue
             locality[t.name] = await locality_suite(t, work, mocks)
         print(f"\nLocality: 32 prefix groups x {per_group[16]} requests at c=16, x {per_group[1]} at c=1; "

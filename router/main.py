@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import json
 import logging
 import os
-import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -17,6 +15,7 @@ import uvicorn
 
 from tandem.config import API_KEY_ENV, RouterConfig
 from tandem.hashing import model_seed
+from tandem.heap import settle_heap
 from tandem.metrics import RouterMetrics
 from tandem.model_source import DEFAULT_MODEL_ALIAS, resolve_model_source
 from tandem.router.admission import (
@@ -37,7 +36,6 @@ from tandem.tokenizer import load_tokenizer
 log = logging.getLogger("tandem.router")
 
 DEFAULT_MAX_MODEL_LEN = 8192  # until a worker reports its own
-GC_YOUNG_THRESHOLD = 50_000  # see run_router
 
 
 def load_slo_classes(config_dir: str | None) -> dict[str, SLOClass]:
@@ -136,20 +134,6 @@ def _default_served_name(model: str) -> str:
     return os.path.splitext(os.path.basename(os.path.normpath(path)))[0]
 
 
-def gc_pause_recorder(metrics: RouterMetrics):
-    """A gc.callbacks entry observing each collection's duration in tandem_router_gc_pause_seconds."""
-    started = 0.0
-
-    def record(phase: str, info: dict) -> None:
-        nonlocal started
-        if phase == "start":
-            started = time.perf_counter()
-        else:
-            metrics.gc_pauses[info["generation"]].observe(time.perf_counter() - started)
-
-    return record
-
-
 class _Server(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, router: Router):
         super().__init__(config)
@@ -182,19 +166,9 @@ def run_router(config: RouterConfig, log_level: str = "info") -> int:
     app = build_app(router)
     server = _Server(uvicorn.Config(app, host=config.host, port=config.port, log_level=log_level, access_log=False,
                                     timeout_graceful_shutdown=5), router)
-    # What is built by now (tokenizer, chat template, metrics, the app) lives as long as the process. Frozen,
-    # it is out of the collector's sight, so a full collection under load no longer walks it: a pause that
-    # showed in the tail latency at concurrency 64 (benchmarks/router.py).
-    gc.collect()
-    gc.freeze()
-    # CPython collects its youngest generation each time 700 more container objects are alive than at the last
-    # collection. Requests in flight come and go by the hundred objects each, so under load that was a collection
-    # every few requests, each walking every in-flight request's objects and pushing them into the older
-    # generations (which then fill and are walked in turn) though nearly all are freed by reference counting
-    # moments later. Counted with gc.callbacks at concurrency 64 in benchmarks/router.py's cells: 14 us of
-    # collection per request at 700, under 1 us at 50,000. What it costs: cyclic garbage (there is little) waits
-    # for up to that many objects, a few MB.
-    gc.set_threshold(GC_YOUNG_THRESHOLD, *gc.get_threshold()[1:])
-    gc.callbacks.append(gc_pause_recorder(router.metrics))
+    # Objects built by now (tokenizer, chat template, metrics, the app) live as long as the process: frozen, and
+    # the youngest generation collected per --gc-young-threshold net new objects (tandem.heap says why;
+    # benchmarks/router.py measures the collections' share of the router's CPU at that and at CPython's 700).
+    log.info(settle_heap(router.metrics.gc_pauses, config.gc_young_threshold))
     server.run()
     return 0

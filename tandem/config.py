@@ -89,6 +89,9 @@ class RouterConfig(BaseModel):
                                "tenants file; with none of these nor its requireApiKey, the API is open")
     tokenize_in_thread_chars: int = Field(512, ge=0, description="prompt texts at least this long are tokenized "
                                           "on a thread, off the event loop (shorter ones in place, sparing the hand-off)")
+    gc_young_threshold: int = Field(10_000, ge=1, description="the garbage collector collects its youngest "
+                                    "generation per this many net new objects (CPython's default is 700; see "
+                                    "tandem/heap.py): higher means fewer pauses and more cyclic garbage waiting")
     worker_transport: Literal["websocket", "http"] = Field(
         "websocket", description="how requests reach workers: multiplexed on one WebSocket per worker (HTTP to a "
         "worker that has none), or an HTTP request each")

@@ -78,6 +78,10 @@ class EngineMetrics:
                                       ENGINE_LABELS, registry=r).labels(**labels)
         self.kv_lease_expirations = Counter("tandem_kv_lease_expirations", "Leases that ran out before release",
                                             ENGINE_LABELS, registry=r).labels(**labels)
+        self.gc_pause = Histogram("tandem_gc_pause_seconds",
+                                  "Time one garbage collection held the worker (event loop and engine thread), by "
+                                  "generation", (*ENGINE_LABELS, "generation"), buckets=GC_PAUSE_BUCKETS, registry=r)
+        self.gc_pauses = [self.gc_pause.labels(**labels, generation=str(g)) for g in range(3)]  # see tandem.heap
         self.labels = labels
 
     def fallback(self, reason: str) -> None:
@@ -129,8 +133,7 @@ class RouterMetrics:
         self.gc_pause = Histogram("tandem_router_gc_pause_seconds",
                                   "Time one garbage collection held the router's event loop, by generation",
                                   (*ROUTER_LABELS, "generation"), buckets=GC_PAUSE_BUCKETS, registry=r)
-        # Bound now: a collection's callback should allocate nothing and take no lock but its own.
-        self.gc_pauses = [self.gc_pause.labels(**self.labels, generation=str(g)) for g in range(3)]
+        self.gc_pauses = [self.gc_pause.labels(**self.labels, generation=str(g)) for g in range(3)]  # tandem.heap
         self.overload_diversions = Counter("tandem_router_overload_diversions",
                                            "Requests sent off their prefix key's worker because it was overloaded",
                                            (*ROUTER_LABELS, "role"), registry=r)

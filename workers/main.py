@@ -8,6 +8,7 @@ import uuid
 import uvicorn
 
 from tandem.config import WorkerConfig
+from tandem.heap import settle_heap
 from tandem.metrics import EngineMetrics
 from tandem.workers.async_engine import AsyncEngine
 from tandem.workers.engine.llm_engine import LLMEngine, load_engine_model
@@ -62,6 +63,7 @@ def _engine_summary(async_engine: AsyncEngine) -> str:
 
 def run_worker(config: WorkerConfig, log_level: str = "info") -> int:
     ctx, async_engine = build_worker(config)
+    log.info(settle_heap(ctx.metrics.gc_pauses))  # the model's code and data, frozen out of collections (tandem.heap)
     async_engine.start()
     app = build_app(ctx)
     server = _Server(uvicorn.Config(app, host=config.host, port=config.port, log_level=log_level,
