@@ -231,7 +231,9 @@ MULTI_ROUTER_KEY_EPS = 0.25
 def router_deployment(owner: Owner, spec: LLMDeploymentSpec) -> dict:
     router = spec.router
     model_arg, volumes, mounts = model_location(spec)  # the router tokenizes prompts with the model's tokenizer
-    args = ["router", "--model", model_arg, "--host", "0.0.0.0", "--port", str(HTTP_PORT),
+    # The name clients send, and the seed of the prefix hashes: the workers' own (worker_deployment).
+    args = ["router", "--model", model_arg, "--served-model-name", spec.model.name,
+            "--host", "0.0.0.0", "--port", str(HTTP_PORT),
             "--discovery", "kubernetes", "--namespace", owner.namespace,
             "--prefill-selector", names.pool_selector(owner.name, "prefill"),
             "--decode-selector", names.pool_selector(owner.name, "decode")]

@@ -161,6 +161,19 @@ def test_worker_and_router_arguments_parse_with_the_real_cli():
                 assert ns.role in ("prefill", "decode") and ns.kv_transfer in ("nixl", "tcp")
 
 
+def test_the_router_and_the_workers_serve_the_model_under_its_spec_name():
+    """The name clients are told to send (docs/kubernetes.md's curl), and the seed both sides hash prefixes with:
+    a router named after the model source answered every request with 404 model_not_found."""
+    sub = argparse.ArgumentParser(exit_on_error=False).add_subparsers()
+    parsers = {"worker": _worker_parser(sub, "worker", "", 8000), "router": _router_parser(sub)}
+    for variant in VARIANTS:
+        spec, _ = validate_spec(VARIANTS[variant], "smollm2")
+        for name in ("smollm2-prefill", "smollm2-decode", "smollm2-router"):
+            args = _by_name(_objects(VARIANTS[variant]), "Deployment")[name]["spec"]["template"]["spec"][
+                "containers"][0]["args"]
+            assert parsers[args[0]].parse_args(args[1:]).served_model_name == spec.model.name, (variant, name)
+
+
 def test_engine_fields_map_onto_engine_config_options():
     assert set(ENGINE_FLAG_FIELDS) <= set(EngineConfig.model_fields)
     spec, _ = validate_spec(_variant(engine={"maxNumSeqs": 8, "enablePrefixCaching": False}), "x")
