@@ -99,6 +99,7 @@ class CompletionFormatter(Formatter):
     prompt_logprobs: list | None = None
     prompt_source: CompletionFormatter | None = None  # a later sample's: its prompt's first sample, which has them
     echoed = False
+    streamed_chars = 0  # text_offset of the next token in a stream
 
     def add(self, out: RequestOutput) -> None:
         if getattr(out, "prompt_logprobs", None) is not None:
@@ -113,7 +114,9 @@ class CompletionFormatter(Formatter):
             return out
         return Delta([], "", None, out.finished, out.finish_reason, out.num_cached_tokens)
 
-    def _logprobs_block(self, entries: list, with_prompt: bool = False) -> dict | None:
+    def _logprobs_block(self, entries: list, with_prompt: bool = False, offset: int = 0) -> dict | None:
+        """OpenAI's legacy logprobs of `entries` (and of the echoed prompt before them). `offset`: where the first
+        token's text starts in the answer's text (text_offset counts on from it, token text by token text)."""
         if not self.wants_logprobs:
             return None
         tokens, token_logprobs, top_logprobs = [], [], []
@@ -123,11 +126,23 @@ class CompletionFormatter(Formatter):
                 entry = known[i] if i < len(known) else None
                 tokens.append(self._token_text(token_id))
                 token_logprobs.append(None if entry is None else entry.logprob)
-                top_logprobs.append(None if entry is None else {self._token_text(t): lp for t, lp in entry.top_logprobs})
+                top_logprobs.append(None if entry is None else self._top(token_id, entry))
         tokens += [self._token_text(e.token_id) for e in entries]
         token_logprobs += [e.logprob for e in entries]
-        top_logprobs += [{self._token_text(t): lp for t, lp in e.top_logprobs} for e in entries]
-        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs, "text_offset": []}
+        top_logprobs += [self._top(e.token_id, e) for e in entries]
+        text_offset = []
+        for token in tokens:
+            text_offset.append(offset)
+            offset += len(token)
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
+                "text_offset": text_offset}
+
+    def _top(self, token_id: int, entry) -> dict[str, float]:
+        """The most likely tokens and, when it is not among them, the token itself: up to logprobs + 1 entries,
+        as OpenAI's completions API documents it (and vLLM answers)."""
+        top = {self._token_text(t): lp for t, lp in entry.top_logprobs}
+        top.setdefault(self._token_text(token_id), entry.logprob)
+        return top
 
     def chunks(self, out: RequestOutput) -> list[dict]:
         self.add(out)
@@ -137,9 +152,11 @@ class CompletionFormatter(Formatter):
             return []
         echo_now = self.echo is not None and not self.echoed  # the first chunk carries the prompt
         self.echoed = True
+        logprobs = self._logprobs_block(out.new_logprobs or [], with_prompt=echo_now, offset=self.streamed_chars)
+        if logprobs is not None and logprobs["tokens"]:
+            self.streamed_chars = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
         choice = {"index": self.index, "text": (self.echo[0] if echo_now else "") + out.new_text,
-                  "logprobs": self._logprobs_block(out.new_logprobs or [], with_prompt=echo_now),
-                  "finish_reason": out.finish_reason if out.finished else None}
+                  "logprobs": logprobs, "finish_reason": out.finish_reason if out.finished else None}
         return [self.envelope(self.chunk_object_name, [choice])]
 
     def final(self) -> dict:
@@ -158,8 +175,10 @@ class ChatFormatter(Formatter):
             return None
 
         def item(token_id: int, logprob: float) -> dict:
-            text = self._token_text(token_id)
-            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+            # The token's own bytes: part of a UTF-8 character reads as U+FFFD in `token`, and `bytes` is how a
+            # client puts such characters back together.
+            return {"token": self._token_text(token_id), "logprob": logprob,
+                    "bytes": list(self.tokenizer.token_bytes(token_id))}
 
         return {"content": [{**item(e.token_id, e.logprob),
                              "top_logprobs": [item(t, lp) for t, lp in e.top_logprobs]} for e in entries]}

@@ -28,11 +28,20 @@ from tandem.structured_output import check as check_structured
 
 MAX_N = 128  # completions per prompt: OpenAI's bound on n
 MAX_LOGIT_BIAS = 300  # biased tokens per request: each costs the worker work at every step
+# Parameters with a default other than null, which a client may still send as null (each model declares its own).
+NULL_MEANS_DEFAULT = ("n", "stream", "echo", "logprobs", "ignore_eos", "include_stop_str_in_output", "include_usage",
+                      "presence_penalty", "frequency_penalty")
 
 
 class _Request(BaseModel):
     # No Infinity or NaN, which Python's JSON parser takes but orjson (the workers' parser) does not.
     model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+
+    @field_validator(*NULL_MEANS_DEFAULT, mode="before", check_fields=False)
+    @classmethod
+    def _null_is_the_default(cls, value, info):
+        """OpenAI types these "X or null", and SDKs send null for an argument given as None: the default."""
+        return cls.model_fields[info.field_name].default if value is None else value
 
 
 class StreamOptions(_Request):
@@ -165,6 +174,8 @@ class _CommonParams(_Request):
         if (self.min_tokens or 0) > max_tokens:
             raise APIError(400, f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({max_tokens})",
                            param="min_tokens")
+        if self.stream_options is not None and not self.stream:  # as OpenAI and vLLM answer it
+            raise APIError(400, "stream_options is only allowed with stream: true", param="stream_options")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return SamplingParams(
             temperature=1.0 if self.temperature is None else self.temperature,
@@ -280,6 +291,8 @@ class ChatCompletionRequest(_CommonParams):
                 raise APIError(400, f"{name} (function calling) are not supported", param=name)
         if self.tool_choice not in (None, "none", "auto"):
             raise APIError(400, "tool_choice needs tools, which are not supported", param="tool_choice")
+        if self.top_logprobs is not None and not self.logprobs:  # as OpenAI and vLLM answer it
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         name = "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
         top = (self.top_logprobs or 0) if self.logprobs else None
         return self._sampling(_max_tokens(getattr(self, name), default_max_tokens, name), top, vocab_size)

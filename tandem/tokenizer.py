@@ -115,6 +115,7 @@ class Tokenizer:
         self._force_bos = bool(add_bos) and self.bos_token_id is not None
         adds_bos_itself = self.bos_token_id is not None and backend.encode("").ids[:1] == [self.bos_token_id]
         self.add_bos: bool = self._force_bos or adds_bos_itself
+        self._added_token_ids = frozenset(backend.get_added_tokens_decoder())
 
     def _id_of(self, token: str | None) -> int | None:
         if token is None:
@@ -256,6 +257,27 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for, whole even when it holds part of a UTF-8 character (which decoding it
+        alone turns into U+FFFD): what OpenAI's logprobs `bytes` carry, so that a client can join them back
+        into the text."""
+        piece = self.backend.id_to_token(token_id)
+        if piece is None:
+            return self.token_to_str(token_id).encode()
+        if token_id in self._added_token_ids:  # special and added tokens are literal
+            return piece.encode()
+        if isinstance(self.backend.decoder, decoders.ByteLevel):  # GPT-2's byte alphabet, one character a byte
+            try:
+                return bytes(_BYTE_OF_CHAR[c] for c in piece)
+            except KeyError:
+                return piece.encode()
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):  # SentencePiece's byte fallback
+            try:
+                return bytes([int(piece[3:5], 16)])
+            except ValueError:
+                pass
+        return piece.replace("\u2581", " ").encode()  # SentencePiece marks spaces with U+2581
+
     def token_to_str(self, token_id: int) -> str:
         """The text of one token as decoding it alone gives (special tokens included), e.g. for logprobs."""
         return self.backend.decode([token_id], skip_special_tokens=False)
@@ -284,6 +306,9 @@ def _bytes_to_unicode() -> dict[int, str]:
             table[b] = chr(256 + extra)
             extra += 1
     return table
+
+
+_BYTE_OF_CHAR = {char: byte for byte, char in _bytes_to_unicode().items()}
 
 
 def load_tokenizer(source: str) -> Tokenizer | None:

@@ -113,6 +113,16 @@ def test_token_id_prompt_and_logprobs(client):
     for chosen, top in zip(lp.token_logprobs, lp.top_logprobs):
         assert chosen <= 0 and len(top) <= 3 and max(top.values()) >= chosen - 1e-4  # greedy picks the top one
     assert out.choices[0].text.startswith(" Paris")
+    # Each token's offset in the text, token text after token text.
+    assert lp.text_offset == [sum(map(len, lp.tokens[:i])) for i in range(5)]
+    assert "".join(lp.tokens) == out.choices[0].text
+
+    # Sampled, the token drawn is often not among the top 1: it is then listed as well (OpenAI's "logprobs + 1").
+    sampled = client.completions.create(model="smollm2", prompt="Once upon a time", max_tokens=20, temperature=1.5,
+                                        seed=7, logprobs=1).choices[0].logprobs
+    assert all(top[token] == chosen and 1 <= len(top) <= 2
+               for token, chosen, top in zip(sampled.tokens, sampled.token_logprobs, sampled.top_logprobs))
+    assert any(len(top) == 2 for top in sampled.top_logprobs)
 
     chat = client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "Hi"}],
                                           max_tokens=4, temperature=0, logprobs=True, top_logprobs=2)
@@ -139,6 +149,13 @@ def test_streamed_logprobs_cover_tokens_that_have_no_text_yet(client):
     streamed = [c.choices[0] for c in client.chat.completions.create(**chat_kwargs, stream=True) if c.choices]
     assert sum(len(c.logprobs.content) for c in streamed if c.logprobs) == len(whole_chat.logprobs.content) == 20
     assert "".join(c.delta.content or "" for c in streamed) == whole_chat.message.content
+    # A token holding part of a character reads as U+FFFD; its bytes are its own, and put the text back together.
+    content = whole_chat.logprobs.content
+    assert any(c.token == "\ufffd" for c in content)
+    assert b"".join(bytes(c.bytes) for c in content) == whole_chat.message.content.encode()
+
+    # Offsets run on across a stream's chunks as in the whole answer.
+    assert [o for c in chunks if c.logprobs for o in c.logprobs.text_offset] == whole.logprobs.text_offset
 
 
 def test_seeded_sampling_and_top_k_one(client):
@@ -256,7 +273,10 @@ def check_echo(client, prompt: str) -> None:
     lp = choice.logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == num_prompt + 1
     assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
-    assert all(x <= 0 for x in lp.token_logprobs[1:]) and all(len(top) == 2 for top in lp.top_logprobs[1:])
+    assert all(x <= 0 for x in lp.token_logprobs[1:])
+    # The two most likely tokens, and the prompt's own token when it is not one of them.
+    assert all(top[token] == x and 2 <= len(top) <= 3
+               for token, x, top in zip(lp.tokens[1:], lp.token_logprobs[1:], lp.top_logprobs[1:]))
     assert lp.tokens[-1] == plain.logprobs.tokens[0]
     assert lp.token_logprobs[-1] == pytest.approx(plain.logprobs.token_logprobs[0], abs=1e-4)
     chunks = [c.choices[0] for c in client.completions.create(**kwargs, echo=True, stream=True) if c.choices]

@@ -22,6 +22,40 @@ def test_chat_max_completion_tokens_wins_and_logprobs():
     assert (p.max_tokens, p.logprobs, p.stop) == (7, 3, ["END"])
 
 
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+COMPLETION = {"model": "m", "prompt": "x"}
+
+
+@pytest.mark.parametrize("model,base,field", [
+    *((ChatCompletionRequest, CHAT, f) for f in ("n", "stream", "logprobs", "ignore_eos", "include_stop_str_in_output",
+                                               "presence_penalty", "frequency_penalty", "max_tokens", "top_logprobs")),
+    *((CompletionRequest, COMPLETION, f) for f in ("n", "stream", "echo", "logprobs", "max_tokens", "seed"))])
+def test_an_explicit_null_asks_for_the_default(model, base, field):
+    """OpenAI types optional parameters "X or null", and its SDK sends null for an argument passed as None."""
+    import json
+
+    given = model.model_validate_json(json.dumps({**base, field: None}))
+    omitted = model.model_validate_json(json.dumps(base))
+    if field != "max_tokens":  # completions: None there, 16 here; the same tokens either way (below)
+        assert getattr(given, field) == getattr(omitted, field)
+    assert given.sampling_params(16, VOCAB) == omitted.sampling_params(16, VOCAB)
+
+
+def test_a_null_in_stream_options_asks_for_the_default():
+    r = ChatCompletionRequest.model_validate({**CHAT, "stream": True, "stream_options": {"include_usage": None}})
+    assert r.usage_in_stream is False
+
+
+@pytest.mark.parametrize("model,body,param", [
+    (ChatCompletionRequest, {**CHAT, "top_logprobs": 2}, "top_logprobs"),
+    (ChatCompletionRequest, {**CHAT, "stream_options": {"include_usage": True}}, "stream_options"),
+    (CompletionRequest, {**COMPLETION, "stream": False, "stream_options": {"include_usage": True}}, "stream_options")])
+def test_options_that_need_another_are_refused_without_it(model, body, param):
+    with pytest.raises(APIError) as caught:
+        model.model_validate(body).sampling_params(16, VOCAB)
+    assert caught.value.status == 400 and caught.value.param == param
+
+
 def test_content_parts_are_joined():
     r = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": [
         {"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}])

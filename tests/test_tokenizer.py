@@ -152,3 +152,30 @@ def test_missing_or_unsupported_tokenizers_are_refused(tmp_path):
     writer.close()
     with pytest.raises(ValueError, match="'llama' is not supported"):
         Tokenizer.from_gguf(open_gguf(str(tmp_path / "spm.gguf")))
+
+
+@pytest.mark.parametrize("text", ["Hello 🎉 日本語 wörld", "<|im_start|>user\nnaïve café<|im_end|>"])
+def test_token_bytes_join_back_into_the_text(smollm2_tokenizer, text):
+    """A token holding part of a UTF-8 character decodes alone to U+FFFD; its bytes (logprobs' `bytes`) are whole."""
+    ids = smollm2_tokenizer.encode(text, add_special_tokens=False)
+    assert any(smollm2_tokenizer.token_to_str(i) == "\ufffd" for i in ids) or "🎉" not in text
+    assert b"".join(smollm2_tokenizer.token_bytes(i) for i in ids) == text.encode()
+
+
+def test_token_bytes_of_a_sentencepiece_style_tokenizer():
+    """Llama 2 / Mistral style: spaces as U+2581, characters outside the vocabulary as <0xNN> byte tokens."""
+    from tokenizers import Tokenizer as BackendTokenizer
+    from tokenizers import decoders, models, normalizers
+
+    vocab = {"<unk>": 0, **{f"<0x{b:02X}>": 1 + b for b in range(256)}}
+    for piece in ("\u2581", "h", "i", "\u2581h", "\u2581hi"):
+        vocab[piece] = len(vocab)
+    backend = BackendTokenizer(models.BPE(vocab, [("\u2581", "h"), ("\u2581h", "i")], byte_fallback=True,
+                                          unk_token="<unk>"))
+    backend.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                         decoders.Strip(" ", 1, 0)])
+    tokenizer = Tokenizer(backend)
+    ids = tokenizer.encode("hi 日", add_special_tokens=False)
+    assert any(backend.id_to_token(i).startswith("<0x") for i in ids)
+    assert b"".join(tokenizer.token_bytes(i) for i in ids) == " hi 日".encode()
