@@ -10,9 +10,10 @@ import kubernetes.client
 
 from tandem.config import CRD_GROUP, CRD_PLURAL, CRD_VERSION
 from tandem.operator import names
-from tandem.operator.kube import Kube, KubeError, Outcome
+from tandem.operator.kube import ForeignObjectError, Kube, KubeError, Outcome
 from tandem.operator.planner import Planner
-from tandem.operator.reconcile import StatusKeeper, reconcile
+from tandem.operator.reconcile import RefusedSpec, StatusKeeper, reconcile
+from tandem.operator.status import Problem
 from tandem.operator.validation import SpecError
 
 RESOURCE = (CRD_GROUP, CRD_VERSION, CRD_PLURAL)
@@ -42,17 +43,29 @@ def _report(body: Mapping[str, Any], outcomes: list[tuple[Outcome, dict]], reaso
 
 def _apply(kube: Kube, keeper: StatusKeeper, body: Mapping[str, Any],
            force: bool = False) -> list[tuple[Outcome, dict]]:
-    meta = body["metadata"]
+    """One reconcile, its outcome noted for the status. SpecError goes to the caller; an API failure becomes an
+    ApplyFailed event, a Degraded status and a kopf retry."""
+    namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
     try:
         # The event that brought `body` may predate a newer spec (a resync timer fires with what it read), or
         # the planner's latest decision (status.planner holds its sizes): applying it would put the older one
         # back. So every reconcile reads the resource fresh, under the lock the planner decides under.
-        with keeper.lock(meta["namespace"], meta["name"]):
-            current = kube.get(names.API_VERSION, names.KIND, meta["namespace"], meta["name"]) or body
-            return reconcile(kube, current, force=force)
-    except KubeError as exc:
+        with keeper.lock(namespace, name):
+            current = kube.get(names.API_VERSION, names.KIND, namespace, name) or body
+            outcomes = reconcile(kube, current, force=force)
+    except RefusedSpec as exc:
+        keeper.note(namespace, name, Problem(refused=True, message=str(exc)))
+        raise
+    except SpecError:
+        keeper.note(namespace, name, None)  # the status finds this one in the spec itself
+        raise
+    except (KubeError, ForeignObjectError) as exc:
+        keeper.note(namespace, name, Problem(refused=False, message=str(exc)))
+        keeper.refresh(namespace, name)
         kopf.warn(dict(body), reason="ApplyFailed", message=str(exc))
         raise kopf.TemporaryError(str(exc), delay=RETRY_SECONDS if exc.retriable else SLOW_RETRY_SECONDS) from None
+    keeper.note(namespace, name, None)
+    return outcomes
 
 
 def build_registry(kube: Kube, keeper: StatusKeeper, resync_seconds: float | None = 300.0,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import kubernetes.client
@@ -16,7 +17,7 @@ import kubernetes.config
 
 from tandem.config import CRD_PLURAL
 from tandem.operator.builders import short_hash
-from tandem.operator.names import API_VERSION, HASH_ANNOTATION, KIND, MANAGER
+from tandem.operator.names import API_VERSION, HASH_ANNOTATION, KIND, MANAGER, OWNER_LABEL
 
 PLURALS = {
     ("apps/v1", "Deployment"): "deployments",
@@ -38,11 +39,51 @@ class KubeError(Exception):
 
     def __init__(self, status: int, method: str, path: str, message: str):
         self.status = status
+        self.message = message
         super().__init__(f"{method} {path} -> {status}: {message}")
 
     @property
     def retriable(self) -> bool:
         return self.status in (409, 429) or self.status >= 500
+
+    @property
+    def invalid(self) -> bool:
+        """The server refused the object itself (schema, validation, an admission webhook's denial)."""
+        return self.status in (400, 422)
+
+
+class ForeignObjectError(Exception):
+    """An object of the name the operator would give it exists and is not the LLMDeployment's: it is left alone
+    (taking it over would hand it to the LLMDeployment's garbage collection). Retried: it may be deleted, or be
+    on its way out with a previous LLMDeployment of the same name."""
+
+    retriable = True
+
+
+@dataclass(frozen=True)
+class Step:
+    """One owned object's part of a reconcile: the object as built (with its hash), what exists, what to do."""
+
+    desired: dict
+    current: dict | None
+    action: Literal["create", "apply", "none"]
+
+    @property
+    def label(self) -> str:
+        return f"{self.desired['kind']} {self.desired['metadata']['name']}"
+
+
+def owns(desired: Mapping[str, Any], current: Mapping[str, Any]) -> bool:
+    """Whether `current` belongs to the LLMDeployment `desired` is built for: its controller reference names that
+    LLMDeployment's uid, or it has none and carries that LLMDeployment's labels (an orphan of it, which the
+    operator adopts, as a Deployment adopts its orphaned ReplicaSets)."""
+    wanted = desired["metadata"]["ownerReferences"][0]
+    meta = current.get("metadata", {})
+    controller = next((ref for ref in meta.get("ownerReferences") or [] if ref.get("controller")), None)
+    if controller is not None:
+        return controller.get("uid") == wanted["uid"]
+    labels, ours = meta.get("labels") or {}, desired["metadata"]["labels"]
+    return labels.get("app.kubernetes.io/managed-by") == MANAGER and labels.get(OWNER_LABEL) == ours[OWNER_LABEL]
 
 
 def resource_path(api_version: str, kind: str, namespace: str, name: str | None = None,
@@ -118,17 +159,17 @@ class Kube:
         return [item for item in items
                 if all((item.get("metadata", {}).get("labels") or {}).get(k) == v for k, v in labels.items())]
 
-    def create(self, obj: Mapping[str, Any]) -> dict:
+    def create(self, obj: Mapping[str, Any], dry_run: bool = False) -> dict:
         meta = obj["metadata"]
         path = resource_path(obj["apiVersion"], obj["kind"], meta["namespace"])
-        return self.request("POST", path, body=dict(obj), query={"fieldManager": MANAGER})
+        return self.request("POST", path, body=dict(obj), query=_write_query(dry_run))
 
-    def apply(self, obj: Mapping[str, Any]) -> dict:
+    def apply(self, obj: Mapping[str, Any], dry_run: bool = False) -> dict:
         """Server-side apply: fields the operator set before and no longer sets are removed, and fields
-        someone else changed are taken back (force)."""
+        someone else changed are taken back (force). With dry_run the server checks it and keeps nothing."""
         meta = obj["metadata"]
         path = resource_path(obj["apiVersion"], obj["kind"], meta["namespace"], meta["name"])
-        return self.request("PATCH", path, body=dict(obj), query={"fieldManager": MANAGER, "force": "true"},
+        return self.request("PATCH", path, body=dict(obj), query={**_write_query(dry_run), "force": "true"},
                             content_type="application/apply-patch+yaml")
 
     def patch_status(self, api_version: str, kind: str, namespace: str, name: str, status: Mapping) -> dict:
@@ -136,37 +177,73 @@ class Kube:
         return self.request("PATCH", path, body={"status": dict(status)},
                             content_type="application/merge-patch+json")
 
-    def ensure(self, obj: Mapping[str, Any], force: bool = False) -> Outcome:
-        """Make the object exist as built: create it, apply it when it changed, or leave it alone.
-
-        With force, apply even when the hash matches (a resync that undoes manual edits); the answer is
-        then "updated" only when the server really changed something.
-        """
+    def plan(self, obj: Mapping[str, Any], force: bool = False) -> Step:
+        """What making the object exist as built takes: create it, apply it when it changed (or, with force, in
+        any case: a resync that undoes manual edits), or nothing. ForeignObjectError when the name is taken by
+        an object that is not the LLMDeployment's."""
         desired = with_desired_hash(obj)
         meta = desired["metadata"]
         current = self.get(desired["apiVersion"], desired["kind"], meta["namespace"], meta["name"])
         if current is None:
-            # Created by server-side apply too, not POST: the API server records the fields an Update (POST)
-            # set under a different owner entry than an Apply's, and a later apply removes only the fields its
-            # own entry owns. A field dropped from the spec would otherwise stay on the object for good.
+            return Step(desired, None, "create")
+        if not owns(desired, current):
+            raise ForeignObjectError(
+                f"{desired['kind']} {meta['name']} exists and does not belong to this LLMDeployment "
+                f"({_owner_of(current)}); it is left alone: delete or rename it")
+        same = (current.get("metadata", {}).get("annotations") or {}).get(HASH_ANNOTATION) == \
+            meta["annotations"][HASH_ANNOTATION]
+        return Step(desired, current, "none" if same and not force else "apply")
+
+    def check(self, step: Step) -> None:
+        """Have the API server check the step without keeping anything (dry run): KubeError as it answers."""
+        if step.action == "create":
+            self._create(step.desired, dry_run=True)
+        elif step.action == "apply":
+            self.apply(step.desired, dry_run=True)
+
+    def carry_out(self, step: Step) -> Outcome:
+        """Do the step; "updated" only when the server really changed something."""
+        desired, current = step.desired, step.current
+        if step.action == "none":
+            return "unchanged"
+        if step.action == "create":
             try:
-                self.apply(desired)
-                return "created"
-            except KubeError as exc:
-                if exc.status != 404:  # 404: a server that does not create on apply (kmock's emulator)
-                    raise
-            try:
-                self.create(desired)
+                self._create(desired)
                 return "created"
             except KubeError as exc:
                 if exc.status != 409:  # 409: created meanwhile (another reconcile); apply over it below
                     raise
                 current = {}
-        same = (current.get("metadata", {}).get("annotations") or {}).get(HASH_ANNOTATION) == \
-            meta["annotations"][HASH_ANNOTATION]
-        if same and not force:
-            return "unchanged"
         applied = self.apply(desired)
-        before = current.get("metadata", {}).get("resourceVersion")
+        before = (current or {}).get("metadata", {}).get("resourceVersion")
         after = applied.get("metadata", {}).get("resourceVersion")
+        same = ((current or {}).get("metadata", {}).get("annotations") or {}).get(HASH_ANNOTATION) == \
+            desired["metadata"]["annotations"][HASH_ANNOTATION]
         return "unchanged" if same and before is not None and before == after else "updated"
+
+    def ensure(self, obj: Mapping[str, Any], force: bool = False) -> Outcome:
+        """Make the object exist as built (plan, then carry out, without a dry run)."""
+        return self.carry_out(self.plan(obj, force))
+
+    def _create(self, desired: Mapping[str, Any], dry_run: bool = False) -> None:
+        # Created by server-side apply too, not POST: the API server records the fields an Update (POST) set under
+        # a different owner entry than an Apply's, and a later apply removes only the fields its own entry owns. A
+        # field dropped from the spec would otherwise stay on the object for good.
+        try:
+            self.apply(desired, dry_run)
+            return
+        except KubeError as exc:
+            if exc.status != 404:  # 404: a server that does not create on apply (kmock's emulator)
+                raise
+        self.create(desired, dry_run)
+
+
+def _write_query(dry_run: bool) -> dict[str, str]:
+    return {"fieldManager": MANAGER, **({"dryRun": "All"} if dry_run else {})}
+
+
+def _owner_of(obj: Mapping[str, Any]) -> str:
+    refs = [ref for ref in obj.get("metadata", {}).get("ownerReferences") or [] if ref.get("controller")]
+    if refs:
+        return f"controlled by {refs[0].get('kind')} {refs[0].get('name')}, uid {refs[0].get('uid')}"
+    return "not created by this operator"

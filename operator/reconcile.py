@@ -9,10 +9,10 @@ from typing import Any
 
 from tandem.operator import names
 from tandem.operator.builders import Owner, build_objects
-from tandem.operator.kube import Kube, Outcome
+from tandem.operator.kube import Kube, KubeError, Outcome
 from tandem.operator.scaling import planned_sizes
-from tandem.operator.status import compute_status, same_status
-from tandem.operator.validation import validate_spec
+from tandem.operator.status import Problem, compute_status, same_status
+from tandem.operator.validation import SpecError, built_object_reasons, validate_spec
 
 
 def owner_of(body: Mapping[str, Any]) -> Owner:
@@ -20,12 +20,35 @@ def owner_of(body: Mapping[str, Any]) -> Owner:
     return Owner(name=meta["name"], namespace=meta["namespace"], uid=meta["uid"])
 
 
+class RefusedSpec(SpecError):
+    """A spec that validates but builds objects the API server refuses (a toleration, an affinity or an env entry
+    passed through as written): nothing is applied, as for any invalid spec."""
+
+
 def reconcile(kube: Kube, body: Mapping[str, Any], force: bool = False) -> list[tuple[Outcome, dict]]:
-    """Bring every owned object in line with the spec; raises SpecError (creating nothing) on a bad spec."""
+    """Bring every owned object in line with the spec. Raises SpecError (RefusedSpec when the API server refuses an
+    object as built) before anything is applied, and ForeignObjectError when a name is taken by an object that is
+    not this LLMDeployment's. Each changed object is checked by a dry run first, so that a spec is applied whole
+    or not at all: not a prefill pool on the new spec and a decode pool still on the old one."""
     owner = owner_of(body)
     spec, sizes = validate_spec(body.get("spec"), owner.name)
     sizes = planned_sizes(spec, sizes, body.get("status"))
-    return [(kube.ensure(obj, force=force), obj) for obj in build_objects(owner, spec, sizes)]
+    objects = build_objects(owner, spec, sizes)
+    reasons = built_object_reasons(objects)
+    if reasons:
+        raise RefusedSpec(reasons)
+    steps = [kube.plan(obj, force=force) for obj in objects]
+    for step in steps:
+        try:
+            kube.check(step)
+        except KubeError as exc:
+            if not exc.invalid:
+                raise
+            reasons.append(f"the API server refuses {step.label}: {exc.message}")
+    if reasons:
+        raise RefusedSpec(reasons)
+    return [(kube.carry_out(step), step.desired) for step in steps]
+
 
 
 def observe(kube: Kube, namespace: str, name: str) -> tuple[dict[str, dict], dict | None]:
@@ -55,6 +78,14 @@ class StatusKeeper:
         self.clock = clock
         self._locks: dict[tuple[str, str], threading.Lock] = {}
         self._guard = threading.Lock()
+        self._problems: dict[tuple[str, str], Problem] = {}  # by object: the last reconcile's, if it failed
+
+    def note(self, namespace: str, name: str, problem: Problem | None) -> None:
+        """The outcome of a reconcile, for the statuses written from now on (None: it went through)."""
+        if problem is None:
+            self._problems.pop((namespace, name), None)
+        else:
+            self._problems[(namespace, name)] = problem
 
     def _lock(self, namespace: str, name: str) -> threading.Lock:
         with self._guard:
@@ -71,7 +102,8 @@ class StatusKeeper:
             if body is None or body["metadata"].get("deletionTimestamp"):
                 return None
             deployments, service = observe(self.kube, namespace, name)
-            status = compute_status(body, deployments, service, self.clock(), generation)
+            status = compute_status(body, deployments, service, self.clock(), generation,
+                                    self._problems.get((namespace, name)))
             if not same_status(body.get("status"), status):
                 self.kube.patch_status(names.API_VERSION, names.KIND, namespace, name, status)
             return status

@@ -28,6 +28,15 @@ class ComponentState:
         return self.stalled is not None or (self.exists and not self.rolling_out and self.ready < self.desired)
 
 
+@dataclass(frozen=True)
+class Problem:
+    """What the last reconcile could not do, which the owned objects alone do not show: the API server refused
+    what the spec builds (`refused`: the spec is reported invalid), or applying it failed (reported degraded)."""
+
+    refused: bool
+    message: str
+
+
 # The Deployment controller's Progressing reason once the newest ReplicaSet is fully available.
 ROLLOUT_COMPLETE = "NewReplicaSetAvailable"
 
@@ -88,11 +97,13 @@ def _condition(kind: str, ok: bool, reason: str, message: str, now: str, previou
 
 
 def compute_status(resource: Mapping[str, Any], deployments: Mapping[str, Mapping[str, Any]],
-                   router_svc: Mapping[str, Any] | None, now: str, generation: int | None = None) -> dict:
+                   router_svc: Mapping[str, Any] | None, now: str, generation: int | None = None,
+                   problem: Problem | None = None) -> dict:
     """status for `resource` (the LLMDeployment body).
 
     `deployments` maps a component (prefill, decode, router) to its observed Deployment; `generation` is
-    the spec generation just reconciled (None keeps the status' observedGeneration as it was).
+    the spec generation just reconciled (None keeps the status' observedGeneration as it was); `problem` is
+    what the last reconcile could not do.
     """
     meta = resource.get("metadata", {})
     old = resource.get("status") or {}
@@ -100,6 +111,8 @@ def compute_status(resource: Mapping[str, Any], deployments: Mapping[str, Mappin
     observed_generation = generation if generation is not None else old.get("observedGeneration")
     try:
         spec, sizes = validate_spec(resource.get("spec"), meta.get("name", ""))
+        if problem is not None and problem.refused:  # valid on its face, refused by the API server
+            raise SpecError([problem.message])
         sizes = planned_sizes(spec, sizes, old)
         # The planner's decision is the planner's to write; manual mode drops it (a later switch starts afresh).
         planner = old.get("planner") if planner_mode(spec) else None
@@ -108,6 +121,7 @@ def compute_status(resource: Mapping[str, Any], deployments: Mapping[str, Mappin
     except SpecError as exc:
         spec_error = str(exc)
         planner = old.get("planner")
+        # Nothing of it was applied: what runs is what the last valid spec asked for.
         desired = {c: (deployments.get(c) or {}).get("spec", {}).get("replicas", 0) for c in names.COMPONENTS}
     states = {c: component_state(deployments.get(c), desired[c]) for c in names.COMPONENTS}
 
@@ -116,20 +130,28 @@ def compute_status(resource: Mapping[str, Any], deployments: Mapping[str, Mappin
                                        for s in states.values())
     stalled = [f"{c}: {s.stalled}" for c, s in states.items() if s.stalled]
     short = [c for c, s in states.items() if s.degraded and not s.stalled]
-    degraded = bool(stalled or short)
+    apply_failed = problem.message if problem is not None and not problem.refused else None
+    degraded = bool(stalled or short or apply_failed)
     progressing = spec_error is None and any(s.exists and s.rolling_out for s in states.values())
+    if degraded:
+        degraded_reason = "ApplyFailed" if apply_failed else "RolloutStalled" if stalled else "ReplicasUnavailable"
+        degraded_message = "; ".join([*filter(None, [apply_failed]), *stalled]) or \
+            f"missing ready replicas in {', '.join(short)}"
+    else:
+        degraded_reason, degraded_message = "AsExpected", "all is well"
+    if spec_error is not None:  # not ready whatever runs: the spec asked for is not what runs
+        ready_reason, ready_message = "InvalidSpec", f"the spec is not applied (see SpecValid); running: {summary}"
+    else:
+        ready_reason, ready_message = ("AllReplicasReady" if ready else "ReplicasNotReady"), f"ready: {summary}"
 
     conditions = [
         _condition("SpecValid", spec_error is None, "Valid" if spec_error is None else "InvalidSpec",
                    spec_error or "the spec is valid", now, previous, observed_generation),
-        _condition("Ready", ready, "AllReplicasReady" if ready else "ReplicasNotReady", f"ready: {summary}",
-                   now, previous, observed_generation),
+        _condition("Ready", ready, ready_reason, ready_message, now, previous, observed_generation),
         _condition("Progressing", progressing, "RollingOut" if progressing else "Idle",
                    f"rolling out: {summary}" if progressing else "no rollout in progress", now, previous,
                    observed_generation),
-        _condition("Degraded", degraded, "RolloutStalled" if stalled else "ReplicasUnavailable" if short else "AsExpected",
-                   "; ".join(stalled) or (f"missing ready replicas in {', '.join(short)}" if short else "all is well"),
-                   now, previous, observed_generation),
+        _condition("Degraded", degraded, degraded_reason, degraded_message, now, previous, observed_generation),
     ]
     if spec_error is not None:
         phase = "Invalid"

@@ -9,11 +9,13 @@ from typing import Any
 from pydantic import ValidationError
 
 from tandem.config import EngineConfig, LLMDeploymentSpec
+from tandem.operator.builders import WRITABLE_ENV
 from tandem.operator.names import MAX_NAME_LENGTH
 from tandem.operator.scaling import GPU_RESOURCE, pool_gpus, scaling_reasons
 from tandem.operator.sizing import PoolSizes, resolve_pool_sizes
 
 DNS_1035_LABEL = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
+OPERATOR_ENV = [entry["name"] for entry in WRITABLE_ENV]
 
 
 class SpecError(ValueError):
@@ -60,6 +62,22 @@ def validate_name(name: str) -> list[str]:
         return [f"metadata.name: {name!r} must be a DNS-1035 label (lower-case letters, digits and '-', "
                 "starting with a letter) because the Services take their names from it"]
     return []
+
+
+def built_object_reasons(objects: list[dict]) -> list[str]:
+    """What the objects built from a valid spec would be refused for before any API server sees them: an env name
+    set twice in one container (the spec's env entries and the ones the operator sets itself go in one list,
+    which server-side apply cannot merge)."""
+    reasons = []
+    for obj in objects:
+        component = obj["metadata"]["labels"].get("app.kubernetes.io/component")
+        for container in obj.get("spec", {}).get("template", {}).get("spec", {}).get("containers") or []:
+            env = [entry["name"] for entry in container.get("env") or []]
+            for repeated in sorted({name for name in env if env.count(name) > 1}):
+                reasons.append(f"spec.{component}.env: {repeated} is set more than once in {obj['kind']} "
+                               f"{obj['metadata']['name']} (the operator sets {', '.join(OPERATOR_ENV)} and, as the "
+                               "spec asks, UCX_TLS, TANDEM_CONFIG_DIR and TANDEM_TENANTS_DIR itself)")
+    return reasons
 
 
 def validate_spec(raw_spec: Mapping[str, Any] | None, name: str) -> tuple[LLMDeploymentSpec, PoolSizes]:

@@ -84,6 +84,10 @@ def namespace():
     try:
         yield name
     finally:
+        # LLMDeployments first, while the operator runs to take kopf's finalizer off (docs/kubernetes.md);
+        # afterwards they would keep the namespace in Terminating.
+        subprocess.run(["kubectl", "delete", "llmdep", "--all", "-n", name, "--timeout=120s"], capture_output=True,
+                       timeout=150)
         subprocess.run(["helm", "uninstall", "tandem", "--namespace", name], capture_output=True, timeout=120)
         kubectl("delete", "namespace", name, "--wait=false")
 

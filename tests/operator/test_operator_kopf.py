@@ -36,9 +36,9 @@ def _flag(args: list[str], flag: str) -> str:
     return args[args.index(flag) + 1]
 
 
-async def _all_owned(cluster) -> None:
+async def _all_owned(cluster, timeout: float = 10.0) -> None:
     await cluster.wait_for("every owned object", lambda: all(
-        set(cluster.all(resource)) >= expected for resource, expected in OWNED.items()))
+        set(cluster.all(resource)) >= expected for resource, expected in OWNED.items()), timeout)
 
 
 async def test_example_creates_pools_router_services_config_and_rbac(cluster):
@@ -219,6 +219,69 @@ async def test_invalid_spec_sets_spec_valid_false_posts_an_event_and_creates_not
         CR, "smollm2")["status"]["conditions"]}["SpecValid"] == "True")
 
 
+def _conditions(cluster) -> dict[str, dict]:
+    status = (cluster.get(CR, "smollm2") or {}).get("status") or {}
+    return {c["type"]: c for c in status.get("conditions") or []}
+
+
+def _container(cluster, name: str) -> dict:
+    return cluster.get(DEPLOYMENTS, name)["spec"]["template"]["spec"]["containers"][0]
+
+
+async def test_a_spec_the_api_server_refuses_is_applied_whole_or_not_at_all(cluster):
+    """Tolerations, affinity and env entries go into the pods as written; the API server may refuse them. Each
+    changed object is checked by a dry run first: no pool rolls to a spec another pool cannot take."""
+    refused = {"tolerations": [{"key": "gpu", "operator": "Exists", "tolerationSeconds": "soon"}]}
+    await cluster.apply_example(decode=refused)
+    await cluster.wait_for("an InvalidSpec event", lambda: cluster.events("InvalidSpec"))
+    await cluster.wait_for("SpecValid=False", lambda: _conditions(cluster).get("SpecValid", {}).get("status") == "False")
+    conditions = _conditions(cluster)
+    assert "refuses Deployment smollm2-decode" in conditions["SpecValid"]["message"]
+    for resource in OWNED:
+        assert cluster.all(resource) == {}, resource  # not the prefill pool, the router, or anything else
+
+    # Valid, then a change the API server refuses: what runs stays as it was, and the status says why.
+    await cluster.patch(CR, "smollm2", {"spec": {"decode": {"tolerations": None}}})
+    await _all_owned(cluster)
+    await cluster.patch(CR, "smollm2", {"spec": {"image": "tandem/worker:0.2.0", "decode": refused}})
+    await cluster.wait_for("SpecValid=False", lambda: _conditions(cluster)["SpecValid"]["status"] == "False")
+    assert _container(cluster, "smollm2-prefill")["image"] == "tandem/worker:0.1.0"
+    ready = _conditions(cluster)["Ready"]
+    assert (ready["status"], ready["reason"]) == ("False", "InvalidSpec")
+    assert (cluster.get(CR, "smollm2")["status"]["phase"]) == "Invalid"
+
+    await cluster.patch(CR, "smollm2", {"spec": {"decode": {"tolerations": None}}})
+    await cluster.wait_for("the new image everywhere", lambda: all(
+        _container(cluster, f"smollm2-{pool}")["image"] == "tandem/worker:0.2.0" for pool in ("prefill", "decode")))
+    await cluster.wait_for("SpecValid=True", lambda: _conditions(cluster)["SpecValid"]["status"] == "True")
+
+
+async def test_an_env_name_the_operator_sets_is_refused_with_its_reason(cluster):
+    await cluster.apply_example(decode={"env": [{"name": "HOME", "value": "/data"}]})
+    await cluster.wait_for("SpecValid=False", lambda: _conditions(cluster).get("SpecValid", {}).get("status") == "False")
+    assert "spec.decode.env: HOME is set more than once" in _conditions(cluster)["SpecValid"]["message"]
+    assert cluster.all(DEPLOYMENTS) == {}
+
+
+async def test_an_object_of_the_same_name_that_is_not_ours_is_left_alone(cluster):
+    """Taking it over would hand it to the LLMDeployment's garbage collection."""
+    theirs = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "smollm2-config", "namespace": "ns1"},
+              "data": {"app.properties": "important=1"}}
+    await cluster.create("v1/configmaps", theirs)
+    await cluster.apply_example()
+    await cluster.wait_for("an ApplyFailed event", lambda: cluster.events("ApplyFailed"))
+    await cluster.wait_for("Degraded", lambda: _conditions(cluster).get("Degraded", {}).get("reason") == "ApplyFailed")
+    assert "ConfigMap smollm2-config exists and does not belong" in _conditions(cluster)["Degraded"]["message"]
+    config = cluster.get("v1/configmaps", "smollm2-config")
+    assert not config["metadata"].get("ownerReferences") and config["data"] == theirs["data"]
+
+    # Gone (its owner deleted it): the retry, 10 s on, creates the LLMDeployment's own.
+    await cluster.delete("v1/configmaps", "smollm2-config")
+    await _all_owned(cluster, timeout=25)
+    await cluster.wait_for("Degraded cleared", lambda: _conditions(cluster)["Degraded"]["reason"] != "ApplyFailed",
+                           timeout=20)
+
+
 async def test_a_deleted_deployment_is_recreated_each_time(cluster):
     await cluster.apply_example()
     await _all_owned(cluster)
@@ -282,3 +345,18 @@ def test_objects_are_created_by_server_side_apply():
     obj = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "x", "namespace": "ns1"}, "data": {}}
     assert Recorder().ensure(obj) == "created"
     assert calls == [("GET", "application/json"), ("PATCH", "application/apply-patch+yaml")]
+
+
+def test_what_belongs_to_an_llmdeployment():
+    from tandem.operator.kube import owns
+
+    spec, sizes = validate_spec(yaml.safe_load(EXAMPLE.read_text())["spec"], "smollm2")
+    desired = build_objects(Owner("smollm2", "ns1", "uid-now"), spec, sizes)[0]
+    meta = desired["metadata"]
+    ours = {"metadata": {"labels": meta["labels"], "ownerReferences": meta["ownerReferences"]}}
+    orphan = {"metadata": {"labels": meta["labels"]}}  # its owner reference removed (kubectl --cascade=orphan)
+    previous = {"metadata": {"labels": meta["labels"], "ownerReferences": [
+        {**meta["ownerReferences"][0], "uid": "uid-before"}]}}  # an earlier LLMDeployment of that name, going
+    foreign = {"metadata": {"labels": {"app": "mine"}}}
+    assert owns(desired, ours) and owns(desired, orphan)
+    assert not owns(desired, previous) and not owns(desired, foreign)
