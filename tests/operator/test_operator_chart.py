@@ -118,6 +118,8 @@ def test_rbac_is_least_privilege():
             assert "delete" not in rule["verbs"] and "deletecollection" not in rule["verbs"]
         granted = {(g, r) for rule in rules for g in rule["apiGroups"] for r in rule["resources"]}
         assert ("serving.tandem.dev", "llmdeployments/status") in granted
+        # Owner references with blockOwnerDeletion need it where OwnerReferencesPermissionEnforcement runs.
+        assert ("serving.tandem.dev", "llmdeployments/finalizers") in granted
         assert ("discovery.k8s.io", "endpointslices") in granted  # needed to grant it to the routers
     namespaced = [o for o in _objects(VALUE_SETS["one-namespace-ha"]) if o["kind"] in ("Role", "RoleBinding")]
     assert {o["metadata"]["namespace"] for o in namespaced} == {"llm"}
