@@ -123,6 +123,13 @@ def _worker_config(ns: argparse.Namespace) -> WorkerConfig:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:  # Ctrl-C: the servers have shut down by now; their traceback says nothing
+        return 130
+
+
+def _main(argv: list[str] | None) -> int:
     parser = argparse.ArgumentParser(prog="tandem", description="Disaggregated prefill/decode LLM serving")
     sub = parser.add_subparsers(dest="command", required=True)
     _worker_parser(sub, "worker", "run one engine worker (prefill | decode | both)", 8000)

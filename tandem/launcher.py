@@ -71,24 +71,34 @@ class ServiceProcess:
         self.env = {**os.environ, "PYTHONSAFEPATH": "1", **(env or {})}
         self.log = tempfile.NamedTemporaryFile(prefix=f"tandem-{self.name}-", suffix=".log", delete=False)
         self.proc: subprocess.Popen | None = None
+        self._log_start = 0  # where this start's output begins in the log (a restart appends to it)
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self) -> ServiceProcess:
+        self._log_start = os.path.getsize(self.log.name)
         self.proc = subprocess.Popen([sys.executable, "-m", "tandem.cli", *self.args], stdout=self.log,
                                      stderr=subprocess.STDOUT, env=self.env, start_new_session=True,
                                      preexec_fn=_die_with_parent)
         return self
 
     def log_tail(self, chars: int = 4000) -> str:
-        with open(self.log.name, errors="replace") as f:
-            return f.read()[-chars:]
+        """The end of what the latest start wrote."""
+        with open(self.log.name, "rb") as f:
+            f.seek(self._log_start)
+            return f.read().decode(errors="replace")[-chars:]
 
-    def wait_ready(self, timeout: float = 180.0, path: str = "/ready") -> ServiceProcess:
-        deadline = time.monotonic() + timeout
+    def wait_ready(self, timeout: float = 180.0, path: str = "/ready",
+                   notice: tuple[float, str] | None = None) -> ServiceProcess:
+        """Until GET `path` answers 200. `notice`: (seconds, text) printed once if it takes that long."""
+        started = time.monotonic()
+        deadline = started + timeout
         while time.monotonic() < deadline:
+            if notice is not None and time.monotonic() - started > notice[0]:
+                print(notice[1], flush=True)
+                notice = None
             if self.proc.poll() is not None:
                 raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self.log_tail()}")
             try:

@@ -1,14 +1,16 @@
 """`tandem serve`: the whole stack on one machine — a router in front of prefill and decode workers.
 
 Each part is its own process, started as the `tandem` command, exactly as on Kubernetes; this
-module only launches, waits for readiness, prints where to connect, starts a worker that exits
+module only launches, waits for readiness, prints where to connect, starts a process that exits
 again, and stops everything on Ctrl-C or SIGTERM.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
+import socket
 import sys
 import time
 
@@ -16,29 +18,67 @@ from tandem.cli_args import options_to_args
 from tandem.config import API_KEY_ENV, EngineConfig
 from tandem.launcher import ServiceProcess
 
-RESTART_GRACE_S = 30.0  # a worker that exits again this soon after a restart is failing, not unlucky
+RESTART_GRACE_S = 30.0  # a process that exits again this soon after its start is crash-looping
+MAX_BACKOFF_S = 30.0
 
 
-def supervise(router: ServiceProcess, workers: list[ServiceProcess]) -> int:
-    """Keeps the stack up as Kubernetes keeps a deployment up: a worker that exits is started again on its
-    port (the router serves its requests elsewhere meanwhile and takes it back once it is ready). A router that
-    exits, or a worker that exits again within RESTART_GRACE_S of its restart, ends the stack."""
-    restarted_at: dict[str, float] = {}
-    while True:
-        if router.proc.poll() is not None:
-            print(f"router exited with {router.proc.returncode}:\n{router.log_tail()}", file=sys.stderr)
-            return 1
-        for worker in workers:
-            if worker.proc.poll() is None:
+class Supervisor:
+    """Keeps the stack up as Kubernetes keeps a deployment up: a process (worker or router) that exits is started
+    again on its port; the router serves a worker's requests on the pool's other workers meanwhile (none: 503)
+    and takes it back once it is ready. One that keeps exiting soon after its start is restarted after a
+    doubling delay, up to MAX_BACKOFF_S (Kubernetes' CrashLoopBackOff): the rest of the stack goes on."""
+
+    def __init__(self, processes: list[ServiceProcess], now: float):
+        self.processes = processes
+        self.started_at = {p.name: now for p in processes}
+        self.quick_exits = dict.fromkeys(self.started_at, 0)
+        self.due: dict[str, float] = {}  # name -> when its restart is due
+
+    def check(self, now: float) -> None:
+        for process in self.processes:
+            if process.name in self.due:
+                if now >= self.due[process.name]:
+                    del self.due[process.name]
+                    print(f"restarting {process.name} on {process.url}", file=sys.stderr, flush=True)
+                    process.start()
+                    self.started_at[process.name] = now
                 continue
-            print(f"{worker.name} exited with {worker.proc.returncode}:\n{worker.log_tail(1500)}", file=sys.stderr)
-            if time.monotonic() - restarted_at.get(worker.name, -RESTART_GRACE_S) < RESTART_GRACE_S:
-                print(f"{worker.name} keeps exiting; stopping", file=sys.stderr)
-                return 1
-            print(f"restarting {worker.name} on {worker.url}", file=sys.stderr, flush=True)
-            worker.start()
-            restarted_at[worker.name] = time.monotonic()
+            if process.proc.poll() is None:
+                continue
+            quick = now - self.started_at[process.name] < RESTART_GRACE_S
+            self.quick_exits[process.name] = self.quick_exits[process.name] + 1 if quick else 0
+            delay = min(MAX_BACKOFF_S, 2.0 ** self.quick_exits[process.name] - 1)
+            tail = process.log_tail(1500) if self.quick_exits[process.name] <= 1 else "(as before)"
+            print(f"{process.name} exited with {process.proc.returncode}:\n{tail}", file=sys.stderr)
+            if delay:
+                print(f"{process.name} keeps exiting; next try in {delay:.0f} s (its log: {process.log.name})",
+                      file=sys.stderr, flush=True)
+            self.due[process.name] = now + delay
+
+
+def supervise(processes: list[ServiceProcess]) -> int:
+    """Supervisor.check twice a second; returns only through Ctrl-C or SIGTERM (KeyboardInterrupt)."""
+    supervisor = Supervisor(processes, time.monotonic())
+    while True:
+        supervisor.check(time.monotonic())
         time.sleep(0.5)
+
+
+def port_in_use(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
+def start_failure(exc: Exception, process: ServiceProcess) -> str:
+    """What a newcomer needs of a process that did not start: its last lines, and where the rest is."""
+    lines = [line for line in process.log_tail().splitlines() if line.strip()]
+    how = "was not ready in time" if isinstance(exc, TimeoutError) else f"exited with {process.proc.returncode}"
+    return f"{process.name} did not start: it {how}; the end of its log, {process.log.name}:\n  " + \
+        "\n  ".join(lines[-6:])
 
 
 def run_local_stack(engine: EngineConfig, *, prefill: int, decode: int, colocated: bool, disagg_min_tokens: int,
@@ -63,21 +103,34 @@ def run_local_stack(engine: EngineConfig, *, prefill: int, decode: int, colocate
     def stop(*_):
         raise KeyboardInterrupt
 
+    if port_in_use(host, port):  # said now, not after the workers have loaded their models
+        print(f"tandem serve: port {port} on {host} is in use (another tandem serve?); stop it, or choose another "
+              "port with --port (make serve ARGS=\"--port 9000\")", file=sys.stderr)
+        return 2
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per readiness poll is noise
     signal.signal(signal.SIGTERM, stop)
+    slow = (15.0, "  still starting: the first start on a machine also compiles the workers' CPU kernels (about "
+                  "a minute); logs: " + ", ".join(p.log.name for p in everything))
     try:
-        print(f"starting {len(workers)} worker(s): {', '.join(roles)} (logs: {workers[0].log.name} ...)", flush=True)
+        print(f"starting {len(workers)} worker(s): {', '.join(roles)}", flush=True)
         for w in workers:
             w.start()
-        for w in workers:
-            w.wait_ready()
-        router.start().wait_ready()
+        for process in everything:
+            try:
+                if process is router:
+                    router.start()
+                process.wait_ready(notice=slow)
+                slow = None  # said once
+            except (RuntimeError, TimeoutError) as exc:
+                print(start_failure(exc, process), file=sys.stderr)
+                return 1
         url = f"http://{host}:{port}"
         print(f"\ntandem serve: {len(prefill_urls)} prefill + {len(decode_urls)} decode worker(s), router on {url}")
         print(f"  curl -s {url}/v1/chat/completions -H 'content-type: application/json'{auth} \\\n"
               f"    -d '{{\"model\": \"{engine.served_model_name or engine.model}\", \"messages\": "
               f"[{{\"role\": \"user\", \"content\": \"Hello!\"}}], \"max_tokens\": 32}}'")
         print("Ctrl-C stops everything.", flush=True)
-        return supervise(router, workers)
+        return supervise(everything)
     except KeyboardInterrupt:
         print("\nstopping ...", flush=True)
         return 0

@@ -1,7 +1,13 @@
-"""CLI options come from the pydantic config models: one source of defaults."""
+"""CLI options come from the pydantic config models: one source of defaults; `tandem serve` says what stops it."""
+
+import os
+import socket
+import subprocess
+import sys
 
 from tandem.cli_args import add_model_options, model_from_options
 from tandem.config import EngineConfig, WorkerConfig
+from tandem.launcher import free_port
 
 
 def _parse(argv):
@@ -25,3 +31,25 @@ def test_options_parse_into_typed_fields():
     assert cfg.role == "prefill" and cfg.port == 9001
     e = cfg.engine
     assert (e.max_num_batched_tokens, e.enable_prefix_caching, e.num_kv_blocks, e.dtype) == (64, False, 12, "float32")
+
+
+def _serve(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "tandem.cli", "serve", *args], capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, "PYTHONSAFEPATH": "1"})
+
+
+def test_serve_on_a_port_in_use_says_so_before_starting_anything():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        done = _serve("--port", str(taken.getsockname()[1]), timeout=30)
+    assert done.returncode == 2
+    assert "is in use" in done.stderr and "--port" in done.stderr and "starting" not in done.stdout
+
+
+def test_serve_with_a_model_that_does_not_exist_says_why_in_a_few_lines():
+    done = _serve("--model", "smollm3", "--port", str(free_port()))
+    assert done.returncode == 1
+    assert "did not start" in done.stderr and "'smollm3' is neither 'smollm2'" in done.stderr
+    assert "Traceback" not in done.stderr.split("the end of its log")[0]  # serve's own: none
+    assert len(done.stderr.splitlines()) <= 8

@@ -26,3 +26,47 @@ def test_a_port_in_use_is_not_handed_out(monkeypatch):
         monkeypatch.setattr("tandem.launcher._ephemeral_ports", lambda: (busy_port + 1, 60999))
         monkeypatch.setattr("random.SystemRandom.randint", lambda self, a, b: busy_port)
         assert free_port() != busy_port
+
+
+class FakeProcess:
+    """What Supervisor reads of a ServiceProcess. `dead`: every start of it exits at once."""
+
+    def __init__(self, name: str, dead: bool):
+        self.name, self.url, self.starts = name, f"http://{name}", 0
+        self.log = type("Log", (), {"name": f"/tmp/{name}.log"})()
+        self.proc = type("Proc", (), {"poll": lambda _: 1 if dead else None, "returncode": 1})()
+
+    def start(self):
+        self.starts += 1
+        return self
+
+    def log_tail(self, chars: int = 4000) -> str:
+        return "Traceback ... the reason"
+
+
+def test_a_crash_looping_process_is_retried_with_a_doubling_delay_and_the_others_go_on():
+    from tandem.local_stack import MAX_BACKOFF_S, Supervisor
+
+    flaky, steady = FakeProcess("decode-1", dead=True), FakeProcess("router", dead=False)
+    supervisor = Supervisor([flaky, steady], now=0.0)
+    restarts = []
+    for tick in range(1, 401):  # 200 s in half seconds
+        before = flaky.starts
+        supervisor.check(tick * 0.5)
+        if flaky.starts > before:
+            restarts.append(tick * 0.5)
+    # Each exit is noticed half a second after its start; then 1, 3, 7, 15, 30, 30 ... seconds to the next try.
+    gaps = [b - a for a, b in zip(restarts, restarts[1:])]
+    assert restarts[0] == 1.5 and gaps[:5] == [3.5, 7.5, 15.5, 30.5, 30.5]
+    assert max(gaps) == MAX_BACKOFF_S + 0.5
+    assert steady.starts == 0  # the rest of the stack goes on untouched
+
+
+def test_a_process_that_ran_a_while_before_exiting_is_restarted_at_once():
+    from tandem.local_stack import RESTART_GRACE_S, Supervisor
+
+    worker = FakeProcess("prefill-0", dead=True)
+    supervisor = Supervisor([worker], now=0.0)
+    supervisor.check(RESTART_GRACE_S + 1)  # its exit, after a long run, is noticed
+    supervisor.check(RESTART_GRACE_S + 1)  # and the restart is due at once
+    assert worker.starts == 1
