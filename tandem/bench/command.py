@@ -27,6 +27,8 @@ def format_summary(doc: dict) -> str:
                      f"{s['output_throughput'] or 0:>9.1f} {_ms(s['ttft_p50_s']):>9} {_ms(s['ttft_p99_s']):>9} "
                      f"{_ms(s['itl_p50_s']):>8} {_ms(s['itl_p99_s']):>8} {_ms(s['e2e_mean_s']):>9} "
                      f"{s['mean_in_flight']:>9.2f} {slo:>7}")
+        if s.get("failed"):
+            lines.append(f"         {s['failed']} failed: left out of the knee, C_max and plans")
         for error in s.get("errors") or []:
             lines.append(f"         error: {error}")
     a = doc["analysis"]

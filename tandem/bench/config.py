@@ -37,6 +37,10 @@ class BenchConfig(BaseModel):
     ignore_eos: Literal["auto", "on", "off"] = Field(
         "auto", description="send ignore_eos so outputs run to max_tokens; auto: on for servers that say "
                             "they are Tandem or vLLM in /v1/models")
+    slo_class: str | None = Field(
+        "batch", description="x-tandem-slo-class sent to a Tandem router: 'batch' (a 30 s TTFT target) measures how "
+                             "the deployment serves; its default 'interactive' class would refuse (429) what it "
+                             "predicts late, and the curve would show refusals. Other servers ignore the header")
     timeout: float = Field(600.0, gt=0, description="per-request timeout, seconds")
     api_key: str | None = Field(None, description="bearer token (default: $OPENAI_API_KEY when set)")
     seed: int = Field(0, description="seed of lengths, prompts and arrival times")

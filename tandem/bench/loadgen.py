@@ -91,6 +91,8 @@ async def run_bench(cfg: BenchConfig, progress_stream: TextIO | None = None) -> 
     api_key = cfg.api_key or os.environ.get("OPENAI_API_KEY")
     if api_key:
         headers["Authorization"] = f"Bearer {api_key}"
+    if cfg.slo_class:
+        headers["x-tandem-slo-class"] = cfg.slo_class
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(timeout=cfg.timeout, headers=headers, limits=limits) as client:
         info = await server_info(client, cfg.url)
@@ -135,6 +137,7 @@ async def run_bench(cfg: BenchConfig, progress_stream: TextIO | None = None) -> 
         "output_mean_tokens": output_dist.mean,
         "prompt_style": cfg.effective_prompt_style,
         "ignore_eos": ignore_eos,
+        "slo_class": cfg.slo_class,
         "sweep": kind,
         "values": values,
         "arrival": cfg.arrival if kind == "rate" else None,

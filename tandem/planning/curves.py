@@ -91,11 +91,13 @@ def points_from_document(doc: dict) -> list[CurvePoint]:
         summary = item.get("summary", item) if isinstance(item, dict) else None
         if not isinstance(summary, dict):
             raise ValueError(f"curve point {item!r} is not a mapping")
-        if summary.get("completed", 1) == 0:
-            continue  # a point where every request failed has no latency to plan with
+        if summary.get("failed", 0) or summary.get("completed", 1) == 0:
+            # Requests that failed (a 429 says in milliseconds) did not load the server as the point claims:
+            # its throughput and latency would mislead the knee, C_max and a plan.
+            continue
         out.append(CurvePoint.from_summary(summary))
     if not out:
-        raise ValueError("the curve has no point with a completed request")
+        raise ValueError("the curve has no point whose requests all completed")
     return sorted(out, key=lambda p: p.concurrency)
 
 

@@ -35,6 +35,7 @@ def test_sweep_writes_json_with_conditions_points_and_requests(sweep):
     assert (c["input_dist"], c["output_dist"], c["requests_per_point"], c["warmup_per_point"]) == \
         ("fixed:16", "fixed:8", 4, 1)
     assert c["ignore_eos"] is True and c["server"]["owned_by"] == "tandem" and c["client"]["cpu_count"] >= 1
+    assert c["slo_class"] == "batch"  # what the router's admission measures it by: how it serves, not refusals
     assert [p["concurrency"] for p in doc["points"]] == [1, 2]
     for p in doc["points"]:
         s = p["summary"]
@@ -97,3 +98,14 @@ def test_plan_reads_the_measured_curve(sweep, capsys):
     # Per-phase rates fitted from the colocated curve give a P:D split and a patch.
     assert plan["prefill_tok_s"] > 0 and plan["decode_tok_s"] > 0 and ":" in plan["ratio"]
     assert plan["patch"]["spec"]["prefill"]["replicas"] + plan["patch"]["spec"]["decode"]["replicas"] >= 2
+
+
+def test_the_sweep_runs_in_the_batch_slo_class(sweep, worker):
+    """The router admits the sweep's requests by the batch class's targets, not interactive's (which refused most
+    of a sweep on a CPU: the curve then measured 429s)."""
+    import httpx
+
+    metrics = httpx.get(f"{worker.url}/metrics").text
+    served = [line for line in metrics.splitlines()
+              if line.startswith("tandem_router_requests_total") and 'slo_class="batch"' in line]
+    assert served and float(served[0].split()[-1]) >= 10  # 2 points x (4 measured + 1 warm-up)

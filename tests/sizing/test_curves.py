@@ -94,9 +94,12 @@ def test_load_curve_reads_bench_json_and_hand_made_yaml(tmp_path):
                                                    "ttft_p99_s": 0.3, "errors": []}},
         {"index": 0, "concurrency": 1, "summary": {"concurrency": 1, "e2e_mean_s": 1.0, "completed": 3}},
         {"index": 2, "concurrency": 8, "summary": {"concurrency": 0, "e2e_mean_s": None, "completed": 0}},
+        # Refused in part (429s come back in milliseconds): not the load it claims.
+        {"index": 3, "concurrency": 16, "summary": {"concurrency": 16, "e2e_mean_s": 0.1, "completed": 2,
+                                                    "failed": 30}},
     ]}))
     points = load_curve(bench)
-    assert [p.concurrency for p in points] == [1, 4]  # sorted; the all-failed point is left out
+    assert [p.concurrency for p in points] == [1, 4]  # sorted; the points with failed requests are left out
     assert points[1].ttft_p99_s == 0.3
     hand = tmp_path / "curve.yaml"
     hand.write_text("points:\n  - {concurrency: 2, e2e_mean_s: 0.5}\n")
