@@ -123,7 +123,14 @@ def build_registry(kube: Kube, keeper: StatusKeeper, resync_seconds: float | Non
                 return
             try:
                 decision = planner.tick(namespace, name)
-            except KubeError as exc:
+            except SpecError as exc:  # the API server refuses the objects at the new sizes: said, not retried
+                keeper.note(namespace, name, Problem(refused=True, message=str(exc)))
+                keeper.refresh(namespace, name)
+                kopf.warn(dict(body), reason="PlannerFailed", message=str(exc))
+                return
+            except (KubeError, ForeignObjectError) as exc:
+                keeper.note(namespace, name, Problem(refused=False, message=str(exc)))
+                keeper.refresh(namespace, name)
                 kopf.warn(dict(body), reason="PlannerFailed", message=str(exc))
                 raise kopf.TemporaryError(str(exc), delay=RETRY_SECONDS) from None
             if decision is not None and decision.changed:

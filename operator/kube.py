@@ -48,7 +48,8 @@ class KubeError(Exception):
 
     @property
     def invalid(self) -> bool:
-        """The server refused the object itself (schema, validation, an admission webhook's denial)."""
+        """The server refused the object itself: 422 (schema, validation) or 400 (a malformed request, or an
+        admission webhook that denies with it)."""
         return self.status in (400, 422)
 
 

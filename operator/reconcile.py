@@ -28,8 +28,11 @@ class RefusedSpec(SpecError):
 def reconcile(kube: Kube, body: Mapping[str, Any], force: bool = False) -> list[tuple[Outcome, dict]]:
     """Bring every owned object in line with the spec. Raises SpecError (RefusedSpec when the API server refuses an
     object as built) before anything is applied, and ForeignObjectError when a name is taken by an object that is
-    not this LLMDeployment's. Each changed object is checked by a dry run first, so that a spec is applied whole
-    or not at all: not a prefill pool on the new spec and a decode pool still on the old one."""
+    not this LLMDeployment's. Each changed Deployment is checked by a dry run first, so that a spec the API server
+    refuses changes nothing: not a prefill pool on the new spec and a decode pool still on the old one. Only the
+    Deployments: they carry what the spec passes through as written (tolerations, affinity, nodeSelector, env,
+    resources); the other objects are the operator's own, and some cannot be checked before the objects they
+    refer to exist (a RoleBinding's dry run is refused while its Role is not there)."""
     owner = owner_of(body)
     spec, sizes = validate_spec(body.get("spec"), owner.name)
     sizes = planned_sizes(spec, sizes, body.get("status"))
@@ -39,6 +42,8 @@ def reconcile(kube: Kube, body: Mapping[str, Any], force: bool = False) -> list[
         raise RefusedSpec(reasons)
     steps = [kube.plan(obj, force=force) for obj in objects]
     for step in steps:
+        if step.desired["kind"] != "Deployment":
+            continue
         try:
             kube.check(step)
         except KubeError as exc:
@@ -100,6 +105,7 @@ class StatusKeeper:
         with self._lock(namespace, name):
             body = self.kube.get(names.API_VERSION, names.KIND, namespace, name)
             if body is None or body["metadata"].get("deletionTimestamp"):
+                self._problems.pop((namespace, name), None)  # a new one of that name starts afresh
                 return None
             deployments, service = observe(self.kube, namespace, name)
             status = compute_status(body, deployments, service, self.clock(), generation,

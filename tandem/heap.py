@@ -38,8 +38,9 @@ def settle_heap(pauses: Sequence, young_threshold: int | None = None) -> str:
 
 
 def pause_recorder(pauses: Sequence) -> Callable[[str, dict], None]:
-    """A gc.callbacks entry observing each collection's duration in `pauses[generation]`. The children are bound in
-    advance: the callback allocates nothing and takes no lock but the histogram's own."""
+    """A gc.callbacks entry observing each collection's duration in `pauses[generation]`. It runs in whichever
+    thread the collection started in; CPython starts no collection inside another, so it cannot re-enter. The
+    children are bound in advance: no label lookup, and no lock but the histogram's own."""
     started = 0.0
 
     def record(phase: str, info: dict) -> None:

@@ -87,7 +87,7 @@ class ServiceProcess:
     def log_tail(self, chars: int = 4000) -> str:
         """The end of what the latest start wrote."""
         with open(self.log.name, "rb") as f:
-            f.seek(self._log_start)
+            f.seek(max(self._log_start, os.path.getsize(self.log.name) - 4 * chars))  # 4: UTF-8's widest
             return f.read().decode(errors="replace")[-chars:]
 
     def wait_ready(self, timeout: float = 180.0, path: str = "/ready",
@@ -116,9 +116,11 @@ class ServiceProcess:
             self.proc.wait(10)
 
     def stop(self, timeout: float = 15.0) -> int | None:
+        """SIGTERM to the process's group: what it started goes too (a worker's compiler, mid-build, would go on
+        writing the build directory the next start builds in)."""
         if self.proc is None or self.proc.poll() is not None:
             return None if self.proc is None else self.proc.returncode
-        self.proc.send_signal(signal.SIGTERM)
+        os.killpg(self.proc.pid, signal.SIGTERM)
         try:
             return self.proc.wait(timeout)
         except subprocess.TimeoutExpired:

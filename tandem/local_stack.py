@@ -47,7 +47,7 @@ class Supervisor:
                 continue
             quick = now - self.started_at[process.name] < RESTART_GRACE_S
             self.quick_exits[process.name] = self.quick_exits[process.name] + 1 if quick else 0
-            delay = min(MAX_BACKOFF_S, 2.0 ** self.quick_exits[process.name] - 1)
+            delay = min(MAX_BACKOFF_S, 2.0 ** min(self.quick_exits[process.name], 10) - 1)
             tail = process.log_tail(1500) if self.quick_exits[process.name] <= 1 else "(as before)"
             print(f"{process.name} exited with {process.proc.returncode}:\n{tail}", file=sys.stderr)
             if delay:
@@ -65,9 +65,16 @@ def supervise(processes: list[ServiceProcess]) -> int:
 
 
 def port_in_use(host: str, port: int) -> bool:
-    with socket.socket() as s:
+    """Whether the router could not listen there. With SO_REUSEADDR, as uvicorn binds: a port whose last
+    connections are still in TIME_WAIT (a stack just stopped) is free for a listener."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror:
+        return False  # the router will say what is wrong with the host
+    with socket.socket(family, kind, proto) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            s.bind((host, port))
+            s.bind(address)
         except OSError:
             return True
     return False

@@ -129,7 +129,7 @@ class RouterMetrics:
                                          ROUTER_LABELS, registry=r)
         self.worker_healthy = Gauge("tandem_router_worker_healthy", "1 when the worker is in rotation",
                                     (*ROUTER_LABELS, "worker", "role"), registry=r)
-        # The collector runs on the event loop's thread and holds every request while it runs.
+        # A collection holds the GIL, and so the event loop and every request, whichever thread it runs in.
         self.gc_pause = Histogram("tandem_router_gc_pause_seconds",
                                   "Time one garbage collection held the router's event loop, by generation",
                                   (*ROUTER_LABELS, "generation"), buckets=GC_PAUSE_BUCKETS, registry=r)

@@ -139,8 +139,11 @@ class CompletionFormatter(Formatter):
 
     def _top(self, token_id: int, entry) -> dict[str, float]:
         """The most likely tokens and, when it is not among them, the token itself: up to logprobs + 1 entries,
-        as OpenAI's completions API documents it (and vLLM answers)."""
-        top = {self._token_text(t): lp for t, lp in entry.top_logprobs}
+        as OpenAI's completions API documents it (and vLLM answers). Keyed by text, as OpenAI's are: tokens that
+        read alike (bytes of a character, each U+FFFD alone) share an entry, the likeliest one's."""
+        top: dict[str, float] = {}
+        for t, lp in entry.top_logprobs:  # most likely first
+            top.setdefault(self._token_text(t), lp)
         top.setdefault(self._token_text(token_id), entry.logprob)
         return top
 

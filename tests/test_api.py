@@ -120,7 +120,8 @@ def test_token_id_prompt_and_logprobs(client):
     # Sampled, the token drawn is often not among the top 1: it is then listed as well (OpenAI's "logprobs + 1").
     sampled = client.completions.create(model="smollm2", prompt="Once upon a time", max_tokens=20, temperature=1.5,
                                         seed=7, logprobs=1).choices[0].logprobs
-    assert all(top[token] == chosen and 1 <= len(top) <= 2
+    # (>=: a token reading like a likelier one, a byte of a character as U+FFFD, shares its entry)
+    assert all(top[token] >= chosen - 1e-6 and 1 <= len(top) <= 2
                for token, chosen, top in zip(sampled.tokens, sampled.token_logprobs, sampled.top_logprobs))
     assert any(len(top) == 2 for top in sampled.top_logprobs)
 
@@ -275,7 +276,7 @@ def check_echo(client, prompt: str) -> None:
     assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
     assert all(x <= 0 for x in lp.token_logprobs[1:])
     # The two most likely tokens, and the prompt's own token when it is not one of them.
-    assert all(top[token] == x and 2 <= len(top) <= 3
+    assert all(top[token] >= x - 1e-6 and 2 <= len(top) <= 3
                for token, x, top in zip(lp.tokens[1:], lp.token_logprobs[1:], lp.top_logprobs[1:]))
     assert lp.tokens[-1] == plain.logprobs.tokens[0]
     assert lp.token_logprobs[-1] == pytest.approx(plain.logprobs.token_logprobs[0], abs=1e-4)

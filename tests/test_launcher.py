@@ -70,3 +70,25 @@ def test_a_process_that_ran_a_while_before_exiting_is_restarted_at_once():
     supervisor.check(RESTART_GRACE_S + 1)  # its exit, after a long run, is noticed
     supervisor.check(RESTART_GRACE_S + 1)  # and the restart is due at once
     assert worker.starts == 1
+
+
+def test_a_port_whose_last_connection_is_in_time_wait_is_free_for_the_router():
+    """A stack just stopped leaves its router's port in TIME_WAIT; uvicorn binds it (SO_REUSEADDR), so serve must
+    not call it taken. A port something listens on is taken."""
+    import socket
+
+    from tandem.local_stack import port_in_use
+
+    server = socket.socket()
+    server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    port = server.getsockname()[1]
+    assert port_in_use("127.0.0.1", port)
+    client = socket.create_connection(("127.0.0.1", port))
+    accepted, _ = server.accept()
+    accepted.close()  # the server closes first: its side of the connection waits in TIME_WAIT
+    client.recv(1)
+    client.close()
+    server.close()
+    assert not port_in_use("127.0.0.1", port)

@@ -73,8 +73,9 @@ class KeyAssignments:
         self.max_keys = max_keys
         self.clock = clock
         # key -> (worker, last used), least recently used first: expiry and the size cap both pop from the front.
-        # Plain tuples of a str and a float: the garbage collector stops tracking them once it has seen them,
-        # so a full table (100,000 keys by default) adds nothing to the collections that pause the event loop.
+        # Plain tuples of a str and a float: the garbage collector stops tracking them once it has seen them, so
+        # a full table (100,000 keys by default) adds one object, not 100,000, to the collections that pause the
+        # event loop.
         self._table: OrderedDict[int, tuple[str, float]] = OrderedDict()
         self._counts: dict[str, int] = {}
 

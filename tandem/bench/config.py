@@ -40,7 +40,8 @@ class BenchConfig(BaseModel):
     slo_class: str | None = Field(
         "batch", description="x-tandem-slo-class sent to a Tandem router: 'batch' (a 30 s TTFT target) measures how "
                              "the deployment serves; its default 'interactive' class would refuse (429) what it "
-                             "predicts late, and the curve would show refusals. Other servers ignore the header")
+                             "predicts late, and the curve would show refusals; '' sends none (the API key's "
+                             "class applies). Other servers ignore the header")
     timeout: float = Field(600.0, gt=0, description="per-request timeout, seconds")
     api_key: str | None = Field(None, description="bearer token (default: $OPENAI_API_KEY when set)")
     seed: int = Field(0, description="seed of lengths, prompts and arrival times")

@@ -5,7 +5,8 @@ a real API server does on every write that kopf and the operator rely on: names 
 events), uid, resourceVersion (kopf's consistency checks), metadata.generation bumped on spec changes
 (status.observedGeneration) and creationTimestamp. Like a real API server it refuses, with 422 Invalid, a
 built-in object that breaks the Kubernetes schema (kubernetes-validate, strict) or repeats an env name in a
-container (server-side apply cannot merge such a list), and it answers `?dryRun=All` without storing anything.
+container (server-side apply cannot merge such a list), refuses a RoleBinding to a Role that is not there (RBAC's
+escalation check, for a caller that may not `bind`), and answers `?dryRun=All` without storing anything.
 """
 
 from __future__ import annotations
@@ -106,12 +107,27 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
                 return merge_patch(copy.deepcopy(dict(self.objects[key].raw)), request.data)
         return None
 
+    def _role_missing(self, binding: dict, namespace: str | None) -> str | None:
+        """A RoleBinding to a Role that does not exist (yet): a real API server refuses it with 404 to a caller
+        that may not `bind` roles, as the operator may not, because it checks the Role's rules against the
+        caller's (RBAC's escalation check), dry run or not."""
+        ref = binding.get("roleRef") or {}
+        if binding.get("kind") != "RoleBinding" or ref.get("kind") != "Role":
+            return None
+        key = (kmock.resource("rbac.authorization.k8s.io/v1/roles"), namespace, ref.get("name"))
+        if key in self.objects and not self.objects[key].deleted:
+            return None
+        return f'roles.rbac.authorization.k8s.io "{ref.get("name")}" not found'
+
     async def _handle(self, request):
         result = self._result_of(request)
         if result is not None:
             problem = schema_problem(result)
             if problem is not None:
                 raise InvalidObjectError(message=problem)
+            missing = self._role_missing(result, request.namespace or result.get("metadata", {}).get("namespace"))
+            if missing is not None:
+                raise kmock.KubernetesObjectNotFoundError(message=missing)
             if (request.params or {}).get("dryRun") == "All":  # checked, not stored
                 status = 201 if request.action == kmock.action.CREATE else 200
                 return aiohttp.web.json_response(result, status=status)
