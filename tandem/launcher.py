@@ -120,7 +120,10 @@ class ServiceProcess:
         writing the build directory the next start builds in)."""
         if self.proc is None or self.proc.poll() is not None:
             return None if self.proc is None else self.proc.returncode
-        os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+        except ProcessLookupError:  # gone meanwhile
+            pass
         try:
             return self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
