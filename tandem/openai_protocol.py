@@ -30,7 +30,7 @@ MAX_N = 128  # completions per prompt: OpenAI's bound on n
 MAX_LOGIT_BIAS = 300  # biased tokens per request: each costs the worker work at every step
 # Parameters with a default other than null, which a client may still send as null (each model declares its own).
 NULL_MEANS_DEFAULT = ("n", "stream", "echo", "logprobs", "ignore_eos", "include_stop_str_in_output", "include_usage",
-                      "presence_penalty", "frequency_penalty")
+                      "presence_penalty", "frequency_penalty", "add_generation_prompt", "continue_final_message")
 
 
 class _Request(BaseModel):
@@ -269,6 +269,12 @@ class ChatCompletionRequest(_CommonParams):
     tools: list | None = None  # not implemented (function calling): refused unless empty
     functions: list | None = None  # the same, in its older spelling
     tool_choice: str | dict | None = None
+    # vLLM's, as transformers' apply_chat_template takes them.
+    add_generation_prompt: bool = Field(True, description="open an assistant turn after the messages (ext.)")
+    continue_final_message: bool = Field(False, description="leave the last message open, for the model to go on "
+                                                            "with it: an assistant answer begun by the client (ext.)")
+    chat_template_kwargs: dict | None = Field(None, description="more variables for the chat template, e.g. "
+                                                                "enable_thinking (ext.)")
 
     def template_messages(self) -> list[dict]:
         return [{"role": m.role, "content": m.text()} for m in self.messages]
@@ -278,11 +284,22 @@ class ChatCompletionRequest(_CommonParams):
         Mistral's raise_exception when roles do not alternate) refuses the client's input: a 400, not a 500."""
         if not tokenizer.chat_template:
             raise APIError(400, "this model has no chat template; use /v1/completions")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise APIError(400, "continue_final_message needs add_generation_prompt: false (the last message goes "
+                                "on; no new turn opens)", param="continue_final_message")
+        extra = dict(self.chat_template_kwargs or {})
+        taken = sorted(set(extra) & {"messages", "add_generation_prompt", "continue_final_message"})
+        if taken:
+            raise APIError(400, f"chat_template_kwargs may not set {', '.join(taken)}", param="chat_template_kwargs")
+        messages = self.template_messages()
+        if self.continue_final_message:  # marked, to cut the rendered text right after it (as transformers does)
+            messages[-1]["content"] += _OPEN_END
         try:
-            return tokenizer.apply_chat_template(self.template_messages(), add_generation_prompt=True)
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=self.add_generation_prompt, **extra)
         except jinja2.TemplateError as exc:
             raise APIError(400, f"the model's chat template refused the conversation: {exc}",
                            param="messages") from None
+        return _left_open(text) if self.continue_final_message else text
 
     def sampling_params(self, default_max_tokens: int, vocab_size: int) -> SamplingParams:
         """`vocab_size` bounds the token ids of logit_bias."""
@@ -296,6 +313,22 @@ class ChatCompletionRequest(_CommonParams):
         name = "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
         top = (self.top_logprobs or 0) if self.logprobs else None
         return self._sampling(_max_tokens(getattr(self, name), default_max_tokens, name), top, vocab_size)
+
+
+_OPEN_END = "CONTINUE_FINAL_MESSAGE_TAG "  # transformers' marker, so that both cut a conversation alike
+
+
+def _left_open(rendered: str) -> str:
+    """The rendered conversation cut where the final message's text ends (its _OPEN_END marker), as transformers'
+    apply_chat_template does with continue_final_message: whatever the template closes the message with (an
+    end-of-turn token) goes, so the model writes on in that message."""
+    at = rendered.rfind(_OPEN_END.strip())
+    if at < 0:
+        raise APIError(400, "continue_final_message: the chat template does not keep the last message's text",
+                       param="continue_final_message")
+    if rendered[at:at + len(_OPEN_END)] == _OPEN_END:
+        return rendered[:at]
+    return rendered[:at].rstrip()  # the template trimmed the message's trailing space, so the marker's too
 
 
 def _max_tokens(requested: int | None, default: int, param: str = "max_tokens") -> int:

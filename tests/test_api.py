@@ -438,3 +438,16 @@ def test_disconnected_stream_frees_its_blocks(worker):
     assert wait_for(lambda: metric(worker, "tandem_kv_blocks_used") == 0
                     and metric(worker, "tandem_num_requests_running") == 0)
     assert metric(worker, "tandem_requests_finished_total", 'finish_reason="abort"') == aborted_before + 1
+
+
+def test_an_answer_begun_by_the_client_goes_on(client):
+    """vLLM's continue_final_message: the last (assistant) message stays open and the model writes on in it."""
+    messages = [{"role": "user", "content": "What is the capital of France?"},
+                {"role": "assistant", "content": "The capital of France is"}]
+    kwargs = dict(model="smollm2", messages=messages, max_tokens=3, temperature=0)
+    opened = client.chat.completions.create(**kwargs, extra_body={"add_generation_prompt": False,
+                                                                  "continue_final_message": True})
+    new_turn = client.chat.completions.create(**kwargs)
+    # The new turn adds "<|im_end|>\n<|im_start|>assistant\n" after the message; left open, none of it.
+    assert opened.usage.prompt_tokens < new_turn.usage.prompt_tokens
+    assert opened.choices[0].message.content.strip().startswith("Paris")

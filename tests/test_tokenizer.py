@@ -179,3 +179,30 @@ def test_token_bytes_of_a_sentencepiece_style_tokenizer():
     ids = tokenizer.encode("hi 日", add_special_tokens=False)
     assert any(backend.id_to_token(i).startswith("<0x") for i in ids)
     assert b"".join(tokenizer.token_bytes(i) for i in ids) == " hi 日".encode()
+
+
+@pytest.mark.parametrize("final", ["My favourite colour is", "  The answer: ", "x"])
+def test_a_conversation_left_open_matches_transformers(smollm2_tokenizer, hf_smollm2_tokenizer, final):
+    """vLLM's continue_final_message: the client begins the assistant's answer and the model goes on with it."""
+    from tandem.openai_protocol import ChatCompletionRequest
+
+    messages = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": final}]
+    expected = hf_smollm2_tokenizer.apply_chat_template(messages, tokenize=False, continue_final_message=True)
+    request = ChatCompletionRequest(model="m", messages=messages, add_generation_prompt=False,
+                                    continue_final_message=True)
+    assert request.prompt_text(smollm2_tokenizer) == expected
+    closed = ChatCompletionRequest(model="m", messages=messages, add_generation_prompt=False)
+    assert closed.prompt_text(smollm2_tokenizer) == hf_smollm2_tokenizer.apply_chat_template(messages, tokenize=False)
+
+
+@pytest.mark.parametrize("options,param", [
+    ({"continue_final_message": True}, "continue_final_message"),  # with the default add_generation_prompt
+    ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs")])
+def test_chat_template_options_that_contradict_are_refused(smollm2_tokenizer, options, param):
+    from tandem.errors import APIError
+    from tandem.openai_protocol import ChatCompletionRequest
+
+    request = ChatCompletionRequest(model="m", messages=[{"role": "assistant", "content": "Hi"}], **options)
+    with pytest.raises(APIError) as caught:
+        request.prompt_text(smollm2_tokenizer)
+    assert caught.value.status == 400 and caught.value.param == param
