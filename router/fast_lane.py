@@ -17,7 +17,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from tandem.body_limit import declared_length_error, too_large
-from tandem.errors import APIError, api_error_response, error_body
+from tandem.errors import APIError, api_error_response, error_body, error_param
 from tandem.response_head import head_with_body
 
 Handler = Callable[[BaseModel, Request], Awaitable[Response]]
@@ -26,8 +26,7 @@ Handler = Callable[[BaseModel, Request], Awaitable[Response]]
 def validation_error_response(errors: list[dict]) -> JSONResponse:
     """The first pydantic error of a request body as an OpenAI-style 400 naming the parameter."""
     first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-    param = ".".join(loc) or None
+    param = error_param(first.get("loc", ()))
     message = first.get("msg", "invalid request")
     if first.get("type") == "json_invalid":
         message = f"request body is not valid JSON: {message}"

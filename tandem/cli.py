@@ -139,7 +139,9 @@ def _main(argv: list[str] | None) -> int:
     _drain_parser(sub)
     _bench_parser(sub)
     plan_parser = _plan_parser(sub)
-    ns = parser.parse_args(argv)
+    ns, unknown = parser.parse_known_args(argv)
+    if unknown:  # said by the command's own parser, with its usage (the top-level one lists only commands)
+        sub.choices[ns.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     if ns.command == "plan" and ns.profile:
         from tandem.planning.profile import load_profile_file
 

@@ -38,6 +38,18 @@ class APIError(Exception):
         return error_body(self.status, self.message, self.param, self.code)
 
 
+def error_param(loc) -> str | None:
+    """The parameter a pydantic error's location names, as a client wrote it: `messages.0.content`, without the
+    union member pydantic tried (`str`, `list[int]`, `ContentPart`) or FastAPI's `body` prefix."""
+    parts = [str(p) for p in loc if not (isinstance(p, str) and (p == "body" or _is_type_tag(p)))]
+    return ".".join(parts) or None
+
+
+def _is_type_tag(part: str) -> bool:
+    # Parameters are snake_case; pydantic names a union's members by type: builtins, generics, class names.
+    return "[" in part or part in ("str", "int", "float", "bool", "dict", "list", "none") or part[:1].isupper()
+
+
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
     err_type = _TYPE_BY_STATUS.get(status, "server_error" if status >= 500 else "invalid_request_error")
     return {"error": {"message": message, "type": err_type, "param": param,

@@ -132,7 +132,9 @@ def run_local_stack(engine: EngineConfig, *, prefill: int, decode: int, colocate
                 print(start_failure(exc, process), file=sys.stderr)
                 return 1
         url = f"http://{host}:{port}"
-        print(f"\ntandem serve: {len(prefill_urls)} prefill + {len(decode_urls)} decode worker(s), router on {url}")
+        shape = f"{len(decode_urls)} colocated worker(s)" if colocated else \
+            f"{len(prefill_urls)} prefill + {len(decode_urls)} decode worker(s)"
+        print(f"\ntandem serve: {shape}, router on {url}")
         print(f"  curl -s {url}/v1/chat/completions -H 'content-type: application/json'{auth} \\\n"
               f"    -d '{{\"model\": \"{engine.served_model_name or engine.model}\", \"messages\": "
               f"[{{\"role\": \"user\", \"content\": \"Hello!\"}}], \"max_tokens\": 32}}'")

@@ -53,3 +53,15 @@ def test_serve_with_a_model_that_does_not_exist_says_why_in_a_few_lines():
     assert "did not start" in done.stderr and "'smollm3' is neither 'smollm2'" in done.stderr
     assert "Traceback" not in done.stderr.split("the end of its log")[0]  # serve's own: none
     assert len(done.stderr.splitlines()) <= 8
+
+
+def test_a_misspelt_option_is_said_by_its_command(capsys):
+    import pytest
+
+    from tandem.cli import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(["worker", "--modle", "smollm2"])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert "tandem worker: error: unrecognized arguments: --modle smollm2" in err and "--model" in err

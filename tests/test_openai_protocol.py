@@ -127,3 +127,20 @@ def test_logit_bias_by_token_id_within_the_vocabulary():
                 {str(i): 1.0 for i in range(301)}):
         with pytest.raises(ValidationError):
             CompletionRequest(model="m", prompt="x", logit_bias=bad)
+
+
+@pytest.mark.parametrize("model,body,param", [
+    (CompletionRequest, {**COMPLETION, "prompt": None}, "prompt"),
+    (CompletionRequest, {**COMPLETION, "prompt": [[[1]]]}, "prompt"),
+    (ChatCompletionRequest, {**CHAT, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+     "messages.0.content"),
+    (ChatCompletionRequest, {**CHAT, "response_format": {"type": "json_schema", "json_schema": {"name": 3}}},
+     "response_format.json_schema.name"),
+    (CompletionRequest, {**COMPLETION, "max_tokens": "3"}, "max_tokens")])
+def test_an_invalid_parameter_is_named_as_the_client_wrote_it(model, body, param):
+    """Not `prompt.str` or `messages.0.content.list[ContentPart]`: the union member pydantic tried is left out."""
+    from tandem.errors import error_param
+
+    with pytest.raises(ValidationError) as caught:
+        model.model_validate(body)
+    assert error_param(caught.value.errors()[0]["loc"]) == param

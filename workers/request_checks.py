@@ -7,7 +7,7 @@ import orjson
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
-from tandem.errors import APIError
+from tandem.errors import APIError, error_param
 
 
 async def parse_body(request: Request, model: type[BaseModel]) -> BaseModel:
@@ -29,5 +29,5 @@ def validate_payload(payload, model: type[BaseModel]) -> BaseModel:
         return model.model_validate(payload)
     except ValidationError as exc:
         first = exc.errors()[0]
-        param = ".".join(str(p) for p in first["loc"]) or None
+        param = error_param(first["loc"])
         raise APIError(400, f"{param}: {first['msg']}" if param else first["msg"], param=param) from None
