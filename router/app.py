@@ -216,24 +216,21 @@ async def dispatch(router, rid: str, ids: list[int], params: SamplingParams, tic
     ttft, itl = metrics.by_class(metrics.ttft, slo_name), metrics.by_class(metrics.itl, slo_name)
     await router.dispatcher.acquire(rid)
     trace = Trace()
-    arrival = started = ticket.arrival_s
+    arrival = ticket.arrival_s
     first_at = last_at = None
     later_tokens = 0  # tokens after the first delta
     released = False
     try:
         if after is not None:
             await after.wait()
-            started = time.monotonic()  # what the prefill rate is measured from, not the wait for the first sample
         async for delta in router.orchestrator.run(rid, ids, params, trace, plan, coalesce):
             t = time.monotonic()
             if first_at is None:
                 first_at = t
                 router.admission.release(rid)  # the prefill is done: it no longer loads the prefill pool
                 released = True
-                if trace.prefill_seconds:
-                    router.admission.rates.record_prefill(max(trace.uncached_tokens, 1), trace.prefill_seconds)
-                elif trace.path == "colocated":
-                    router.admission.rates.record_prefill(max(trace.uncached_tokens, 1), t - started)
+                if trace.prefill_busy_seconds is not None:  # the worker time charged to it (pool.Worker)
+                    router.admission.rates.record_prefill(max(trace.uncached_tokens, 1), trace.prefill_busy_seconds)
                 ttft.observe(t - arrival)
             elif delta.new_token_ids:
                 later_tokens += len(delta.new_token_ids)

@@ -49,7 +49,8 @@ class Trace:
     predicted_hit_tokens: int = 0
     engine_hit_tokens: int = 0
     uncached_tokens: int = 0
-    prefill_seconds: float | None = None
+    prefill_seconds: float | None = None  # the prefill worker's answer, dispatch to first token
+    prefill_busy_seconds: float | None = None  # the worker time charged to its prefill (Worker.prefill_started)
 
 
 class Orchestrator:
@@ -132,9 +133,12 @@ class Orchestrator:
             worker = self.prefill.workers[url]
             worker.prefill_tokens_in_flight += weight
             worker.in_flight += 1
+            loop = asyncio.get_running_loop()
+            mark, done = worker.prefill_started(loop.time()), False
             try:
                 body = await self.http.post_json(url, "/internal/prefill", {
                     "request_id": rid, "prompt_token_ids": prompt, "sampling": params.model_dump()})
+                trace.prefill_busy_seconds, done = worker.prefill_done(loop.time(), mark), True
                 self.prefill.record_success(url)
                 trace.prefill_worker = url
                 self._record_hits(trace, body.get("num_cached_tokens", 0))
@@ -148,6 +152,8 @@ class Orchestrator:
                 self.prefill.record_failure(url)
                 self._abandon(touched, url, rid)  # a worker that only stopped answering may still be at it
             finally:
+                if not done:  # failed or abandoned: its share is charged to no one
+                    worker.prefill_done(loop.time(), mark)
                 worker.prefill_tokens_in_flight -= weight
                 worker.in_flight -= 1
         raise WorkerFailure("no prefill worker could serve the request")
@@ -183,11 +189,18 @@ class Orchestrator:
             worker = self.decode.workers[url]
             worker.prefill_tokens_in_flight += colocated_weight
             worker.in_flight += 1
+            loop = asyncio.get_running_loop()
+            prefilling = handle is None  # it prefills here (colocated, or recomputing after a migration)
+            mark = worker.prefill_started(loop.time()) if prefilling else 0.0
             finished = False
             try:
                 async for delta in self._stream(url, body):
                     if finished:  # only the stream's end follows a finish; reading it frees the connection
                         continue
+                    if prefilling:  # its first delta: the prefill is done
+                        charged, prefilling = worker.prefill_done(loop.time(), mark), False
+                        if not attempt:
+                            trace.prefill_busy_seconds = charged
                     if colocated_weight:
                         worker.prefill_tokens_in_flight -= colocated_weight
                         colocated_weight = 0
@@ -223,6 +236,8 @@ class Orchestrator:
                     yield Delta([], "", None, True, "length", last_cached)
                     return
             finally:
+                if prefilling:
+                    worker.prefill_done(loop.time(), mark)
                 worker.prefill_tokens_in_flight -= colocated_weight
                 worker.in_flight -= 1
         raise APIError(503, "the request failed on every decode worker tried", code="decode_failed")

@@ -37,6 +37,34 @@ class Worker:
     max_model_len: int = 0
     silent_probes: int = 0  # probes in a row that got no answer at all
     silence_reported: bool = False  # on_silent was called for this silence
+    prefills: int = 0  # prefills this router has on it now
+    shared_time: float = 0.0  # the integral of dt / prefills over the time it had any: see prefill_started
+    shared_time_at: float = 0.0  # when shared_time was last brought up to date
+
+    def prefill_started(self, now: float) -> float:
+        """Counts a prefill dispatched to the worker; returns the mark prefill_done measures it from.
+
+        A prefill is charged the worker's time as processor sharing divides it: while n of ours are in flight
+        there, each is charged 1/n of every second. Prefills batched into one engine step so share that step, and
+        the tokens charged per second add up to the worker's throughput at that load; the charges of all prefills
+        add up to the time the worker was busy with them. Timing each request from its dispatch instead counts
+        the others' share as its own: a rate that falls with the concurrency it is measured at, which admission
+        (Little's law) then divides the in-flight work by again, predicting a TTFT about `concurrency` times too
+        long."""
+        self._share_time(now)
+        self.prefills += 1
+        return self.shared_time
+
+    def prefill_done(self, now: float, mark: float) -> float:
+        """Ends a prefill counted by prefill_started (whatever its outcome); returns the seconds it is charged."""
+        self._share_time(now)
+        self.prefills -= 1
+        return self.shared_time - mark
+
+    def _share_time(self, now: float) -> None:
+        if self.prefills:
+            self.shared_time += max(0.0, now - self.shared_time_at) / self.prefills
+        self.shared_time_at = now
 
 
 class WorkerPool:

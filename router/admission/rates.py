@@ -28,9 +28,11 @@ class EWMARate:
     def record(self, tokens: float, seconds: float) -> None:
         if not (math.isfinite(tokens) and tokens >= 0):
             raise ValueError(f"tokens must be >= 0, got {tokens}")
-        if not (math.isfinite(seconds) and seconds > 0):
-            raise ValueError(f"seconds must be > 0, got {seconds}")
+        if not (math.isfinite(seconds) and seconds >= 0):
+            raise ValueError(f"seconds must be >= 0, got {seconds}")
         if self.samples == 0:
+            if seconds == 0:  # work that shared its time with another's: no rate to start from
+                return
             self._tokens, self._seconds = tokens, seconds
         else:
             self._tokens += self.alpha * (tokens - self._tokens)
@@ -48,10 +50,11 @@ class EWMARate:
 class ServiceRates:
     """The router's running estimate of how fast workers serve, fed as requests complete.
 
-    `record_prefill` takes the uncached prompt tokens one prefill computed and the seconds it took on its
-    worker; `record_decode` the tokens one request generated and its decode time (so its rate is per
-    sequence, about 1 / inter-token latency). Admission uses the prefill rate; the decode rate is there
-    for the planner and for reporting.
+    `record_prefill` takes the uncached prompt tokens one prefill computed and the seconds of worker time it is
+    charged with (router.pool.Worker.prefill_started: prefills in flight together share the worker's seconds,
+    so the rate is a worker's throughput, not one request's speed); `record_decode` the tokens one request
+    generated and its decode time (so its rate is per sequence, about 1 / inter-token latency). Admission uses
+    the prefill rate; the decode rate is there for the planner and for reporting.
     """
 
     def __init__(self, alpha: float = 0.2, initial_prefill_tps: float | None = None,

@@ -50,7 +50,7 @@ def test_service_rates_keep_prefill_and_decode_apart():
     assert rates.decode_tps == 25.0 and rates.prefill_tps == 6000.0
 
 
-@pytest.mark.parametrize("tokens, seconds", [(-1, 1.0), (10, 0.0), (10, -1.0), (math.nan, 1.0), (10, math.inf)])
+@pytest.mark.parametrize("tokens, seconds", [(-1, 1.0), (10, -1.0), (math.nan, 1.0), (10, math.inf)])
 def test_bad_measurements(tokens, seconds):
     with pytest.raises(ValueError):
         EWMARate().record(tokens, seconds)
@@ -60,3 +60,47 @@ def test_bad_measurements(tokens, seconds):
 def test_bad_settings(kwargs):
     with pytest.raises(ValueError):
         EWMARate(**kwargs)
+
+
+def _worker_rate(finishes: list[tuple[float, float]], tokens: int, last: int | None = None) -> float:
+    """The rate estimated from prefills of `tokens` each on one worker, started and done at the given times (only
+    the first `last` prefills' measurements, when given)."""
+    from tandem.router.pool import Worker
+
+    worker, estimate, marks = Worker("http://w"), EWMARate(alpha=0.2), {}
+    events = sorted([(start, 1, i) for i, (start, _) in enumerate(finishes)] +
+                    [(done, 0, i) for i, (_, done) in enumerate(finishes)])  # a start before a done at one time
+    for now, starts, i in events:
+        if starts:
+            marks[i] = worker.prefill_started(now)
+        else:
+            charged = worker.prefill_done(now, marks[i])
+            if last is None or i < last:
+                estimate.record(tokens, charged)
+    assert worker.prefills == 0
+    return estimate.tokens_per_s
+
+
+def test_prefills_batched_together_share_their_worker_busy_time():
+    """Four 100-token prompts prefilled in one engine step of 0.1 s: the worker serves 4,000 tokens/s. Timed from
+    each request's dispatch, every one took 0.1 s: 1,000 tokens/s, a quarter of what the worker does."""
+    batched = [(step * 0.1, step * 0.1 + 0.1 - 1e-6 * i) for step in range(5) for i in range(4)]
+    assert _worker_rate(batched, 100) == pytest.approx(4000, rel=0.01)
+
+
+def test_prefills_one_after_another_are_each_charged_their_own_time():
+    """A worker that prefills one 100-token prompt per 0.1 s, four in flight at any time (one dispatched as one
+    is done): 1,000 tokens/s. Timed from dispatch, each took 0.4 s: 250 tokens/s."""
+    queued = [(max(0, i - 3) * 0.1, (i + 1) * 0.1) for i in range(40)]
+    assert _worker_rate(queued, 100, last=37) == pytest.approx(1000, rel=0.01)  # not the last three, as it drains
+
+
+def test_time_the_worker_spent_idle_is_charged_to_no_one():
+    spaced = [(0.0, 0.1), (5.0, 5.1), (9.0, 9.1)]
+    assert _worker_rate(spaced, 100) == pytest.approx(1000, rel=0.01)
+
+
+def test_a_first_measurement_of_no_time_gives_no_rate():
+    estimate = EWMARate(initial_tps=500.0)
+    estimate.record(10, 0.0)
+    assert estimate.samples == 0 and estimate.tokens_per_s == 500.0
