@@ -292,6 +292,8 @@ class ChatCompletionRequest(_CommonParams):
         if taken:
             raise APIError(400, f"chat_template_kwargs may not set {', '.join(taken)}", param="chat_template_kwargs")
         messages = self.template_messages()
+        if "developer" not in tokenizer.chat_template:  # OpenAI's newer name for the system role
+            messages = [{**m, "role": "system"} if m["role"] == "developer" else m for m in messages]
         if self.continue_final_message:  # marked, to cut the rendered text right after it (as transformers does)
             messages[-1]["content"] += _OPEN_END
         try:

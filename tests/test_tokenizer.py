@@ -206,3 +206,15 @@ def test_chat_template_options_that_contradict_are_refused(smollm2_tokenizer, op
     with pytest.raises(APIError) as caught:
         request.prompt_text(smollm2_tokenizer)
     assert caught.value.status == 400 and caught.value.param == param
+
+
+def test_a_developer_message_is_a_system_message_to_a_template_that_knows_no_developer(smollm2_tokenizer):
+    """OpenAI's newer name for the system role: SmolLM2's template would add its default system prompt too."""
+    from tandem.openai_protocol import ChatCompletionRequest
+
+    def prompt(role: str) -> str:
+        return ChatCompletionRequest(model="m", messages=[{"role": role, "content": "Be brief."},
+                                                          {"role": "user", "content": "Hi"}]).prompt_text(smollm2_tokenizer)
+
+    assert "developer" not in smollm2_tokenizer.chat_template
+    assert prompt("developer") == prompt("system") and "Be brief." in prompt("system")

@@ -177,6 +177,22 @@ class Plan:
         return all(c.ok for c in self.little_checks)
 
 
+def _length_mismatch(curve: list[CurvePoint], mean_in: float, mean_out: float) -> list[str]:
+    """A note when the curve was measured at other request lengths than the profile's: its latencies and rates
+    hold for the lengths it was measured at."""
+    measured = [(p.mean_input_tokens, p.mean_output_tokens) for p in curve
+                if p.mean_input_tokens is not None and p.mean_output_tokens is not None]
+    if not measured:
+        return []
+    curve_in = sum(m[0] for m in measured) / len(measured)
+    curve_out = sum(m[1] for m in measured) / len(measured)
+    if all(abs(c - p) <= 0.25 * p for c, p in ((curve_in, mean_in), (curve_out, mean_out))):
+        return []
+    return [f"the curve was measured with about {curve_in:.0f} input and {curve_out:.0f} output tokens per request, "
+            f"the profile says {mean_in:.0f} and {mean_out:.0f}: its C_max and rates hold for the curve's lengths "
+            "(give --input-tokens and --output-tokens as the workload's, and measure with them)"]
+
+
 def make_plan(profile: WorkloadProfile, curve: list[CurvePoint] | None = None) -> Plan:
     """Size a fleet for `profile` from a measured curve, per-phase rates, or both (see the module docstring)."""
     if profile.peak_rps is None:
@@ -201,6 +217,7 @@ def make_plan(profile: WorkloadProfile, curve: list[CurvePoint] | None = None) -
         values["little_checks"] = tuple(
             littles_law_check(p.concurrency, p.request_throughput, p.e2e_mean_s)
             for p in curve if p.request_throughput is not None)
+        notes += _length_mismatch(curve, mean_in, mean_out)
         if point is None:
             notes.append(f"no measured concurrency meets the SLO (lowest: {curve[0].concurrency:g}); measure "
                          "lower concurrency or relax the SLO")

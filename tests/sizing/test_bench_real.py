@@ -98,6 +98,13 @@ def test_plan_reads_the_measured_curve(sweep, capsys):
     # Per-phase rates fitted from the colocated curve give a P:D split and a patch.
     assert plan["prefill_tok_s"] > 0 and plan["decode_tok_s"] > 0 and ":" in plan["ratio"]
     assert plan["patch"]["spec"]["prefill"]["replicas"] + plan["patch"]["spec"]["decode"]["replicas"] >= 2
+    assert not any("the curve was measured with" in note for note in plan["notes"])  # the lengths agree
+
+    # A profile of other lengths than the curve's: said, since the curve's figures hold for its own.
+    main(["plan", "--curve", str(out / "bench.json"), "--peak-rps", "10", "--slo-ttft", "30", "--slo-itl", "5",
+          "--format", "json"])  # the default profile: 512 input and 128 output tokens
+    notes = json.loads(capsys.readouterr().out)["notes"]
+    assert any("the curve was measured with about 16 input and 8 output tokens" in note for note in notes), notes
 
 
 def test_the_sweep_runs_in_the_batch_slo_class(sweep, worker):
