@@ -41,6 +41,14 @@ def _report(body: Mapping[str, Any], outcomes: list[tuple[Outcome, dict]], reaso
                        message=f"{obj['kind']} {obj['metadata']['name']}")
 
 
+def _failed(keeper: StatusKeeper, body: Mapping[str, Any], exc: Exception, refused: bool, reason: str) -> None:
+    """A reconcile that could not be carried out: noted for the status, the status written, a warning event."""
+    namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
+    keeper.note(namespace, name, Problem(refused=refused, message=str(exc)))
+    keeper.refresh(namespace, name)
+    kopf.warn(dict(body), reason=reason, message=str(exc))
+
+
 def _apply(kube: Kube, keeper: StatusKeeper, body: Mapping[str, Any],
            force: bool = False) -> list[tuple[Outcome, dict]]:
     """One reconcile, its outcome noted for the status. SpecError goes to the caller; an API failure becomes an
@@ -60,9 +68,7 @@ def _apply(kube: Kube, keeper: StatusKeeper, body: Mapping[str, Any],
         keeper.note(namespace, name, None)  # the status finds this one in the spec itself
         raise
     except (KubeError, ForeignObjectError) as exc:
-        keeper.note(namespace, name, Problem(refused=False, message=str(exc)))
-        keeper.refresh(namespace, name)
-        kopf.warn(dict(body), reason="ApplyFailed", message=str(exc))
+        _failed(keeper, body, exc, refused=False, reason="ApplyFailed")
         raise kopf.TemporaryError(str(exc), delay=RETRY_SECONDS if exc.retriable else SLOW_RETRY_SECONDS) from None
     keeper.note(namespace, name, None)
     return outcomes
@@ -124,14 +130,10 @@ def build_registry(kube: Kube, keeper: StatusKeeper, resync_seconds: float | Non
             try:
                 decision = planner.tick(namespace, name)
             except SpecError as exc:  # the API server refuses the objects at the new sizes: said, not retried
-                keeper.note(namespace, name, Problem(refused=True, message=str(exc)))
-                keeper.refresh(namespace, name)
-                kopf.warn(dict(body), reason="PlannerFailed", message=str(exc))
+                _failed(keeper, body, exc, refused=True, reason="PlannerFailed")
                 return
             except (KubeError, ForeignObjectError) as exc:
-                keeper.note(namespace, name, Problem(refused=False, message=str(exc)))
-                keeper.refresh(namespace, name)
-                kopf.warn(dict(body), reason="PlannerFailed", message=str(exc))
+                _failed(keeper, body, exc, refused=False, reason="PlannerFailed")
                 raise kopf.TemporaryError(str(exc), delay=RETRY_SECONDS) from None
             if decision is not None and decision.changed:
                 kopf.event(dict(body), type="Normal", reason="Scaled", message=decision.message())

@@ -63,11 +63,13 @@ class ForeignObjectError(Exception):
 
 @dataclass(frozen=True)
 class Step:
-    """One owned object's part of a reconcile: the object as built (with its hash), what exists, what to do."""
+    """One owned object's part of a reconcile: the object as built (with its hash), what exists, what to do, and
+    whether what exists was built from the same object (its hash annotation)."""
 
     desired: dict
     current: dict | None
     action: Literal["create", "apply", "none"]
+    same: bool = False
 
     @property
     def label(self) -> str:
@@ -193,7 +195,7 @@ class Kube:
                 f"({_owner_of(current)}); it is left alone: delete or rename it")
         same = (current.get("metadata", {}).get("annotations") or {}).get(HASH_ANNOTATION) == \
             meta["annotations"][HASH_ANNOTATION]
-        return Step(desired, current, "none" if same and not force else "apply")
+        return Step(desired, current, "none" if same and not force else "apply", same)
 
     def check(self, step: Step) -> None:
         """Have the API server check the step without keeping anything (dry run): KubeError as it answers."""
@@ -218,13 +220,7 @@ class Kube:
         applied = self.apply(desired)
         before = (current or {}).get("metadata", {}).get("resourceVersion")
         after = applied.get("metadata", {}).get("resourceVersion")
-        same = ((current or {}).get("metadata", {}).get("annotations") or {}).get(HASH_ANNOTATION) == \
-            desired["metadata"]["annotations"][HASH_ANNOTATION]
-        return "unchanged" if same and before is not None and before == after else "updated"
-
-    def ensure(self, obj: Mapping[str, Any], force: bool = False) -> Outcome:
-        """Make the object exist as built (plan, then carry out, without a dry run)."""
-        return self.carry_out(self.plan(obj, force))
+        return "unchanged" if step.same and before is not None and before == after else "updated"
 
     def _create(self, desired: Mapping[str, Any], dry_run: bool = False) -> None:
         # Created by server-side apply too, not POST: the API server records the fields an Update (POST) set under

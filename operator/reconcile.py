@@ -55,7 +55,6 @@ def reconcile(kube: Kube, body: Mapping[str, Any], force: bool = False) -> list[
     return [(kube.carry_out(step), step.desired) for step in steps]
 
 
-
 def observe(kube: Kube, namespace: str, name: str) -> tuple[dict[str, dict], dict | None]:
     """The owned Deployments by component, and the router Service (None when absent)."""
     deployments = {}

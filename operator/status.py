@@ -135,7 +135,7 @@ def compute_status(resource: Mapping[str, Any], deployments: Mapping[str, Mappin
     progressing = spec_error is None and any(s.exists and s.rolling_out for s in states.values())
     if degraded:
         degraded_reason = "ApplyFailed" if apply_failed else "RolloutStalled" if stalled else "ReplicasUnavailable"
-        degraded_message = "; ".join([*filter(None, [apply_failed]), *stalled]) or \
+        degraded_message = "; ".join(([apply_failed] if apply_failed else []) + stalled) or \
             f"missing ready replicas in {', '.join(short)}"
     else:
         degraded_reason, degraded_message = "AsExpected", "all is well"

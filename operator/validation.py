@@ -9,13 +9,11 @@ from typing import Any
 from pydantic import ValidationError
 
 from tandem.config import EngineConfig, LLMDeploymentSpec
-from tandem.operator.builders import WRITABLE_ENV
 from tandem.operator.names import MAX_NAME_LENGTH
 from tandem.operator.scaling import GPU_RESOURCE, pool_gpus, scaling_reasons
 from tandem.operator.sizing import PoolSizes, resolve_pool_sizes
 
 DNS_1035_LABEL = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
-OPERATOR_ENV = [entry["name"] for entry in WRITABLE_ENV]
 
 
 class SpecError(ValueError):
@@ -75,8 +73,7 @@ def built_object_reasons(objects: list[dict]) -> list[str]:
             env = [entry["name"] for entry in container.get("env") or []]
             for repeated in sorted({name for name in env if env.count(name) > 1}):
                 reasons.append(f"spec.{component}.env: {repeated} is set more than once in {obj['kind']} "
-                               f"{obj['metadata']['name']} (the operator sets {', '.join(OPERATOR_ENV)} and, as the "
-                               "spec asks, UCX_TLS, TANDEM_CONFIG_DIR and TANDEM_TENANTS_DIR itself)")
+                               f"{obj['metadata']['name']} (given twice, or a name the operator sets itself there)")
     return reasons
 
 

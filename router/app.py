@@ -229,8 +229,9 @@ async def dispatch(router, rid: str, ids: list[int], params: SamplingParams, tic
                 first_at = t
                 router.admission.release(rid)  # the prefill is done: it no longer loads the prefill pool
                 released = True
-                if trace.prefill_busy_seconds is not None:  # the worker time charged to it (pool.Worker)
-                    router.admission.rates.record_prefill(max(trace.uncached_tokens, 1), trace.prefill_busy_seconds)
+                if trace.prefill_charged_seconds is not None:  # the worker time charged to it (pool.Worker)
+                    router.admission.rates.record_prefill(max(trace.uncached_tokens, 1),
+                                                          trace.prefill_charged_seconds)
                 ttft.observe(t - arrival)
             elif delta.new_token_ids:
                 later_tokens += len(delta.new_token_ids)

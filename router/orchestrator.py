@@ -49,8 +49,7 @@ class Trace:
     predicted_hit_tokens: int = 0
     engine_hit_tokens: int = 0
     uncached_tokens: int = 0
-    prefill_seconds: float | None = None  # the prefill worker's answer, dispatch to first token
-    prefill_busy_seconds: float | None = None  # the worker time charged to its prefill (Worker.prefill_started)
+    prefill_charged_seconds: float | None = None  # the worker time charged to its prefill (Worker.prefill_started)
 
 
 class Orchestrator:
@@ -84,15 +83,12 @@ class Orchestrator:
         finished = False
         try:
             if disagg:
-                loop = asyncio.get_running_loop()
-                started = loop.time()
                 try:
                     pre = await self._prefill(rid, prompt, params, hashes, key, trace, touched)
                 except WorkerFailure:
                     disagg = False
                     self._route("fallback")
                 else:
-                    trace.prefill_seconds = loop.time() - started
                     self._route("disagg")
                     trace.path = "disagg"
                     first = Delta([pre["first_token_id"]], pre["first_token_text"],
@@ -138,7 +134,7 @@ class Orchestrator:
             try:
                 body = await self.http.post_json(url, "/internal/prefill", {
                     "request_id": rid, "prompt_token_ids": prompt, "sampling": params.model_dump()})
-                trace.prefill_busy_seconds, done = worker.prefill_done(loop.time(), mark), True
+                trace.prefill_charged_seconds, done = worker.prefill_done(loop.time(), mark), True
                 self.prefill.record_success(url)
                 trace.prefill_worker = url
                 self._record_hits(trace, body.get("num_cached_tokens", 0))
@@ -200,7 +196,7 @@ class Orchestrator:
                     if prefilling:  # its first delta: the prefill is done
                         charged, prefilling = worker.prefill_done(loop.time(), mark), False
                         if not attempt:
-                            trace.prefill_busy_seconds = charged
+                            trace.prefill_charged_seconds = charged
                     if colocated_weight:
                         worker.prefill_tokens_in_flight -= colocated_weight
                         colocated_weight = 0

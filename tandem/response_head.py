@@ -2,8 +2,7 @@
 
 uvicorn writes an ASGI response's status line and headers as soon as `http.response.start` is sent, and its body
 with the next message: two writes, so two TCP segments (TCP_NODELAY) and, on a client waiting for its answer, two
-wake-ups where one would do. benchmarks/router.py measures what this saves (router CPU per request, latency added);
-sglang-router's HTTP stack sends a small answer in one write.
+wake-ups where one would do (tests/test_response_head.py counts the writes).
 
 `head_with_body(send)` holds the head until the first body message has been sent, and writes both at once; when no
 body message follows in the same pass of the event loop (a stream whose first event is still being computed), the
@@ -54,21 +53,20 @@ class HeldWrites:
             self._held.append(data)
 
     def release(self, cycle) -> None:
-        if self._released:
-            return
+        if not self._released:
+            if cycle.transport is self:
+                cycle.transport = self._transport
+            self._flush()
+
+    def close(self) -> None:  # uvicorn closes a connection that is not kept alive after the answer's end
+        self._flush()
+        self._transport.close()
+
+    def _flush(self) -> None:
         self._released = True
-        if cycle.transport is self:
-            cycle.transport = self._transport
         held, self._held = self._held, []
         if held and not self._transport.is_closing():  # a client gone meanwhile takes nothing
             self._transport.write(b"".join(held))
-
-    def close(self) -> None:  # uvicorn closes a connection that is not kept alive after the answer's end
-        self._released = True
-        if self._held and not self._transport.is_closing():
-            self._transport.write(b"".join(self._held))
-        self._held = []
-        self._transport.close()
 
     def __getattr__(self, name: str):
         return getattr(self._transport, name)

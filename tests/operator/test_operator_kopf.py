@@ -343,7 +343,8 @@ def test_objects_are_created_by_server_side_apply():
             return {"metadata": {"resourceVersion": "1"}}
 
     obj = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "x", "namespace": "ns1"}, "data": {}}
-    assert Recorder().ensure(obj) == "created"
+    kube = Recorder()
+    assert kube.carry_out(kube.plan(obj)) == "created"
     assert calls == [("GET", "application/json"), ("PATCH", "application/apply-patch+yaml")]
 
 
