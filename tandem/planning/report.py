@@ -47,8 +47,7 @@ def plan_rows(plan: Plan) -> list[tuple[str, str, str]]:
         rows.append(("P/D GPUs", str(plan.pd_gpus), f"({plan.prefill_replicas} + {plan.decode_replicas}) x TP{tp}"))
         rows.append(("disaggregation threshold",
                      "n/a" if plan.disagg_threshold is None else f"{plan.disagg_threshold} tokens",
-                     "needs --slo-itl and a decode step time (--decode-step-s or a curve)"
-                     if plan.disagg_threshold is None else
+                     _no_threshold_reason(plan) if plan.disagg_threshold is None else
                      f"(ITL SLO {p.slo_itl:g} s - decode step {plan.decode_step_s:.4f} s) x "
                      f"{plan.prefill_tok_s:,.0f} tok/s"))
     if plan.queue_limit is not None:
@@ -60,6 +59,16 @@ def plan_rows(plan: Plan) -> list[tuple[str, str, str]]:
                      f"worst gap {worst.gap:.2f}x at concurrency {worst.concurrency:g} "
                      f"(throughput x latency = {worst.implied_concurrency:.3g}; limit 2x)"))
     return rows
+
+
+def _no_threshold_reason(plan: Plan) -> str:
+    """What the disaggregation threshold lacks: the ITL SLO, or a decode step time, which a curve gives only at
+    its C_max (the ITL measured where the plan runs the fleet)."""
+    if plan.profile.slo_itl is None:
+        return "needs --slo-itl"
+    if plan.curve_points and plan.c_max is None:
+        return "no curve point meets the SLO to read a decode step time from: give --decode-step-s"
+    return "needs a decode step time: --decode-step-s, or a curve"
 
 
 def format_plan(plan: Plan) -> str:

@@ -143,3 +143,15 @@ def test_cel_rules_and_pydantic_validators_agree(case):
         assert any(expected in m for m in cel_errors), cel_errors
         assert any(expected in m for m in py_errors), py_errors
         assert set(cel_errors) == set(py_errors)
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in EXAMPLE.parent.glob("llmdeployment*.yaml")))
+def test_every_example_passes_the_crd_schema_its_rules_and_the_operators_model(name):
+    import jsonschema  # OpenAPI v3.0 schemas are draft 4 (boolean exclusiveMinimum); x-kubernetes-* are ignored
+
+    body = yaml.safe_load((EXAMPLE.parent / name).read_text())
+    assert (body["apiVersion"], body["kind"]) == ("serving.tandem.dev/v1alpha1", "LLMDeployment")
+    jsonschema.Draft4Validator(_schema()["properties"]["spec"]).validate(body["spec"])
+    assert _cel_errors(body["spec"]) == []
+    assert _pydantic_errors(body["spec"]) == []
+    LLMDeploymentSpec.model_validate(body["spec"])

@@ -194,3 +194,17 @@ def test_littles_law_gap_is_flagged(tmp_path):
     assert not plan.little_ok
     assert any("Little's law gap at concurrency 32" in n and "4.0x off" in n for n in plan.notes)
     assert "FAILED" in format_plan(plan)
+
+
+@pytest.mark.parametrize("profile_args, slo_ttft, reason", [
+    ({}, 0.1, "no curve point meets the SLO to read a decode step time from: give --decode-step-s"),
+    ({"slo_itl": None}, 2.0, "needs --slo-itl"),
+])
+def test_a_missing_disaggregation_threshold_says_what_it_lacks(profile_args, slo_ttft, reason):
+    # A TTFT SLO of 0.1 s that no point meets: the curve was given, but has no C_max to read the ITL at.
+    profile = WorkloadProfile(**{"peak_rps": 10, "slo_ttft": slo_ttft, "slo_itl": 0.05, "prefill_tok_s": 1e4,
+                                 "decode_tok_s": 1e3, **profile_args})
+    plan = make_plan(profile, [CurvePoint.from_summary(p) for p in GUIDE_CURVE])
+    assert plan.disagg_threshold is None
+    row = next(line for line in format_plan(plan).splitlines() if "disaggregation threshold" in line)
+    assert "n/a" in row and reason in row
