@@ -35,7 +35,7 @@ from tandem.protocol import SamplingParams
 from tandem.router.admission import AdmissionRequest, Reject, RejectReason
 from tandem.router.api_keys import ApiKeyGate, bearer_token
 from tandem.router.fast_lane import FastLane, validation_error_response
-from tandem.router.orchestrator import Trace
+from tandem.router.orchestrator import Trace, no_workers
 from tandem.sse import CancelOnDisconnect, ClientDisconnected, EventStreamResponse, openai_stream
 
 SLO_HEADER = "x-tandem-slo-class"
@@ -133,13 +133,15 @@ async def serve(router, request: Request, body: CompletionRequest | ChatCompleti
         raise APIError(400, f"{len(choices)} completions in one request exceed this router's admission queue "
                             f"({queue_size}, --max-queue)", param="n")
     key = bearer_token(request.scope["headers"])
-    slo_name = request.headers.get(SLO_HEADER) or router.slo_for_key.get(key or "", "interactive")
+    # A key's class is the operator's decision for that tenant: a header cannot raise it (it chooses for the rest).
+    slo_name = router.slo_for_key.get(key or "") or request.headers.get(SLO_HEADER) or "interactive"
     if slo_name not in router.admission.slo_classes:
         raise APIError(400, f"unknown SLO class {slo_name!r}; known: {sorted(router.admission.slo_classes)}",
                        param=SLO_HEADER)
     healthy = router.decode.healthy()
     if not healthy:  # said now, with a status, rather than in an error event after a 200
-        raise APIError(503, "no decode worker is available", code="no_workers")
+        router.metrics.by_class(router.metrics.rejections, slo_name, reason="no_workers").inc()
+        raise no_workers(router.config.health_interval_s)
     workers = router.prefill.healthy() + healthy
     plans = [router.orchestrator.plan(ids) for ids in prompts]  # (block hashes, routing key), shared by samples
     # Several choices: the first is charged for the whole request (the others nothing), so that the tenant's
@@ -215,11 +217,12 @@ async def dispatch(router, rid: str, ids: list[int], params: SamplingParams, tic
     metrics, slo = router.metrics, ticket.slo
     ttft, itl = metrics.by_class(metrics.ttft, slo_name), metrics.by_class(metrics.itl, slo_name)
     await router.dispatcher.acquire(rid)
+    held_from = time.monotonic()
     trace = Trace()
     arrival = ticket.arrival_s
     first_at = last_at = None
     later_tokens = 0  # tokens after the first delta
-    released = False
+    released = finished = failed = False
     try:
         if after is not None:
             await after.wait()
@@ -237,12 +240,18 @@ async def dispatch(router, rid: str, ids: list[int], params: SamplingParams, tic
                 later_tokens += len(delta.new_token_ids)
                 itl.observe((t - last_at) / len(delta.new_token_ids))
             last_at = t
+            finished = delta.finished
             yield delta
+    except Exception:  # the pools could not answer it (a client that leaves closes or cancels this instead)
+        failed = True
+        raise
     finally:
         if not released:
             router.admission.release(rid)
-        router.dispatcher.release()
-        if first_at is not None:
+        router.dispatcher.release(time.monotonic() - held_from)
+        if failed:
+            metrics.by_class(metrics.failed, slo_name).inc()
+        elif finished:  # answered in full: a request whose client left is neither answered nor failed
             metrics.by_class(metrics.e2e, slo_name).observe(last_at - arrival)
             metrics.by_class(metrics.requests, slo_name).inc()
             mean_itl = (last_at - first_at) / later_tokens if later_tokens else 0.0
@@ -258,13 +267,26 @@ def stream_error_body(exc: Exception) -> dict | None:
 class Dispatcher:
     """Hands admitted requests to the pools in earliest-deadline-first order, at most `limit` at once."""
 
+    HOLD_ALPHA = 0.1  # weight of the newest hold time in the running mean
+
     def __init__(self, admission, limit: int, metrics):
         self.admission = admission
         self.limit = limit
         self.metrics = metrics
         self.active = 0
         self.waiting = 0  # requests parked in acquire(): only they need a wake-up when a slot frees
+        self.mean_hold_s: float | None = None  # how long a request holds its slot, dispatch to last token
         self._changed = asyncio.Condition()
+        admission.slot_wait_s = self.slot_wait_s
+
+    def slot_wait_s(self, queued_ahead: int) -> float:
+        """Seconds until a slot is free for a request with `queued_ahead` admitted requests before it: none while
+        one would be; else slots free at `limit` per mean hold time (Little's law), and it needs the one after
+        those the requests ahead of it take. 0 until a hold time is measured."""
+        needed = self.active + queued_ahead + 1 - self.limit
+        if needed <= 0 or self.mean_hold_s is None:
+            return 0.0
+        return needed * self.mean_hold_s / self.limit
 
     async def acquire(self, rid: str) -> None:
         if self._take(rid):  # a free slot and nobody ahead: no lock, no wait (the usual case)
@@ -297,8 +319,12 @@ class Dispatcher:
         self.active += 1
         return True
 
-    def release(self) -> None:
+    def release(self, held_s: float | None = None) -> None:
+        """A dispatched request is done with its slot, having held it `held_s` seconds."""
         self.active -= 1
+        if held_s is not None:
+            self.mean_hold_s = held_s if self.mean_hold_s is None else \
+                self.mean_hold_s + self.HOLD_ALPHA * (held_s - self.mean_hold_s)
         self._wake_waiting()
 
     def withdraw(self, rid: str) -> None:

@@ -29,7 +29,7 @@ from tandem.router.admission import (
 from tandem.router.app import Dispatcher, build_app
 from tandem.router.discovery import make_discovery
 from tandem.router.orchestrator import Orchestrator
-from tandem.router.pool import WorkerPool
+from tandem.router.pool import WorkerPool, probe_pools
 from tandem.router.worker_client import WorkerClient
 from tandem.tokenizer import load_tokenizer
 
@@ -99,6 +99,11 @@ class Router:
             max_input_tokens=config.max_input_tokens, max_output_tokens=config.max_output_tokens,
             rate_limiter=tenants.rate_limiter, rates=ServiceRates(initial_prefill_tps=config.initial_prefill_tps))
         self.dispatcher = Dispatcher(self.admission, config.max_in_flight, self.metrics)
+        for name in self.admission.slo_classes:
+            # Counted when /metrics is scraped, not kept up per request.
+            self.metrics.by_class(self.metrics.queue_depth, name).set_function(
+                lambda name=name: self.admission.queued(name))
+            self.metrics.by_class(self.metrics.failed, name)  # a series at 0: dashboards add it to the answered
         self.worker_client = WorkerClient(transport=config.worker_transport)  # the data path; httpx only probes
         for pool in (self.prefill, self.decode):  # a worker that stops answering probes loses its requests' wait
             pool.on_silent = self.worker_client.drop
@@ -111,7 +116,7 @@ class Router:
         prefill_urls, decode_urls = await self.discovery.members()
         self.prefill.set_members(prefill_urls)
         self.decode.set_members(decode_urls)
-        await asyncio.gather(self.prefill.probe_all(), self.decode.probe_all())
+        await probe_pools([self.prefill, self.decode])
         self.admission.prefill_workers = max(1, len(self.prefill.healthy()) or len(self.decode.healthy()))
         for worker in self.decode.healthy() + self.prefill.healthy():
             if worker.max_model_len:

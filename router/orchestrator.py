@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -32,6 +33,13 @@ from tandem.router.worker_client import TRANSPORT_ERRORS, WorkerClient, WorkerSt
 log = logging.getLogger(__name__)
 
 MAX_ATTEMPTS = 3  # per phase: a request survives two worker failures
+
+
+def no_workers(health_interval_s: float) -> APIError:
+    """503 for a request no decode worker can take now, with a Retry-After of the probe interval: the soonest
+    a worker can be back in rotation."""
+    return APIError(503, "no decode worker is available", code="no_workers",
+                    headers={"Retry-After": str(max(1, math.ceil(health_interval_s)))})
 
 
 class WorkerFailure(Exception):
@@ -169,7 +177,7 @@ class Orchestrator:
             else:  # it prefills here: place by the prompt, like a prefill
                 url = self._place(self.decode, key, hashes, len(prompt) + len(generated), failed, trace)
             if url is None:
-                raise APIError(503, "no decode worker is available", code="no_workers")
+                raise no_workers(self.config.health_interval_s)
             touched.add((url, attempt_id))
             trace.decode_workers.append(url)
             body = {"request_id": attempt_id, "sampling": params.model_dump(), "kv_handle": handle,

@@ -5,7 +5,8 @@ Health is active and passive: a probe loop reads each worker's /internal/load (2
 consecutive failures a worker leaves the hash ring until a probe succeeds again. A worker that does not
 answer its probes at all (`silent_after` in a row: hung, or its host cut off) also has the requests in
 flight on it failed (`on_silent`), so they move on in seconds rather than when a heartbeat or read timeout
-notices; one that answers "not ready" (draining) keeps them.
+notices (probe_pools says when silence counts as the worker's); one that answers "not ready" (draining) keeps
+them.
 """
 
 from __future__ import annotations
@@ -142,14 +143,14 @@ class WorkerPool:
         self._set_healthy(worker, ready)
 
     async def probe_all(self, timeout_s: float = 2.0) -> None:
-        workers = list(self.workers.values())
-        await asyncio.gather(*(self.probe(w, timeout_s) for w in workers))
-        # Silence is the worker's only if another worker answered in the same round: when none did, the likelier
-        # cause is this router (its event loop held up past the timeout) or its network, and failing every request
-        # in flight would not help them.
-        if self.on_silent is None or all(w.silent_probes for w in workers):
+        """One probe round over this pool alone (probe_pools rounds over several)."""
+        await probe_pools([self], timeout_s)
+
+    def report_silent(self) -> None:
+        """on_silent, once per silence, for each worker whose last silent_after probes went unanswered."""
+        if self.on_silent is None:
             return
-        for worker in workers:
+        for worker in self.workers.values():
             if worker.silent_probes >= self.silent_after and not worker.silence_reported:
                 worker.silence_reported = True
                 log.warning("%s worker %s has not answered %d probes: failing the requests in flight on it",
@@ -165,3 +166,43 @@ class WorkerPool:
         return [DecodeWorkerState(w.url, free_kv_blocks=max(w.free_blocks, 0), running_seqs=max(w.running, w.in_flight),
                                   healthy=w.healthy)
                 for w in self.workers.values() if w.url not in exclude]
+
+
+async def probe_pools(pools: list[WorkerPool], timeout_s: float = 2.0) -> None:
+    """One probe round over every worker of `pools`, then the silent ones' requests failed (report_silent).
+
+    Silence is a worker's when another worker, of any pool, answered in the same round, or when this router's event
+    loop kept time through the round. When none answered and the loop was held up past the timeout, the likelier
+    cause is this router, and failing every request in flight would not help them. Judged over all pools: a lone
+    prefill worker that hangs is found by the decode pool answering beside it."""
+    workers = [w for pool in pools for w in pool.workers.values()]
+    lag = LoopLag()
+    try:
+        await asyncio.gather(*(pool.probe(w, timeout_s) for pool in pools for w in pool.workers.values()))
+    finally:
+        lag.stop()
+    if all(w.silent_probes for w in workers) and lag.worst_s > timeout_s / 2:
+        return
+    for pool in pools:
+        pool.report_silent()
+
+
+class LoopLag:
+    """How late the event loop ran a short timer, at worst, while it lived: a loop held up by this process (a
+    long computation, a paused process) runs every timer late by as much."""
+
+    TICK_S = 0.05
+
+    def __init__(self):
+        self.worst_s = 0.0
+        self._task = asyncio.get_running_loop().create_task(self._watch())
+
+    async def _watch(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            due = loop.time() + self.TICK_S
+            await asyncio.sleep(self.TICK_S)
+            self.worst_s = max(self.worst_s, loop.time() - due)
+
+    def stop(self) -> None:
+        self._task.cancel()

@@ -110,7 +110,11 @@ class RouterMetrics:
         self.ttft = hist("tandem_router_time_to_first_token_seconds", "Client-seen time to first token")
         self.itl = hist("tandem_router_inter_token_latency_seconds", "Client-seen time between tokens")
         self.e2e = hist("tandem_router_e2e_request_latency_seconds", "Client-seen request latency")
-        self.requests = Counter("tandem_router_requests", "Requests answered, by SLO class", by_class, registry=r)
+        self.requests = Counter("tandem_router_requests", "Requests answered in full, by SLO class", by_class,
+                                registry=r)
+        self.failed = Counter("tandem_router_failed_requests",
+                              "Requests admitted whose answer failed (every worker tried failed), by SLO class",
+                              by_class, registry=r)
         self.goodput = Counter("tandem_router_goodput_requests", "Requests that met their TTFT and ITL targets",
                                by_class, registry=r)
         self.rejections = Counter("tandem_router_rejections", "Requests refused, by reason",

@@ -12,7 +12,8 @@ The router calls, per request:
 `decide` checks, in this order, and the first failing check names the reason:
   input_too_long / max_tokens_too_large   the caps (retry_after_s None: retrying cannot help)
   rate_limited    the tenant's bucket cannot cover prompt + max_tokens tokens; retry when it will have refilled
-  queue_full      the bounded queue is full; retry after about one queued request's prefill time
+  queue_full      the bounded queue is full; retry after about one queued request's prefill time (1 s before
+                  any prefill rate is measured)
   slo_unmeetable  predicted wait + own prefill time > the class's TTFT target; retry when the backlog ahead
                   will have drained enough, at the measured rate, for the request to fit
 Only an admitted request is charged to its tenant's bucket.
@@ -24,6 +25,11 @@ interactive request overtake a batch backlog instead of being refused because of
 prefill runs on one worker, so its time is its uncached tokens over the per-worker rate. A prompt too long
 to meet its target even on an idle pool is admitted when nothing is ahead of it rather than refused
 forever. Until a rate is known (no measurement and no prior) nothing is refused for its SLO.
+
+Dispatch slots: a router dispatches at most --max-in-flight requests at once, and a slot is held until the last
+token. With the slots taken by long streams, a request waits for one however idle the prefill pool is:
+`slot_wait_s` (the Dispatcher's prediction, by Little's law on slot hold times) says how long, given the
+requests queued ahead of it, and the larger of the two waits is the one that counts.
 """
 
 from __future__ import annotations
@@ -131,6 +137,9 @@ class AdmissionController:
         self._in_flight: dict[str, int] = {}  # request id -> uncached prompt tokens, dispatched, not released
         self._in_flight_total = 0  # their sum, kept as they come and go: every admission reads it
         self._clock = clock
+        # Seconds until a dispatch slot is free for a request with n admitted requests queued before it (set by
+        # the Dispatcher; none to wait for without one).
+        self.slot_wait_s: Callable[[int], float] = lambda queued_ahead: 0.0
 
     @property
     def prefill_workers(self) -> int:
@@ -157,12 +166,15 @@ class AdmissionController:
 
     def predicted_wait_s(self, deadline_s: float, priority: int = 0) -> float | None:
         """Seconds until the pool has served everything in flight and everything queued ahead of a request
-        with this deadline and priority; None while no prefill rate is known."""
+        with this deadline and priority, or until a dispatch slot frees for it if that is longer; None while
+        neither is known (no prefill rate, no slot to wait for)."""
         rate = self._worker_tps()
+        ahead = list(self.queue.ahead_of(deadline_s, priority))
+        slot_wait = self.slot_wait_s(len(ahead))
         if rate is None:
-            return None
-        ahead = self.in_flight_tokens + sum(t.request.prefill_tokens for t in self.queue.ahead_of(deadline_s, priority))
-        return ahead / (rate * self.prefill_workers)
+            return slot_wait or None
+        prefill_wait = (self.in_flight_tokens + sum(t.request.prefill_tokens for t in ahead)) / (rate * self.prefill_workers)
+        return max(prefill_wait, slot_wait)
 
     def decide(self, request: AdmissionRequest) -> Admit | Reject:
         slo = self.slo_classes.get(request.slo_class)
@@ -187,7 +199,7 @@ class AdmissionController:
 
         rate = self._worker_tps()
         if self.queue.full:
-            retry = None
+            retry = 1.0  # a guess while no prefill rate is measured: a client is told to come back, not when
             if rate is not None and self.queued_tokens > 0:
                 retry = self.queued_tokens / len(self.queue) / (rate * self.prefill_workers)
             return Reject(RejectReason.QUEUE_FULL, retry, f"admission queue is full ({self.queue.max_size} requests)")
@@ -196,7 +208,7 @@ class AdmissionController:
         deadline = now + slo.ttft_s
         wait = self.predicted_wait_s(deadline, slo.priority)
         if wait is not None:
-            own = request.prefill_tokens / rate
+            own = request.prefill_tokens / rate if rate is not None else 0.0
             allowed = max(0.0, slo.ttft_s - own)
             if wait > allowed:
                 # The backlog ahead drains at one second of predicted wait per second.
@@ -208,6 +220,10 @@ class AdmissionController:
         ticket = Admit(request, tenant, slo, now, deadline, wait)
         self.queue.push(request.request_id, ticket, deadline, slo.priority)
         return ticket
+
+    def queued(self, slo_class: str) -> int:
+        """Requests of that SLO class admitted and not yet dispatched (read when /metrics is scraped)."""
+        return sum(1 for ticket in self.queue if ticket.slo.name == slo_class)
 
     def pop(self) -> Admit | None:
         """The admitted request with the earliest deadline, now counted as in flight; None when none waits."""

@@ -18,6 +18,7 @@ from tandem.router.admission import (
     SLOClass,
     TenantRateLimiter,
 )
+from tandem.router.app import Dispatcher
 
 
 def request(rid, prompt=100, max_tokens=16, slo="interactive", api_key=None, uncached=None) -> AdmissionRequest:
@@ -224,6 +225,12 @@ def test_queue_full_until_a_request_leaves(clock):
     admitted(control.decide(request("d", prompt=10)))
 
 
+def test_queue_full_says_when_to_retry_before_any_rate_is_measured(clock):
+    control = AdmissionController(max_queue=1, clock=clock)
+    admitted(control.decide(request("a", prompt=100)))
+    assert rejected(control.decide(request("b", prompt=10)), RejectReason.QUEUE_FULL).retry_after_s == 1.0
+
+
 @pytest.mark.parametrize("prompt, max_tokens, reason", [
     (4097, 16, RejectReason.INPUT_TOO_LONG),
     (4096, 1025, RejectReason.MAX_TOKENS_TOO_LARGE),
@@ -280,3 +287,22 @@ def test_in_flight_tokens_are_those_dispatched_and_not_released(make_clock, requ
             assert control.release(f"busy{i}")
             assert not control.release(f"busy{i}")  # a second release changes nothing
     assert control.in_flight_tokens == sum(size for size, release in requests if not release)
+
+
+def test_with_every_dispatch_slot_held_a_request_waits_for_one_and_is_refused_when_that_is_too_long(clock):
+    """--max-in-flight 2, both slots held by streams that hold one 3 s on average: an idle prefill pool does not
+    make an interactive request's 1 s TTFT reachable. Slots free at 2 per 3 s: the next request waits 1.5 s."""
+    control = AdmissionController(rates=ServiceRates(initial_prefill_tps=1000.0), clock=clock)
+    dispatcher = Dispatcher(control, limit=2, metrics=None)
+    admitted(control.decide(request("early", prompt=10)))  # before any hold time is known: nothing to predict
+    control.release("early")
+    for held in (3.0, 3.0):  # two streams held their slots 3 s each
+        dispatcher.active += 1
+        dispatcher.release(held)
+    dispatcher.active = 2  # and two more hold them now
+    refusal = rejected(control.decide(request("late", prompt=10)), RejectReason.SLO_UNMEETABLE)
+    assert refusal.retry_after_s == pytest.approx(1.5 - (1.0 - 0.01))
+    assert admitted(control.decide(request("patient", prompt=10, slo="batch"))).predicted_wait_s == pytest.approx(1.5)
+    assert dispatcher.slot_wait_s(queued_ahead=1) == pytest.approx(3.0)  # behind the batch one: the second to free
+    dispatcher.active = 1  # a slot free: no wait for it
+    assert dispatcher.slot_wait_s(queued_ahead=0) == 0.0

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
+import aiohttp
 import httpx
 import orjson
 import pytest
@@ -135,7 +136,69 @@ def test_with_no_decode_worker_a_stream_is_refused_with_503_before_it_starts(rou
 
     r = asyncio.run(ask())
     assert r.status_code == 503 and r.json()["error"]["code"] == "no_workers"
+    assert r.headers["retry-after"] == "1"  # the probe interval: the soonest a worker can be back
+    assert sample(router, "tandem_router_rejections_total", reason="no_workers") == 1
     assert_forgotten(router)
+
+
+def sample(router, name: str, **labels) -> float:
+    """A router metric's value summed over the series whose labels include `labels`."""
+    return sum(s.value for metric in router.metrics.registry.collect() for s in metric.samples
+               if s.name == name and labels.items() <= s.labels.items())
+
+
+class DyingWorker(SlowWorker):
+    """Makes two tokens, then its connection breaks (a worker killed mid-stream), as every worker tried does."""
+
+    async def event_batches(self, worker: str, path: str, body: dict):
+        for i in range(2):
+            await asyncio.sleep(0.01)
+            yield [{"token_ids": [100 + i], "text": "x"}]
+        raise aiohttp.ServerDisconnectedError("the worker went away")
+
+
+def test_a_stream_that_fails_after_its_first_token_counts_as_failed_not_answered(router_app):
+    router, app, _ = router_app
+    router.orchestrator.http = DyingWorker()
+    r = post(app, {"model": "smollm2", "prompt": "Hello there", "max_tokens": 8, "stream": True}, slo="batch")
+    assert r.status_code == 200 and '"error"' in r.text  # the stream's end says it failed
+    assert sample(router, "tandem_router_failed_requests_total", slo_class="batch") == 1
+    assert sample(router, "tandem_router_requests_total") == 0
+    assert sample(router, "tandem_router_goodput_requests_total") == 0
+    router.orchestrator.http = SlowWorker()
+    assert post(app, {"model": "smollm2", "prompt": "Hello there", "max_tokens": 3}, slo="batch").status_code == 200
+    assert sample(router, "tandem_router_requests_total", slo_class="batch") == 1
+    assert sample(router, "tandem_router_goodput_requests_total", slo_class="batch") == 1
+    assert_forgotten(router)
+
+
+def test_queue_depth_is_the_requests_admitted_and_not_dispatched_by_class(router_app):
+    router, _, _ = router_app
+    for i, slo in enumerate(["batch", "batch", "interactive"]):
+        router.admission.decide(AdmissionRequest(f"q-{i}", 1, 1, slo, charge_tokens=0))
+    assert sample(router, "tandem_router_queue_depth", slo_class="batch") == 2
+    assert sample(router, "tandem_router_queue_depth", slo_class="interactive") == 1
+    router.admission.pop()  # dispatched: the earliest deadline, the interactive one
+    assert sample(router, "tandem_router_queue_depth", slo_class="interactive") == 0
+
+
+def test_an_api_keys_slo_class_is_not_overridden_by_the_header():
+    router = Router(RouterConfig(decode=[WORKER], max_queue=4))
+    router.decode.set_members([WORKER])
+    router.decode._set_healthy(router.decode.workers[WORKER], True)
+    router.orchestrator.http = SlowWorker()
+    router.slo_for_key = {"sk-batch": "batch"}
+    app = build_app(router)
+
+    async def ask(headers):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://r") as client:
+            return await client.post("/v1/completions", headers=headers,
+                                     json={"model": "smollm2", "prompt": "Hello there", "max_tokens": 1})
+
+    assert asyncio.run(ask({"authorization": "Bearer sk-batch", "x-tandem-slo-class": "interactive"})).status_code == 200
+    assert asyncio.run(ask({"x-tandem-slo-class": "interactive"})).status_code == 200  # no key: the header chooses
+    assert sample(router, "tandem_router_requests_total", slo_class="batch") == 1
+    assert sample(router, "tandem_router_requests_total", slo_class="interactive") == 1
 
 
 def test_a_client_that_leaves_stops_every_choice(router_app):

@@ -3,14 +3,16 @@ the requests in flight on it failed, once; one that answers "not ready" (drainin
 
 from __future__ import annotations
 
+import asyncio
 import socket
+import time
 
 import httpx
 from aiohttp import web
 
 from tandem.launcher import free_port
 from tandem.metrics import RouterMetrics
-from tandem.router.pool import WorkerPool
+from tandem.router.pool import WorkerPool, probe_pools
 
 
 async def draining_worker(port: int) -> web.AppRunner:
@@ -51,21 +53,56 @@ async def test_only_a_worker_that_stops_answering_loses_its_requests_and_once():
     assert not pool.healthy()  # both are out of rotation all the same
 
 
-async def test_when_no_worker_answers_the_silence_is_not_theirs():
-    """Every probe of a round timing out says more about this router (its event loop held up) or its network than
+async def test_when_no_worker_answers_and_the_router_was_held_up_the_silence_is_not_theirs():
+    """Every probe of a round timing out while this router's event loop was held up says more about the router than
     about the workers: nothing is failed."""
     hung = [socket.socket() for _ in range(2)]
     for s in hung:
         s.bind(("127.0.0.1", 0))
         s.listen(16)
     dropped: list[str] = []
+
+    async def hold_up_the_loop():
+        await asyncio.sleep(0.01)
+        time.sleep(0.4)  # blocking: every timer of the loop runs late, the probes' timeouts too
+
     try:
         async with httpx.AsyncClient() as http:
             pool = WorkerPool("decode", http, RouterMetrics("test"), silent_after=2, on_silent=dropped.append)
             pool.set_members([f"http://127.0.0.1:{s.getsockname()[1]}" for s in hung])
             for _ in range(3):
-                await pool.probe_all(timeout_s=0.2)
+                await asyncio.gather(pool.probe_all(timeout_s=0.2), hold_up_the_loop())
     finally:
         for s in hung:
             s.close()
     assert dropped == []
+
+
+async def test_a_lone_hung_worker_loses_its_requests_when_the_router_kept_time():
+    """The only worker of its pool hangs: the other pool answering (or, with no other, this router's loop keeping
+    time through the round) says the silence is the worker's."""
+    hung = socket.socket()
+    hung.bind(("127.0.0.1", 0))
+    hung.listen(16)
+    hung_url = f"http://127.0.0.1:{hung.getsockname()[1]}"
+    draining_port = free_port()
+    runner = await draining_worker(draining_port)
+    dropped: list[str] = []
+    try:
+        async with httpx.AsyncClient() as http:
+            prefill = WorkerPool("prefill", http, RouterMetrics("test"), silent_after=2, on_silent=dropped.append)
+            prefill.set_members([hung_url])
+            decode = WorkerPool("decode", http, RouterMetrics("test2"), silent_after=2, on_silent=dropped.append)
+            decode.set_members([f"http://127.0.0.1:{draining_port}"])
+            for _ in range(2):
+                await probe_pools([prefill, decode], timeout_s=0.2)
+            assert dropped == [hung_url]
+            dropped.clear()
+            alone = WorkerPool("decode", http, RouterMetrics("test3"), silent_after=2, on_silent=dropped.append)
+            alone.set_members([hung_url])
+            for _ in range(2):
+                await alone.probe_all(timeout_s=0.2)
+            assert dropped == [hung_url]
+    finally:
+        hung.close()
+        await runner.cleanup()
