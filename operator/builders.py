@@ -237,6 +237,9 @@ def router_deployment(owner: Owner, spec: LLMDeploymentSpec) -> dict:
             "--discovery", "kubernetes", "--namespace", owner.namespace,
             "--prefill-selector", names.pool_selector(owner.name, "prefill"),
             "--decode-selector", names.pool_selector(owner.name, "decode")]
+    # SIGTERM comes after the preStop sleep; requests then get what is left of the grace period, less a margin
+    # to end those still running with an error (not a SIGKILL's cut connection).
+    args += ["--graceful-shutdown-s", str(ROUTER_GRACE_SECONDS - DRAIN_SECONDS - 5)]
     if router.disagg_min_tokens is not None:
         args += ["--disagg-min-tokens", str(router.disagg_min_tokens)]
     if spec.engine.block_size is not None:  # the router hashes prompts in the workers' blocks

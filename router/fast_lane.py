@@ -10,6 +10,7 @@ both routes, so /openapi.json documents them, and serves every other path.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable
 
 from pydantic import BaseModel, ValidationError
@@ -19,6 +20,7 @@ from starlette.responses import JSONResponse, Response
 from tandem.body_limit import declared_length_error, too_large
 from tandem.errors import APIError, api_error_response, error_body, error_param
 from tandem.response_head import head_with_body
+from tandem.sse import SHUTTING_DOWN
 
 Handler = Callable[[BaseModel, Request], Awaitable[Response]]
 
@@ -58,6 +60,8 @@ class FastLane:
             response = validation_error_response(exc.errors(include_url=False))
         except APIError as exc:
             response = api_error_response(exc)
+        except asyncio.CancelledError:  # the server stops and its graceful wait is over: say so (uvicorn: a bare 500)
+            response = JSONResponse(SHUTTING_DOWN, status_code=503, headers={"Retry-After": "1"})
         await response(scope, receive, send)
 
     async def _read_body(self, scope, receive) -> bytes:

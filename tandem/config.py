@@ -100,6 +100,9 @@ class RouterConfig(BaseModel):
     initial_prefill_tps: float | None = Field(None, gt=0, description="prefill tokens/s per worker before measuring")
     health_interval_s: float = Field(1.0, gt=0, description="how often workers' /ready and load are polled")
     eject_after_failures: int = Field(3, ge=1, description="consecutive failures that take a worker out")
+    graceful_shutdown_s: float = Field(30.0, ge=0, description="on SIGTERM, how long requests in flight get to "
+                                       "finish; those still running then end with 503 shutting_down (streamed: an "
+                                       "error event and [DONE])")
     seed: int = 0
 
 

@@ -15,7 +15,7 @@ import sys
 import time
 
 from tandem.cli_args import options_to_args
-from tandem.config import API_KEY_ENV, EngineConfig
+from tandem.config import API_KEY_ENV, EngineConfig, RouterConfig
 from tandem.launcher import ServiceProcess
 
 RESTART_GRACE_S = 30.0  # a process that exits again this soon after its start is crash-looping
@@ -88,6 +88,21 @@ def start_failure(exc: Exception, process: ServiceProcess) -> str:
         "\n  ".join(lines[-6:])
 
 
+ROUTER_GRACE_S = RouterConfig.model_fields["graceful_shutdown_s"].default
+
+
+def stop_all(router: ServiceProcess, workers: list[ServiceProcess]) -> None:
+    """The router first, while the workers still serve the requests it lets finish (its graceful shutdown), then
+    the workers. Ctrl-C meanwhile stops everything at once."""
+    try:
+        router.stop(timeout=ROUTER_GRACE_S + 5)
+        for worker in workers:
+            worker.stop()
+    except KeyboardInterrupt:
+        for process in (router, *workers):
+            process.kill()
+
+
 def run_local_stack(engine: EngineConfig, *, prefill: int, decode: int, colocated: bool, disagg_min_tokens: int,
                     host: str, port: int, api_key: str | None = None) -> int:
     worker_args = options_to_args(engine)
@@ -141,8 +156,8 @@ def run_local_stack(engine: EngineConfig, *, prefill: int, decode: int, colocate
         print("Ctrl-C stops everything.", flush=True)
         return supervise(everything)
     except KeyboardInterrupt:
-        print("\nstopping ...", flush=True)
+        print(f"\nstopping: requests in flight get up to {ROUTER_GRACE_S:g} s to finish (Ctrl-C again stops at once) "
+              "...", flush=True)
         return 0
     finally:
-        for proc in reversed(everything):
-            proc.stop()
+        stop_all(router, workers)

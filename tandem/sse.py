@@ -14,6 +14,10 @@ if TYPE_CHECKING:
     from tandem.openai_format import Formatter
 
 DONE = "data: [DONE]\n\n"
+# What a request still running when its server stops (past the graceful shutdown's wait) is told, instead of a
+# connection cut mid-answer: the router resumes a worker's stream elsewhere, a client knows to retry.
+SHUTTING_DOWN = {"error": {"message": "the server is shutting down; retry the request", "type": "server_error",
+                           "param": None, "code": "shutting_down"}}
 
 
 def sse_event(payload: dict) -> str:
@@ -94,10 +98,15 @@ class EventStreamResponse(StreamingResponse):
         listener = loop.create_task(_until_disconnect(receive))
         try:
             await asyncio.wait((streamer, listener), return_when=asyncio.FIRST_COMPLETED)
-        except BaseException:  # this request itself was cancelled (server shutdown): so are its two tasks
-            streamer.cancel()
+        except asyncio.CancelledError:  # this request itself was cancelled: its server stops, the wait is over
             listener.cancel()
-            raise
+            streamer.cancel()
+            with contextlib.suppress(BaseException):
+                await streamer  # it stops writing before the last event goes
+            with contextlib.suppress(Exception):  # the connection may be gone already
+                await asyncio.wait_for(send({"type": "http.response.body", "more_body": False,
+                                             "body": (sse_event(SHUTTING_DOWN) + DONE).encode()}), 1.0)
+            return
         if not streamer.done():  # the client left mid-stream
             streamer.cancel()
             with contextlib.suppress(asyncio.CancelledError):

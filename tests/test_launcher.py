@@ -92,3 +92,29 @@ def test_a_port_whose_last_connection_is_in_time_wait_is_free_for_the_router():
     client.close()
     server.close()
     assert not port_in_use("127.0.0.1", port)
+
+
+class StoppingProcess:
+    """What stop_all calls of a ServiceProcess, recorded; `interrupted`: Ctrl-C arrives while it stops."""
+
+    def __init__(self, name: str, calls: list, interrupted: bool = False):
+        self.name, self.calls, self.interrupted = name, calls, interrupted
+
+    def stop(self, timeout: float = 15.0):
+        self.calls.append(("stop", self.name, timeout))
+        if self.interrupted:
+            raise KeyboardInterrupt
+
+    def kill(self):
+        self.calls.append(("kill", self.name))
+
+
+def test_the_router_stops_first_with_time_to_finish_and_ctrl_c_again_kills_everything():
+    from tandem.local_stack import ROUTER_GRACE_S, stop_all
+
+    calls: list = []
+    stop_all(StoppingProcess("router", calls), [StoppingProcess("prefill-0", calls), StoppingProcess("decode-1", calls)])
+    assert calls == [("stop", "router", ROUTER_GRACE_S + 5), ("stop", "prefill-0", 15.0), ("stop", "decode-1", 15.0)]
+    calls.clear()
+    stop_all(StoppingProcess("router", calls, interrupted=True), [StoppingProcess("decode-1", calls)])
+    assert calls == [("stop", "router", ROUTER_GRACE_S + 5), ("kill", "router"), ("kill", "decode-1")]

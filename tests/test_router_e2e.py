@@ -305,6 +305,57 @@ def test_a_client_that_leaves_mid_stream_stops_the_work(fleet, tokenizer):
     assert metric(router_url, "tandem_router_worker_in_flight") == 0
 
 
+def test_a_stopping_router_lets_requests_finish_then_ends_the_rest_with_a_reason(fleet):
+    """SIGTERM (Kubernetes after preStop; Ctrl-C on tandem serve): requests in flight get --graceful-shutdown-s to
+    finish, and those still running then end with 503 shutting_down, or streamed, with that error event and [DONE]
+    (not a bare 500 or a connection cut mid-answer)."""
+    decode = fleet["decode"]
+
+    def run(stop: ServiceProcess, max_tokens: int, answers: dict) -> None:
+        """A streamed and a non-streamed request; SIGTERM to the router once the stream has its first token."""
+        body = {"model": "smollm2", "prompt": "Count to a thousand:", "max_tokens": max_tokens, "temperature": 0,
+                "ignore_eos": True}
+        started = threading.Event()
+
+        def plain():
+            answers["plain"] = httpx.post(stop.url + "/v1/completions", json=body, timeout=120)
+
+        thread = threading.Thread(target=plain)
+        thread.start()
+        with httpx.Client(timeout=120) as http, http.stream("POST", stop.url + "/v1/completions",
+                                                            json={**body, "stream": True}) as r:
+            lines = []
+            for line in filter(None, r.iter_lines()):  # events, without the blank lines between them
+                lines.append(line)
+                if line.startswith("data: {") and not started.is_set():
+                    started.set()
+                    stop.proc.send_signal(signal.SIGTERM)
+            answers["stream"] = lines
+        thread.join(120)
+        stop.proc.wait(60)
+
+    short = router([], decode, "--graceful-shutdown-s", "60")
+    cut = router([], decode, "--graceful-shutdown-s", "0.5")
+    start_all(short, cut)
+    try:
+        finished, ended = {}, {}
+        run(short, 24, finished)
+        run(cut, 4000, ended)
+    finally:
+        short.stop()
+        cut.stop()
+    assert finished["plain"].status_code == 200 and finished["plain"].json()["usage"]["completion_tokens"] == 24
+    events = [json.loads(line[6:]) for line in finished["stream"] if line.startswith("data: {")]
+    assert events[-1]["choices"][0]["finish_reason"] == "length" and finished["stream"][-1] == "data: [DONE]"
+
+    assert ended["plain"].status_code == 503 and ended["plain"].headers["retry-after"] == "1"
+    assert ended["plain"].json()["error"]["code"] == "shutting_down"
+    events = [json.loads(line[6:]) for line in ended["stream"] if line.startswith("data: {")]
+    assert events[-1]["error"]["code"] == "shutting_down" and ended["stream"][-1] == "data: [DONE]"
+    assert "choices" in events[0]  # it had begun: the error ends an answer under way
+    wait_for(lambda: all(metric(d.url, "tandem_num_requests_running") == 0 for d in decode))
+
+
 @pytest.mark.parametrize("fault,transport", [("kill", "websocket"), ("hang", "websocket"), ("hang", "http")])
 def test_a_decode_worker_lost_mid_stream_the_stream_continues(fault, transport):
     """kill: the worker dies, and its connections close. hang: it stops answering without closing them (SIGSTOP: a

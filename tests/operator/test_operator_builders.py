@@ -205,6 +205,15 @@ def test_the_router_hashes_prompts_in_the_workers_block_size():
         assert args[args.index("--block-size") + 1] == "32", name
 
 
+def test_the_routers_graceful_shutdown_ends_before_the_pods_grace_period():
+    """SIGTERM comes after the preStop sleep; the router must end what still runs before the kubelet's SIGKILL."""
+    pod = _by_name(_objects(VARIANTS["example"]), "Deployment")["smollm2-router"]["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    pre_stop = int(container["lifecycle"]["preStop"]["exec"]["command"][-1])
+    graceful = float(container["args"][container["args"].index("--graceful-shutdown-s") + 1])
+    assert 0 < pre_stop + graceful < pod["terminationGracePeriodSeconds"]
+
+
 def test_tenants_secret_is_mounted_read_only_into_the_router():
     router = _by_name(_objects(VARIANTS["hostpath-gguf-tenants"]), "Deployment")["smollm2-router"]
     pod = router["spec"]["template"]["spec"]
