@@ -10,14 +10,15 @@ from typing import TYPE_CHECKING
 import orjson
 from starlette.responses import StreamingResponse
 
+from tandem.errors import error_body
+
 if TYPE_CHECKING:
     from tandem.openai_format import Formatter
 
 DONE = "data: [DONE]\n\n"
 # What a request still running when its server stops (past the graceful shutdown's wait) is told, instead of a
 # connection cut mid-answer: the router resumes a worker's stream elsewhere, a client knows to retry.
-SHUTTING_DOWN = {"error": {"message": "the server is shutting down; retry the request", "type": "server_error",
-                           "param": None, "code": "shutting_down"}}
+SHUTTING_DOWN = error_body(503, "the server is shutting down; retry the request", code="shutting_down")
 
 
 def sse_event(payload: dict) -> str:
