@@ -220,7 +220,7 @@ class Orchestrator:
                 if finished:  # only the end of a finished stream was lost: nothing to resume
                     self.decode.record_success(url)
                     return
-                log.info("decode on %s failed (%s); migrating request %s", url, exc, rid)
+                log.info("decode on %s failed (%r); request %s goes on another decode worker if one is left", url, exc, rid)
                 self.decode.record_failure(url)
                 self._abandon(touched, url, attempt_id)  # a worker that only stopped answering may still be at it
                 failed.add(url)

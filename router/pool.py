@@ -153,7 +153,7 @@ class WorkerPool:
         for worker in self.workers.values():
             if worker.silent_probes >= self.silent_after and not worker.silence_reported:
                 worker.silence_reported = True
-                log.warning("%s worker %s has not answered %d probes: failing the requests in flight on it",
+                log.warning("%s worker %s has not answered %d probes: failing what it still has in flight",
                             self.role, worker.url, self.silent_after)
                 self.on_silent(worker.url)
 

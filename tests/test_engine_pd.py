@@ -302,6 +302,39 @@ def test_running_requests_keep_decoding_while_a_prompts_kv_arrives(pd_pair, colo
     assert status == "pulled" and tokens == run(colocated, "arriving-alone", prompt)[0]
 
 
+def test_where_steps_wait_for_pulls_a_stuck_pull_holds_them_up_only_so_long(tiny, colocated, monkeypatch):
+    """kv_pull_in_background off (a CPU's default): a step waits for the pull, but a pull stuck on a dead peer
+    would stall every running request until its timeout. Past the bound the steps go on, the pull beside them."""
+    monkeypatch.setattr("tandem.workers.engine.llm_engine._STEP_WAIT_FOR_PULL_S", 0.05)
+    prefill, decode = engine(tiny, "prefill"), engine(tiny, "decode", kv_pull_in_background="off")
+    prefill.kv_transfer = create_kv_transfer("tcp", prefill.runner.kv_cache, "p-stuck-pull")
+    decode.kv_transfer = HeldTransfer(create_kv_transfer("tcp", decode.runner.kv_cache, "d-stuck-pull"))
+    try:
+        prompt = prompt_of(100, seed=23)
+        first, source, lease_id = prefilled(prefill, "arriving", prompt)
+        decode.add_request("running", prompt_of(20, seed=24), SamplingParams(temperature=0, max_tokens=30,
+                                                                             ignore_eos=True))
+        decode.step()  # "running" prefills
+        decode.add_request("arriving", prompt, GREEDY, first_token_id=first, kv_source=source)
+        started = time.monotonic()
+        while_held = [out for _ in range(5) for out in decode.step()]
+        assert time.monotonic() - started < 5  # not the 30 s the read is held for
+        assert [out.request_id for out in while_held] == ["running"] * 5
+        decode.kv_transfer.release.set()
+        tokens, status = [first], None
+        while decode.has_unfinished_requests():
+            for out in decode.step():
+                if out.request_id == "arriving":
+                    tokens += out.new_token_ids
+                    status = status or out.kv_status
+        assert status == "pulled" and tokens == run(colocated, "arriving-alone-2", prompt)[0]
+        prefill.release_lease(lease_id)
+    finally:
+        decode.kv_transfer.release.set()
+        prefill.kv_transfer.close()
+        decode.kv_transfer.close()
+
+
 def test_a_request_aborted_while_its_kv_arrives_keeps_its_blocks_until_the_read_is_over(pd_pair):
     """The pull thread writes into the request's blocks until its read ends: given to another request before that,
     they would get KV that is not theirs."""

@@ -229,7 +229,7 @@ async def release_lease(ctx, handle: KVHandle) -> bool:
             return response.status_code == 200
         except httpx.HTTPError as exc:
             if attempt == RELEASE_ATTEMPTS:
-                log.info("could not release lease %s at %s: %s", handle.lease_id, handle.source_url, exc)
+                log.info("could not release lease %s at %s: %r", handle.lease_id, handle.source_url, exc)  # a timeout's str is ""
                 return False
             await asyncio.sleep(0.1 * attempt)
     return False

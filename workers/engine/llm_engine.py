@@ -87,6 +87,10 @@ class _Pull:
 # How long a step with nothing to compute waits for a pull to end before it returns (the worker's loop then takes
 # in new requests and steps again): the bound on what an idle engine adds to a new request's start.
 _PULL_WAIT_S = 0.005
+# How long a step waits for a pull where steps wait for pulls (kv_pull_in_background off: CPUs by default). A
+# pull of a long prompt takes tens of milliseconds on one host; one from a prefill worker that died mid-read can
+# take until --kv-pull-timeout-s and longer, and the running requests would stall for all of it.
+_STEP_WAIT_FOR_PULL_S = 1.0
 
 
 @dataclass
@@ -425,7 +429,9 @@ class LLMEngine:
                                           self.config.kv_pull_timeout_s)
         self._pulls[seq.request_id] = _Pull(seq, source, future, len(local))
         if not self._pull_in_background:
-            wait([future])
+            # Bounded: a pull from a worker that just died can hang until its timeout, and every running request
+            # would wait with it. Past the bound it goes on in the background, as on a GPU.
+            wait([future], timeout=_STEP_WAIT_FOR_PULL_S)
         return None
 
     def _end_pulls(self) -> None:
@@ -441,8 +447,7 @@ class LLMEngine:
             try:
                 moved, seconds = pull.future.result()
             except Exception as exc:  # noqa: BLE001 - any backend failure costs this request a recompute, not the engine
-                if not isinstance(exc, KVTransferError):
-                    log.warning("KV pull for %s failed: %r", request_id, exc)
+                log.warning("KV pull for %s failed, its prompt is computed here: %r", request_id, exc)
                 # The blocks stay: the scheduler computes the prompt into them.
                 self._settle_pull(seq, "lease_expired" if isinstance(exc, LeaseLost) else "transfer_failed")
                 continue
