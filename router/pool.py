@@ -2,7 +2,10 @@
 
 Health is active and passive: a probe loop reads each worker's /internal/load (200 = ready) every
 `interval` seconds, and every failed request counts against its worker; after `eject_after`
-consecutive failures a worker leaves the hash ring until a probe succeeds again. A worker that does not
+consecutive failures a worker leaves the hash ring until a probe succeeds again, held out for a while first
+when it keeps failing (1 s after its first ejection, doubling with each ejection up to a minute, until it
+serves a request): one that fails every request but passes its probes would otherwise be taken back each
+round and fail the next requests that its empty share of keys draws to it. A worker that does not
 answer its probes at all (`silent_after` in a row: hung, or its host cut off) also has the requests in
 flight on it failed (`on_silent`), so they move on in seconds rather than when a heartbeat or read timeout
 notices (probe_pools says when silence counts as the worker's); one that answers "not ready" (draining) keeps
@@ -24,6 +27,8 @@ from tandem.router.policies.ring import HashRing
 
 log = logging.getLogger(__name__)
 
+MAX_HOLD_OUT_S = 60.0  # the longest a failing worker is held out of rotation after an ejection
+
 
 @dataclass
 class Worker:
@@ -38,6 +43,8 @@ class Worker:
     max_model_len: int = 0
     silent_probes: int = 0  # probes in a row that got no answer at all
     silence_reported: bool = False  # on_silent was called for this silence
+    ejections: int = 0  # ejections for failures since it last served a request
+    held_out_until: float = 0.0  # no probe takes it back before then (loop time)
     prefills: int = 0  # prefills this router has on it now
     shared_time: float = 0.0  # the integral of dt / prefills over the time it had any: see prefill_started
     shared_time_at: float = 0.0  # when shared_time was last brought up to date
@@ -114,13 +121,20 @@ class WorkerPool:
         if worker is None:
             return
         worker.failures += 1
-        if worker.failures >= self.eject_after:
+        if worker.failures >= self.eject_after and worker.healthy:
+            worker.ejections += 1
+            hold = min(MAX_HOLD_OUT_S, 2.0 ** (worker.ejections - 1))
+            worker.held_out_until = asyncio.get_running_loop().time() + hold
+            self.metrics.plain(self.metrics.ejections, worker=url, role=self.role).inc()
+            log.warning("%s worker %s failed %d requests in a row: out of rotation for at least %g s",
+                        self.role, url, worker.failures, hold)
             self._set_healthy(worker, False)
 
     def record_success(self, url: str) -> None:
         worker = self.workers.get(url)
         if worker is not None:
             worker.failures = 0
+            worker.ejections = 0
 
     # -- active health and load ------------------------------------------------------------
     async def probe(self, worker: Worker, timeout_s: float = 2.0) -> None:
@@ -140,7 +154,7 @@ class WorkerPool:
             ready = False
         worker.silent_probes = worker.silent_probes + 1 if silent else 0
         worker.silence_reported = worker.silence_reported and silent
-        self._set_healthy(worker, ready)
+        self._set_healthy(worker, ready and asyncio.get_running_loop().time() >= worker.held_out_until)
 
     async def probe_all(self, timeout_s: float = 2.0) -> None:
         """One probe round over this pool alone (probe_pools rounds over several)."""

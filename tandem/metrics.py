@@ -133,6 +133,8 @@ class RouterMetrics:
                                          ROUTER_LABELS, registry=r)
         self.worker_healthy = Gauge("tandem_router_worker_healthy", "1 when the worker is in rotation",
                                     (*ROUTER_LABELS, "worker", "role"), registry=r)
+        self.ejections = Counter("tandem_router_worker_ejections", "Times a worker was taken out of rotation for "
+                                 "failing requests in a row", (*ROUTER_LABELS, "worker", "role"), registry=r)
         # A collection holds the GIL, and so the event loop and every request, whichever thread it runs in.
         self.gc_pause = Histogram("tandem_router_gc_pause_seconds",
                                   "Time one garbage collection held the router's event loop, by generation",

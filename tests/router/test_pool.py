@@ -8,6 +8,7 @@ import socket
 import time
 
 import httpx
+import pytest
 from aiohttp import web
 
 from tandem.launcher import free_port
@@ -106,3 +107,50 @@ async def test_a_lone_hung_worker_loses_its_requests_when_the_router_kept_time()
     finally:
         hung.close()
         await runner.cleanup()
+
+
+async def ready_worker(port: int) -> web.AppRunner:
+    async def load(_):
+        return web.json_response({"free_blocks": 1, "total_blocks": 1, "running": 0, "waiting": 0})
+
+    async def ready(_):
+        return web.json_response({"status": "ready"})
+
+    app = web.Application()
+    app.add_routes([web.get("/internal/load", load), web.get("/ready", ready)])
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    return runner
+
+
+async def test_a_worker_that_keeps_failing_requests_but_passes_its_probes_is_held_out_longer_each_time():
+    port = free_port()
+    runner = await ready_worker(port)
+    url = f"http://127.0.0.1:{port}"
+    metrics = RouterMetrics("test-eject")
+    loop = asyncio.get_running_loop()
+    try:
+        async with httpx.AsyncClient() as http:
+            pool = WorkerPool("prefill", http, metrics, eject_after=3)
+            pool.set_members([url])
+            await pool.probe_all(timeout_s=1.0)
+            assert [w.url for w in pool.healthy()] == [url]
+            for _ in range(3):
+                pool.record_failure(url)
+            assert not pool.healthy()
+            await pool.probe_all(timeout_s=1.0)
+            assert not pool.healthy()  # ready, but held out: its next requests would fail again
+            await asyncio.sleep(pool.workers[url].held_out_until - loop.time() + 0.05)
+            await pool.probe_all(timeout_s=1.0)
+            assert pool.healthy()  # 1 s after the first ejection
+            for _ in range(3):
+                pool.record_failure(url)
+            assert pool.workers[url].held_out_until - loop.time() == pytest.approx(2.0, abs=0.2)  # doubled
+            pool.record_success(url)  # it served a request (one in flight before): the next ejection starts over
+            assert pool.workers[url].ejections == 0
+    finally:
+        await runner.cleanup()
+    ejections = [s.value for m in metrics.registry.collect() for s in m.samples
+                 if s.name == "tandem_router_worker_ejections_total"]
+    assert ejections == [2]
