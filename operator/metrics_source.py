@@ -25,12 +25,15 @@ from tandem.planning.policy import MetricsWindow
 
 log = logging.getLogger("tandem.operator.planner")
 
-REQUESTS = "tandem_router_requests_total"
+REQUESTS = "tandem_router_requests_total"  # answered in full
+FAILED = "tandem_router_failed_requests_total"
+REFUSED = "tandem_router_rejections_total"  # only the reasons below: what more replicas would have served
+CAPACITY_REFUSALS = {"slo_unmeetable", "queue_full", "no_workers"}
 PROMPT_TOKENS = "tandem_prompt_tokens_total"
 COMPUTED_PROMPT_TOKENS = "tandem_computed_prompt_tokens_total"
 GENERATION_TOKENS = "tandem_generation_tokens_total"
 WAITING = "tandem_num_requests_waiting"
-SCRAPED = (REQUESTS, PROMPT_TOKENS, COMPUTED_PROMPT_TOKENS, GENERATION_TOKENS, WAITING)
+SCRAPED = (REQUESTS, FAILED, REFUSED, PROMPT_TOKENS, COMPUTED_PROMPT_TOKENS, GENERATION_TOKENS, WAITING)
 
 
 @dataclass(frozen=True)
@@ -46,10 +49,13 @@ class Sample:
 
 
 def parse_metrics(text: str) -> dict[str, float]:
-    """The series the planner reads, summed over their labels (model, slo_class, ...)."""
+    """The series the planner reads, summed over their labels (model, slo_class, ...); refusals only for lack of
+    capacity (not a tenant over its rate, or a request over a cap)."""
     totals: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
+            if sample.name == REFUSED and sample.labels.get("reason") not in CAPACITY_REFUSALS:
+                continue
             if sample.name in SCRAPED:
                 totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
     return totals
@@ -80,6 +86,10 @@ def window_from_samples(before: Sample, after: Sample, spec: LLMDeploymentSpec) 
         return sum(values.get(series, 0.0) for key, values in after.targets.items() if key[0] == component)
 
     requests = total("router", REQUESTS)
+    # Demand is what arrived, served or not: a fleet that refuses for lack of capacity (429s, 503s) or fails
+    # requests would otherwise look as loaded as what it managed to answer. (A client's retries of a refused
+    # request count again: an overestimate while refusing, which errs towards scaling up.)
+    arrivals = requests + total("router", FAILED) + total("router", REFUSED)
     # Every request ends on a decode worker (short prompts skip the prefill pool): its counters see them all.
     mean_in = total("decode", PROMPT_TOKENS) / requests if requests > 0 else 0.0
     mean_out = total("decode", GENERATION_TOKENS) / requests if requests > 0 else 0.0
@@ -96,7 +106,7 @@ def window_from_samples(before: Sample, after: Sample, spec: LLMDeploymentSpec) 
                              "(one replica's tokens/s, e.g. from `tandem plan`)")
         capacities.append(capacity)
     return MetricsWindow(
-        end_s=after.at_s, arrival_rps=requests / elapsed, mean_input_tokens=mean_in, mean_output_tokens=mean_out,
+        end_s=after.at_s, arrival_rps=arrivals / elapsed, mean_input_tokens=mean_in, mean_output_tokens=mean_out,
         prefill_tok_s_per_replica=capacities[0], decode_tok_s_per_replica=capacities[1],
         prefill_backlog_tokens=gauge("prefill", WAITING) * mean_in,
         decode_backlog_tokens=gauge("decode", WAITING) * mean_out)

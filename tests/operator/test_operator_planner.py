@@ -111,7 +111,16 @@ def test_timestamps_round_trip_to_the_millisecond():
 ROUTER_TEXT = """# TYPE tandem_router_requests counter
 tandem_router_requests_total{{model="m",pool="router",slo_class="interactive"}} {a}
 tandem_router_requests_total{{model="m",pool="router",slo_class="batch"}} {b}
+# TYPE tandem_router_failed_requests counter
+tandem_router_failed_requests_total{{model="m",pool="router",slo_class="interactive"}} {failed}
+# TYPE tandem_router_rejections counter
+tandem_router_rejections_total{{model="m",pool="router",slo_class="interactive",reason="slo_unmeetable"}} {refused}
+tandem_router_rejections_total{{model="m",pool="router",slo_class="interactive",reason="rate_limited"}} {limited}
 """
+
+
+def _router(a, b, failed=0, refused=0, limited=0):
+    return parse_metrics(ROUTER_TEXT.format(a=a, b=b, failed=failed, refused=refused, limited=limited))
 WORKER_TEXT = """# TYPE tandem_prompt_tokens counter
 tandem_prompt_tokens_total{{model="m",pool="{pool}"}} {prompt}
 # TYPE tandem_computed_prompt_tokens counter
@@ -132,21 +141,22 @@ def test_window_from_counter_deltas_between_two_scrapes():
     spec = LLMDeploymentSpec.model_validate(_spec(**_planner(prefill={"tokensPerSecond": 5000},
                                                              decode={"tokensPerSecond": 50})))
     before = Sample(at_s=100.0, targets={
-        ("router", "10.0.0.1:8000"): parse_metrics(ROUTER_TEXT.format(a=10, b=0)),
+        ("router", "10.0.0.1:8000"): _router(10, 0, failed=1, refused=5, limited=100),
         ("prefill", "10.0.1.1:8000"): _worker("prefill", 1000, 900, 10),
         ("decode", "10.0.2.1:8000"): _worker("decode", 1000, 100, 500),
         ("decode", "10.0.2.2:8000"): _worker("decode", 50000, 100, 9000),
     })
     after = Sample(at_s=110.0, targets={
-        ("router", "10.0.0.1:8000"): parse_metrics(ROUTER_TEXT.format(a=60, b=50)),  # +100 requests
+        # +100 answered, +2 failed, +18 refused for capacity; the tenant over its rate is not demand to serve
+        ("router", "10.0.0.1:8000"): _router(60, 50, failed=3, refused=23, limited=900),
         ("prefill", "10.0.1.1:8000"): _worker("prefill", 41000, 40900, 50, waiting=2),  # +40000 computed
         ("decode", "10.0.2.1:8000"): _worker("decode", 21000, 100, 10500),  # +20000 prompt, +10000 out
         ("decode", "10.0.2.2:8000"): _worker("decode", 30000, 100, 5000),  # restarted: all of it is new
         ("decode", "10.0.2.3:8000"): _worker("decode", 7000, 100, 7000),  # new pod: a baseline only
     })
     window = window_from_samples(before, after, spec)
-    assert window.arrival_rps == pytest.approx(10.0)
-    assert window.mean_input_tokens == pytest.approx((20000 + 30000) / 100)
+    assert window.arrival_rps == pytest.approx(12.0)
+    assert window.mean_input_tokens == pytest.approx((20000 + 30000) / 100)  # per request answered
     assert window.mean_output_tokens == pytest.approx((10000 + 5000) / 100)
     # Prefill has work waiting: saturated, so its measured 4000 tok/s per pod is its capacity (not the stated
     # 5000). Decode's queue is empty: its throughput (500 per pod) is only the load; the stated 50 holds.
@@ -188,7 +198,7 @@ def test_scraped_metrics_scrapes_each_ready_pod_and_keeps_the_last_sample():
         round_ = (scrapes["n"] - 1) // 4  # rounds of four scrapes: baseline, one pod down, all back
         k = round_ > 0
         if "10.0.0.1" in url:
-            return ROUTER_TEXT.format(a=20 if k else 0, b=0)
+            return ROUTER_TEXT.format(a=20 if k else 0, b=0, failed=0, refused=0, limited=0)
         if "10.0.2.2" in url:
             if round_ == 1:
                 raise OSError("connection refused")
