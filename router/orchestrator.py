@@ -88,13 +88,13 @@ class Orchestrator:
         disagg = len(prompt) >= self.config.disagg_min_tokens and bool(self.prefill.healthy()) \
             and params.prompt_logprobs is None
         touched: set[tuple[str, str]] = set()  # (worker, request id there): what to abort if the client leaves
-        finished = False
+        finished = fell_back = False
         try:
             if disagg:
                 try:
                     pre = await self._prefill(rid, prompt, params, hashes, key, trace, touched)
                 except WorkerFailure:
-                    disagg = False
+                    disagg, fell_back = False, True
                     self._route("fallback")
                 else:
                     self._route("disagg")
@@ -115,7 +115,8 @@ class Orchestrator:
                     finished = True
                     return
             trace.path = "colocated"
-            self._route("colocated")
+            if not fell_back:  # a fallback is counted as that, not as colocated too
+                self._route("colocated")
             async for delta in self._decode(rid, prompt, params, [], None, hashes, key, trace, touched, coalesce):
                 yield delta
             finished = True

@@ -246,3 +246,26 @@ def test_a_stream_lost_after_its_last_token_still_ends_with_its_finish_reason():
     assert [(d.new_token_ids, d.finished, d.finish_reason) for d in deltas] == [
         ([7], False, None), ([8], False, None), ([], True, "length")]
     assert deltas[-1].num_cached_tokens == 16 and http.calls == [first]
+
+
+class FailingPrefill(ScriptedWorkers):
+    async def post_json(self, worker: str, path: str, payload: dict, timeout_s=None) -> dict:
+        if path == "/internal/prefill":
+            raise aiohttp.ClientConnectionError("prefill worker gone")
+        return await super().post_json(worker, path, payload, timeout_s)
+
+
+def test_a_request_that_falls_back_to_colocated_is_one_routing_decision():
+    metrics = RouterMetrics("test-fallback")
+    http = FailingPrefill({"http://d": [GOOD]})
+    prefill, decode = WorkerPool("prefill", http, metrics), WorkerPool("decode", http, metrics)
+    prefill.workers["http://p"] = Worker("http://p", healthy=True)
+    prefill.ring.add("http://p")
+    decode.workers["http://d"] = Worker("http://d", healthy=True)
+    decode.ring.add("http://d")
+    orchestrator = Orchestrator(RouterConfig(disagg_min_tokens=1), prefill, decode, http, metrics, 0)
+    deltas = asyncio.run(collect(orchestrator))
+    assert [d.new_token_ids for d in deltas] == [[7]]
+    decisions = {s.labels["path"]: s.value for m in metrics.registry.collect() for s in m.samples
+                 if s.name == "tandem_router_routing_decisions_total"}
+    assert decisions == {"fallback": 1}
