@@ -7,7 +7,8 @@ STAMP := $(VENV)/.tandem-installed
 # The repo has an `operator/` folder; never let the working directory shadow the stdlib `operator`.
 export PYTHONSAFEPATH := 1
 PYTEST_ARGS ?=
-TORCH_CPU ?= 2.13.0+cpu
+TORCH_VERSION ?= 2.13.0
+TORCH_CPU ?= $(TORCH_VERSION)+cpu
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 ARGS ?=
 
@@ -16,9 +17,12 @@ ARGS ?=
 $(STAMP): pyproject.toml
 	@test -x $(PY) || python3 -m venv $(VENV)
 	@# Without CUDA take the CPU build first; a loose torch requirement would pull GBs of CUDA packages (PyPI's
-	@# Linux torch is the CUDA build). The CPU build is a local wheel where pip has one (find-links), else PyTorch's.
+	@# Linux torch is the CUDA build). The CPU build is a local wheel where pip has one (find-links), else PyTorch's;
+	@# elsewhere (macOS) PyPI's torch has no CUDA and no +cpu tag.
 	@if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
 		echo "CUDA found: keeping pip's default torch"; \
+	elif [ "$$(uname -s)" != Linux ]; then \
+		$(PY) -m pip install -q 'torch==$(TORCH_VERSION)'; \
 	else \
 		$(PY) -m pip install -q 'torch==$(TORCH_CPU)' 2>/dev/null || \
 		$(PY) -m pip install -q 'torch==$(TORCH_CPU)' --extra-index-url $(TORCH_CPU_INDEX); \

@@ -27,13 +27,14 @@ log = logging.getLogger("tandem.operator.planner")
 
 REQUESTS = "tandem_router_requests_total"  # answered in full
 FAILED = "tandem_router_failed_requests_total"
-REFUSED = "tandem_router_rejections_total"  # only the reasons below: what more replicas would have served
-CAPACITY_REFUSALS = {"slo_unmeetable", "queue_full", "no_workers"}
+ABANDONED = "tandem_router_abandoned_requests_total"  # their clients left before the end
+REFUSED = "tandem_router_rejections_total"  # only the reasons below: what more worker replicas would have served
+CAPACITY_REFUSALS = {"slo_unmeetable", "queue_full", "no_workers"}  # not dispatch_slots: the router's own cap
 PROMPT_TOKENS = "tandem_prompt_tokens_total"
 COMPUTED_PROMPT_TOKENS = "tandem_computed_prompt_tokens_total"
 GENERATION_TOKENS = "tandem_generation_tokens_total"
 WAITING = "tandem_num_requests_waiting"
-SCRAPED = (REQUESTS, FAILED, REFUSED, PROMPT_TOKENS, COMPUTED_PROMPT_TOKENS, GENERATION_TOKENS, WAITING)
+SCRAPED = (REQUESTS, FAILED, ABANDONED, REFUSED, PROMPT_TOKENS, COMPUTED_PROMPT_TOKENS, GENERATION_TOKENS, WAITING)
 
 
 @dataclass(frozen=True)
@@ -86,10 +87,11 @@ def window_from_samples(before: Sample, after: Sample, spec: LLMDeploymentSpec) 
         return sum(values.get(series, 0.0) for key, values in after.targets.items() if key[0] == component)
 
     requests = total("router", REQUESTS)
-    # Demand is what arrived, served or not: a fleet that refuses for lack of capacity (429s, 503s) or fails
-    # requests would otherwise look as loaded as what it managed to answer. (A client's retries of a refused
-    # request count again: an overestimate while refusing, which errs towards scaling up.)
-    arrivals = requests + total("router", FAILED) + total("router", REFUSED)
+    # Demand is what arrived, served or not: a fleet that refuses for lack of capacity (429s, 503s), fails
+    # requests, or is so slow that clients give up would otherwise look as loaded as what it managed to answer.
+    # (A client's retries of a refused request count again: an overestimate while refusing, which errs towards
+    # scaling up.)
+    arrivals = requests + total("router", FAILED) + total("router", ABANDONED) + total("router", REFUSED)
     # Every request ends on a decode worker (short prompts skip the prefill pool): its counters see them all.
     mean_in = total("decode", PROMPT_TOKENS) / requests if requests > 0 else 0.0
     mean_out = total("decode", GENERATION_TOKENS) / requests if requests > 0 else 0.0

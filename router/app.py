@@ -133,7 +133,8 @@ async def serve(router, request: Request, body: CompletionRequest | ChatCompleti
         raise APIError(400, f"{len(choices)} completions in one request exceed this router's admission queue "
                             f"({queue_size}, --max-queue)", param="n")
     key = bearer_token(request.scope["headers"])
-    # A key's class is the operator's decision for that tenant: a header cannot raise it (it chooses for the rest).
+    # A key's class is the operator's decision for that tenant: the header is ignored for it (it chooses for the
+    # callers without one).
     slo_name = router.slo_for_key.get(key or "") or request.headers.get(SLO_HEADER) or "interactive"
     if slo_name not in router.admission.slo_classes:
         raise APIError(400, f"unknown SLO class {slo_name!r}; known: {sorted(router.admission.slo_classes)}",
@@ -222,7 +223,7 @@ async def dispatch(router, rid: str, ids: list[int], params: SamplingParams, tic
     arrival = ticket.arrival_s
     first_at = last_at = None
     later_tokens = 0  # tokens after the first delta
-    released = finished = failed = False
+    released = finished = failed = refused = False
     try:
         if after is not None:
             await after.wait()
@@ -242,8 +243,9 @@ async def dispatch(router, rid: str, ids: list[int], params: SamplingParams, tic
             last_at = t
             finished = delta.finished
             yield delta
-    except Exception:  # the pools could not answer it (a client that leaves closes or cancels this instead)
-        failed = True
+    except Exception as exc:  # the pools could not answer it; a refusal of the request itself (400) is not that
+        failed = not isinstance(exc, APIError) or exc.status >= 500
+        refused = not failed
         raise
     finally:
         if not released:
@@ -251,7 +253,9 @@ async def dispatch(router, rid: str, ids: list[int], params: SamplingParams, tic
         router.dispatcher.release(time.monotonic() - held_from)
         if failed:
             metrics.by_class(metrics.failed, slo_name).inc()
-        elif finished:  # answered in full: a request whose client left is neither answered nor failed
+        elif not finished and not refused:  # its client left (or the server stopped) before the end
+            metrics.by_class(metrics.abandoned, slo_name).inc()
+        elif finished:
             metrics.by_class(metrics.e2e, slo_name).observe(last_at - arrival)
             metrics.by_class(metrics.requests, slo_name).inc()
             mean_itl = (last_at - first_at) / later_tokens if later_tokens else 0.0

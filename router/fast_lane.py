@@ -60,7 +60,9 @@ class FastLane:
             response = validation_error_response(exc.errors(include_url=False))
         except APIError as exc:
             response = api_error_response(exc)
-        except asyncio.CancelledError:  # the server stops and its graceful wait is over: say so (uvicorn: a bare 500)
+        except asyncio.CancelledError:
+            # Only uvicorn cancels a request's task (a client that leaves is ClientDisconnected): the server stops
+            # and its graceful wait is over. Said so, rather than uvicorn's plain-text 500; the task ends here.
             response = JSONResponse(SHUTTING_DOWN, status_code=503, headers={"Retry-After": "1"})
         await response(scope, receive, send)
 

@@ -103,7 +103,8 @@ class Router:
             # Counted when /metrics is scraped, not kept up per request.
             self.metrics.by_class(self.metrics.queue_depth, name).set_function(
                 lambda name=name: self.admission.queued(name))
-            self.metrics.by_class(self.metrics.failed, name)  # a series at 0: dashboards add it to the answered
+            for ended in (self.metrics.failed, self.metrics.abandoned):  # series at 0: dashboards add them up
+                self.metrics.by_class(ended, name)
         self.worker_client = WorkerClient(transport=config.worker_transport)  # the data path; httpx only probes
         for pool in (self.prefill, self.decode):  # a worker that stops answering probes loses its requests' wait
             pool.on_silent = self.worker_client.drop
@@ -155,11 +156,11 @@ class _Server(uvicorn.Server):
                   f"{len(self.router.decode.workers)} decode) listening on http://{host}:{port}", flush=True)
 
     async def shutdown(self, sockets=None):
+        await super().shutdown(sockets)  # the requests in flight finish meanwhile: probes still find hung workers
         if self.probes is not None:
             self.probes.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self.probes
-        await super().shutdown(sockets)
         await self.router.http.aclose()
         await self.router.worker_client.close()
         self.router.tokenize_pool.shutdown(wait=False)

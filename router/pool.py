@@ -4,8 +4,9 @@ Health is active and passive: a probe loop reads each worker's /internal/load (2
 `interval` seconds, and every failed request counts against its worker; after `eject_after`
 consecutive failures a worker leaves the hash ring until a probe succeeds again, held out for a while first
 when it keeps failing (1 s after its first ejection, doubling with each ejection up to a minute, until it
-serves a request): one that fails every request but passes its probes would otherwise be taken back each
-round and fail the next requests that its empty share of keys draws to it. A worker that does not
+serves a request), unless no other worker of the pool is in rotation: one that fails every request but
+passes its probes would otherwise be taken back each round and fail the next requests that its empty share
+of keys draws to it. A worker that does not
 answer its probes at all (`silent_after` in a row: hung, or its host cut off) also has the requests in
 flight on it failed (`on_silent`), so they move on in seconds rather than when a heartbeat or read timeout
 notices (probe_pools says when silence counts as the worker's); one that answers "not ready" (draining) keeps
@@ -154,7 +155,11 @@ class WorkerPool:
             ready = False
         worker.silent_probes = worker.silent_probes + 1 if silent else 0
         worker.silence_reported = worker.silence_reported and silent
-        self._set_healthy(worker, ready and asyncio.get_running_loop().time() >= worker.held_out_until)
+        # Held out after failing requests, unless nothing else of the pool is in rotation: then it is the best
+        # there is, and holding it out would turn every request into a 503.
+        held_out = asyncio.get_running_loop().time() < worker.held_out_until and any(
+            w.healthy for w in self.workers.values() if w is not worker)
+        self._set_healthy(worker, ready and not held_out)
 
     async def probe_all(self, timeout_s: float = 2.0) -> None:
         """One probe round over this pool alone (probe_pools rounds over several)."""
@@ -186,7 +191,8 @@ async def probe_pools(pools: list[WorkerPool], timeout_s: float = 2.0) -> None:
     """One probe round over every worker of `pools`, then the silent ones' requests failed (report_silent).
 
     Silence is a worker's when another worker, of any pool, answered in the same round, or when this router's event
-    loop kept time through the round. When none answered and the loop was held up past the timeout, the likelier
+    loop kept time through the round. When none answered and the loop ran a timer late by half the timeout or more
+    (a probe's answer may then have waited behind its own timeout), the likelier
     cause is this router, and failing every request in flight would not help them. Judged over all pools: a lone
     prefill worker that hangs is found by the decode pool answering beside it."""
     workers = [w for pool in pools for w in pool.workers.values()]

@@ -115,6 +115,9 @@ class RouterMetrics:
         self.failed = Counter("tandem_router_failed_requests",
                               "Requests admitted whose answer failed (every worker tried failed), by SLO class",
                               by_class, registry=r)
+        self.abandoned = Counter("tandem_router_abandoned_requests",
+                                 "Requests admitted whose client left before the answer was complete, by SLO class",
+                                 by_class, registry=r)
         self.goodput = Counter("tandem_router_goodput_requests", "Requests that met their TTFT and ITL targets",
                                by_class, registry=r)
         self.rejections = Counter("tandem_router_rejections", "Requests refused, by reason",

@@ -99,11 +99,19 @@ class EventStreamResponse(StreamingResponse):
         listener = loop.create_task(_until_disconnect(receive))
         try:
             await asyncio.wait((streamer, listener), return_when=asyncio.FIRST_COMPLETED)
-        except asyncio.CancelledError:  # this request itself was cancelled: its server stops, the wait is over
+        except asyncio.CancelledError:
+            # This request itself was cancelled (a client that leaves ends the listener instead): its server
+            # stops, and the graceful wait is over. The stream ends with a reason rather than a cut connection,
+            # and the task ends there; a second cancellation meanwhile is not swallowed.
             listener.cancel()
             streamer.cancel()
-            with contextlib.suppress(BaseException):
+            try:
                 await streamer  # it stops writing before the last event goes
+            except asyncio.CancelledError:
+                if _cancellations(asyncio.current_task()) > 1:
+                    raise
+            except Exception:  # noqa: BLE001 - whatever it failed with, the stream still gets its end
+                pass
             with contextlib.suppress(Exception):  # the connection may be gone already
                 await asyncio.wait_for(send({"type": "http.response.body", "more_body": False,
                                              "body": (sse_event(SHUTTING_DOWN) + DONE).encode()}), 1.0)
@@ -164,6 +172,12 @@ class CancelOnDisconnect:
             _uncancel(self.task)
             raise ClientDisconnected from None
         return False  # anything else (a cancellation from elsewhere: server shutdown) goes on
+
+
+def _cancellations(task: asyncio.Task) -> int:
+    """Cancellations asked of this task and not handled (Python 3.10 counts none: taken as one)."""
+    cancelling = getattr(task, "cancelling", None)
+    return cancelling() if cancelling is not None else 1
 
 
 def _uncancel(task: asyncio.Task) -> None:

@@ -305,7 +305,7 @@ def test_running_requests_keep_decoding_while_a_prompts_kv_arrives(pd_pair, colo
 def test_where_steps_wait_for_pulls_a_stuck_pull_holds_them_up_only_so_long(tiny, colocated, monkeypatch):
     """kv_pull_in_background off (a CPU's default): a step waits for the pull, but a pull stuck on a dead peer
     would stall every running request until its timeout. Past the bound the steps go on, the pull beside them."""
-    monkeypatch.setattr("tandem.workers.engine.llm_engine._STEP_WAIT_FOR_PULL_S", 0.05)
+    monkeypatch.setattr("tandem.workers.engine.llm_engine._STEP_WAIT_FOR_PULL_S", 0.5)
     prefill, decode = engine(tiny, "prefill"), engine(tiny, "decode", kv_pull_in_background="off")
     prefill.kv_transfer = create_kv_transfer("tcp", prefill.runner.kv_cache, "p-stuck-pull")
     decode.kv_transfer = HeldTransfer(create_kv_transfer("tcp", decode.runner.kv_cache, "d-stuck-pull"))
@@ -320,15 +320,25 @@ def test_where_steps_wait_for_pulls_a_stuck_pull_holds_them_up_only_so_long(tiny
         while_held = [out for _ in range(5) for out in decode.step()]
         assert time.monotonic() - started < 5  # not the 30 s the read is held for
         assert [out.request_id for out in while_held] == ["running"] * 5
+        # Another request's pull queues behind the stuck one (one pull at a time): no step waits for it.
+        second = prompt_of(60, seed=25)
+        first_2, source_2, lease_2 = prefilled(prefill, "queued", second)
+        decode.add_request("queued", second, GREEDY, first_token_id=first_2, kv_source=source_2)
+        started = time.monotonic()
+        assert [out.request_id for _ in range(3) for out in decode.step()] == ["running"] * 3
+        assert time.monotonic() - started < 0.4  # under one bounded wait
         decode.kv_transfer.release.set()
-        tokens, status = [first], None
+        tokens, status = {"arriving": [first], "queued": [first_2]}, {}
         while decode.has_unfinished_requests():
             for out in decode.step():
-                if out.request_id == "arriving":
-                    tokens += out.new_token_ids
-                    status = status or out.kv_status
-        assert status == "pulled" and tokens == run(colocated, "arriving-alone-2", prompt)[0]
+                if out.request_id in tokens:
+                    tokens[out.request_id] += out.new_token_ids
+                    status.setdefault(out.request_id, out.kv_status)
+        assert status == {"arriving": "pulled", "queued": "pulled"}
+        assert tokens["arriving"] == run(colocated, "arriving-alone-2", prompt)[0]
+        assert tokens["queued"] == run(colocated, "queued-alone", second)[0]
         prefill.release_lease(lease_id)
+        prefill.release_lease(lease_2)
     finally:
         decode.kv_transfer.release.set()
         prefill.kv_transfer.close()

@@ -329,6 +329,7 @@ def test_a_stopping_router_lets_requests_finish_then_ends_the_rest_with_a_reason
                 lines.append(line)
                 if line.startswith("data: {") and not started.is_set():
                     started.set()
+                    wait_for(lambda: metric(stop.url, "tandem_router_worker_in_flight") == 2)  # the plain one too
                     stop.proc.send_signal(signal.SIGTERM)
             answers["stream"] = lines
         thread.join(120)

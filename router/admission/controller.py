@@ -16,6 +16,8 @@ The router calls, per request:
                   any prefill rate is measured)
   slo_unmeetable  predicted wait + own prefill time > the class's TTFT target; retry when the backlog ahead
                   will have drained enough, at the measured rate, for the request to fit
+  dispatch_slots  the same, where the wait is for one of the router's --max-in-flight dispatch slots (below),
+                  not for the prefill pool: more workers would not have served it
 Only an admitted request is charged to its tenant's bucket.
 
 Predicted wait (Little's law for a work-conserving pool): the uncached prompt tokens already in flight plus
@@ -24,7 +26,7 @@ per-worker rate times `prefill_workers`). Counting only the queue ahead, not all
 interactive request overtake a batch backlog instead of being refused because of it. The request's own
 prefill runs on one worker, so its time is its uncached tokens over the per-worker rate. A prompt too long
 to meet its target even on an idle pool is admitted when nothing is ahead of it rather than refused
-forever. Until a rate is known (no measurement and no prior) nothing is refused for its SLO.
+forever. Until a rate is known (no measurement and no prior) nothing is refused for the prefill backlog.
 
 Dispatch slots: a router dispatches at most --max-in-flight requests at once, and a slot is held until the last
 token. With the slots taken by long streams, a request waits for one however idle the prefill pool is:
@@ -51,6 +53,7 @@ class RejectReason(str, Enum):
     RATE_LIMITED = "rate_limited"
     QUEUE_FULL = "queue_full"
     SLO_UNMEETABLE = "slo_unmeetable"
+    DISPATCH_SLOTS = "dispatch_slots"
 
 
 @dataclass(frozen=True)
@@ -98,7 +101,7 @@ class Admit:
     slo: SLOClass
     arrival_s: float
     deadline_s: float
-    predicted_wait_s: float | None  # None when no prefill rate was known yet
+    predicted_wait_s: float | None  # None when nothing was known to wait for (no prefill rate, no slot wait)
 
 
 @dataclass(frozen=True)
@@ -168,13 +171,17 @@ class AdmissionController:
         """Seconds until the pool has served everything in flight and everything queued ahead of a request
         with this deadline and priority, or until a dispatch slot frees for it if that is longer; None while
         neither is known (no prefill rate, no slot to wait for)."""
+        return _longer(*self._waits(deadline_s, priority))
+
+    def _waits(self, deadline_s: float, priority: int) -> tuple[float | None, float]:
+        """(the prefill pool's wait, None without a rate; the dispatch slot's wait) for such a request."""
         rate = self._worker_tps()
         ahead = list(self.queue.ahead_of(deadline_s, priority))
         slot_wait = self.slot_wait_s(len(ahead))
         if rate is None:
-            return slot_wait or None
-        prefill_wait = (self.in_flight_tokens + sum(t.request.prefill_tokens for t in ahead)) / (rate * self.prefill_workers)
-        return max(prefill_wait, slot_wait)
+            return None, slot_wait
+        return (self.in_flight_tokens + sum(t.request.prefill_tokens for t in ahead)) / (rate * self.prefill_workers), \
+            slot_wait
 
     def decide(self, request: AdmissionRequest) -> Admit | Reject:
         slo = self.slo_classes.get(request.slo_class)
@@ -206,15 +213,18 @@ class AdmissionController:
 
         now = self._clock()
         deadline = now + slo.ttft_s
-        wait = self.predicted_wait_s(deadline, slo.priority)
+        prefill_wait, slot_wait = self._waits(deadline, slo.priority)
+        wait = _longer(prefill_wait, slot_wait)
         if wait is not None:
             own = request.prefill_tokens / rate if rate is not None else 0.0
             allowed = max(0.0, slo.ttft_s - own)
             if wait > allowed:
                 # The backlog ahead drains at one second of predicted wait per second.
-                return Reject(RejectReason.SLO_UNMEETABLE, wait - allowed,
+                slots = slot_wait > (prefill_wait or 0.0)
+                return Reject(RejectReason.DISPATCH_SLOTS if slots else RejectReason.SLO_UNMEETABLE, wait - allowed,
                               f"predicted time to first token {wait + own:.2f} s exceeds the {slo.name!r} "
-                              f"target of {slo.ttft_s:g} s")
+                              f"target of {slo.ttft_s:g} s" + (" (the router's dispatch slots are all taken: "
+                                                                "--max-in-flight)" if slots else ""))
 
         self.rate_limiter.consume(tenant, charge)
         ticket = Admit(request, tenant, slo, now, deadline, wait)
@@ -252,3 +262,10 @@ class AdmissionController:
             return False
         self.rate_limiter.refund(ticket.tenant, ticket.request.charge)
         return True
+
+
+def _longer(prefill_wait: float | None, slot_wait: float) -> float | None:
+    """The wait that binds: the longer of the two, None when neither is known (no rate, no slot to wait for)."""
+    if prefill_wait is None:
+        return slot_wait or None
+    return max(prefill_wait, slot_wait)

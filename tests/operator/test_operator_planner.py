@@ -113,9 +113,12 @@ tandem_router_requests_total{{model="m",pool="router",slo_class="interactive"}} 
 tandem_router_requests_total{{model="m",pool="router",slo_class="batch"}} {b}
 # TYPE tandem_router_failed_requests counter
 tandem_router_failed_requests_total{{model="m",pool="router",slo_class="interactive"}} {failed}
+# TYPE tandem_router_abandoned_requests counter
+tandem_router_abandoned_requests_total{{model="m",pool="router",slo_class="interactive"}} {failed}
 # TYPE tandem_router_rejections counter
 tandem_router_rejections_total{{model="m",pool="router",slo_class="interactive",reason="slo_unmeetable"}} {refused}
 tandem_router_rejections_total{{model="m",pool="router",slo_class="interactive",reason="rate_limited"}} {limited}
+tandem_router_rejections_total{{model="m",pool="router",slo_class="interactive",reason="dispatch_slots"}} {limited}
 """
 
 
@@ -147,7 +150,8 @@ def test_window_from_counter_deltas_between_two_scrapes():
         ("decode", "10.0.2.2:8000"): _worker("decode", 50000, 100, 9000),
     })
     after = Sample(at_s=110.0, targets={
-        # +100 answered, +2 failed, +18 refused for capacity; the tenant over its rate is not demand to serve
+        # +100 answered, +2 failed, +2 abandoned, +18 refused for capacity; a tenant over its rate, or the router's
+        # own dispatch cap, is not demand more workers would serve
         ("router", "10.0.0.1:8000"): _router(60, 50, failed=3, refused=23, limited=900),
         ("prefill", "10.0.1.1:8000"): _worker("prefill", 41000, 40900, 50, waiting=2),  # +40000 computed
         ("decode", "10.0.2.1:8000"): _worker("decode", 21000, 100, 10500),  # +20000 prompt, +10000 out
@@ -155,7 +159,7 @@ def test_window_from_counter_deltas_between_two_scrapes():
         ("decode", "10.0.2.3:8000"): _worker("decode", 7000, 100, 7000),  # new pod: a baseline only
     })
     window = window_from_samples(before, after, spec)
-    assert window.arrival_rps == pytest.approx(12.0)
+    assert window.arrival_rps == pytest.approx(12.2)
     assert window.mean_input_tokens == pytest.approx((20000 + 30000) / 100)  # per request answered
     assert window.mean_output_tokens == pytest.approx((10000 + 5000) / 100)
     # Prefill has work waiting: saturated, so its measured 4000 tok/s per pod is its capacity (not the stated

@@ -294,14 +294,19 @@ def test_with_every_dispatch_slot_held_a_request_waits_for_one_and_is_refused_wh
     make an interactive request's 1 s TTFT reachable. Slots free at 2 per 3 s: the next request waits 1.5 s."""
     control = AdmissionController(rates=ServiceRates(initial_prefill_tps=1000.0), clock=clock)
     dispatcher = Dispatcher(control, limit=2, metrics=None)
-    admitted(control.decide(request("early", prompt=10)))  # before any hold time is known: nothing to predict
+    dispatcher.active = 2  # both slots held
+    admitted(control.decide(request("early", prompt=10)))  # but no hold time known yet: nothing to predict
     control.release("early")
     for held in (3.0, 3.0):  # two streams held their slots 3 s each
-        dispatcher.active += 1
         dispatcher.release(held)
     dispatcher.active = 2  # and two more hold them now
-    refusal = rejected(control.decide(request("late", prompt=10)), RejectReason.SLO_UNMEETABLE)
+    refusal = rejected(control.decide(request("late", prompt=10)), RejectReason.DISPATCH_SLOTS)
     assert refusal.retry_after_s == pytest.approx(1.5 - (1.0 - 0.01))
+    assert "--max-in-flight" in refusal.message
+    dispatcher.active, control.rates = 2, ServiceRates(initial_prefill_tps=10.0)  # a slow pool: 2 s of backlog
+    with_in_flight(control, [20])
+    rejected(control.decide(request("slow", prompt=2)), RejectReason.SLO_UNMEETABLE)  # the longer wait names it
+    dispatcher.active, control.rates = 2, ServiceRates(initial_prefill_tps=1000.0)
     assert admitted(control.decide(request("patient", prompt=10, slo="batch"))).predicted_wait_s == pytest.approx(1.5)
     assert dispatcher.slot_wait_s(queued_ahead=1) == pytest.approx(3.0)  # behind the batch one: the second to free
     dispatcher.active = 1  # a slot free: no wait for it

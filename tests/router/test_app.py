@@ -10,8 +10,10 @@ import aiohttp
 import httpx
 import orjson
 import pytest
+from metric_values import metric_value
 
 from tandem.config import RouterConfig
+from tandem.errors import error_body
 from tandem.router.admission import AdmissionRequest, RateLimit, TenantRateLimiter
 from tandem.router.app import build_app
 from tandem.router.main import Router
@@ -86,6 +88,8 @@ def test_a_non_streamed_request_stops_when_its_client_leaves(router_app):
     assert worker.tokens_made < 50, worker.tokens_made  # not the 100 it would make for nobody
     assert len(worker.aborts) == 1
     assert_forgotten(router)
+    assert sample(router, "tandem_router_abandoned_requests_total", slo_class="batch") == 1
+    assert sample(router, "tandem_router_requests_total") == sample(router, "tandem_router_failed_requests_total") == 0
 
 
 def test_a_streamed_request_whose_client_leaves_before_the_body_begins_is_forgotten(router_app):
@@ -142,9 +146,7 @@ def test_with_no_decode_worker_a_stream_is_refused_with_503_before_it_starts(rou
 
 
 def sample(router, name: str, **labels) -> float:
-    """A router metric's value summed over the series whose labels include `labels`."""
-    return sum(s.value for metric in router.metrics.registry.collect() for s in metric.samples
-               if s.name == name and labels.items() <= s.labels.items())
+    return metric_value(router.metrics.registry, name, **labels)
 
 
 class DyingWorker(SlowWorker):
@@ -169,6 +171,23 @@ def test_a_stream_that_fails_after_its_first_token_counts_as_failed_not_answered
     assert post(app, {"model": "smollm2", "prompt": "Hello there", "max_tokens": 3}, slo="batch").status_code == 200
     assert sample(router, "tandem_router_requests_total", slo_class="batch") == 1
     assert sample(router, "tandem_router_goodput_requests_total", slo_class="batch") == 1
+    assert_forgotten(router)
+
+
+class RefusingWorker(SlowWorker):
+    """The engine refuses the request itself (invalid_request_error): the client's error, not the worker's."""
+
+    async def event_batches(self, worker: str, path: str, body: dict):
+        yield [error_body(400, "seed out of range")]
+
+
+def test_a_request_the_engine_refuses_is_neither_failed_nor_answered(router_app):
+    router, app, _ = router_app
+    router.orchestrator.http = RefusingWorker()
+    r = post(app, {"model": "smollm2", "prompt": "Hello there", "max_tokens": 3}, slo="batch")
+    assert r.status_code == 400 and "seed out of range" in r.text
+    for ended in ("requests", "failed_requests", "abandoned_requests"):
+        assert sample(router, f"tandem_router_{ended}_total") == 0, ended
     assert_forgotten(router)
 
 

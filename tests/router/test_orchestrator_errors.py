@@ -8,6 +8,7 @@ import asyncio
 
 import aiohttp
 import pytest
+from metric_values import metric_value
 
 from tandem.config import RouterConfig
 from tandem.errors import APIError, error_body
@@ -266,6 +267,6 @@ def test_a_request_that_falls_back_to_colocated_is_one_routing_decision():
     orchestrator = Orchestrator(RouterConfig(disagg_min_tokens=1), prefill, decode, http, metrics, 0)
     deltas = asyncio.run(collect(orchestrator))
     assert [d.new_token_ids for d in deltas] == [[7]]
-    decisions = {s.labels["path"]: s.value for m in metrics.registry.collect() for s in m.samples
-                 if s.name == "tandem_router_routing_decisions_total"}
-    assert decisions == {"fallback": 1}
+    decisions = {path: metric_value(metrics.registry, "tandem_router_routing_decisions_total", path=path)
+                 for path in ("fallback", "colocated", "disagg")}
+    assert decisions == {"fallback": 1, "colocated": 0, "disagg": 0}

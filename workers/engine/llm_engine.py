@@ -428,9 +428,10 @@ class LLMEngine:
         future = self._pull_thread.submit(_timed_read, self.kv_transfer, source, remote, local,
                                           self.config.kv_pull_timeout_s)
         self._pulls[seq.request_id] = _Pull(seq, source, future, len(local))
-        if not self._pull_in_background:
+        if not self._pull_in_background and len(self._pulls) == 1:
             # Bounded: a pull from a worker that just died can hang until its timeout, and every running request
-            # would wait with it. Past the bound it goes on in the background, as on a GPU.
+            # would wait with it. Past the bound it goes on in the background, as on a GPU; and a pull queued
+            # behind another (one thread: one pull at a time) is not waited for at all, it cannot have begun.
             wait([future], timeout=_STEP_WAIT_FOR_PULL_S)
         return None
 
