@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import random
@@ -69,15 +70,22 @@ class ServiceProcess:
         self.args = [*args, "--port", str(self.port)]
         self.name = name or args[0]
         self.env = {**os.environ, "PYTHONSAFEPATH": "1", **(env or {})}
-        self.log = tempfile.NamedTemporaryFile(prefix=f"tandem-{self.name}-", suffix=".log", delete=False)
+        self.log = self._new_log()
         self.proc: subprocess.Popen | None = None
         self._log_start = 0  # where this start's output begins in the log (a restart appends to it)
+        self.starts = 0
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
+    def _new_log(self):
+        return tempfile.NamedTemporaryFile(prefix=f"tandem-{self.name}-", suffix=".log", delete=False)
+
     def start(self) -> ServiceProcess:
+        if self.log.closed:  # removed after a clean stop: this start gets a new one
+            self.log, self.starts = self._new_log(), 0
+        self.starts += 1
         self._log_start = os.path.getsize(self.log.name)
         self.proc = subprocess.Popen([sys.executable, "-m", "tandem.cli", *self.args], stdout=self.log,
                                      stderr=subprocess.STDOUT, env=self.env, start_new_session=True,
@@ -86,6 +94,8 @@ class ServiceProcess:
 
     def log_tail(self, chars: int = 4000) -> str:
         """The end of what the latest start wrote."""
+        if self.log.closed:
+            return "(its log was removed when it stopped cleanly)"
         with open(self.log.name, "rb") as f:
             f.seek(max(self._log_start, os.path.getsize(self.log.name) - 4 * chars))  # 4: UTF-8's widest
             return f.read().decode(errors="replace")[-chars:]
@@ -117,7 +127,9 @@ class ServiceProcess:
 
     def stop(self, timeout: float = 15.0) -> int | None:
         """SIGTERM to the process's group: what it started goes too (a worker's compiler, mid-build, would go on
-        writing the build directory the next start builds in)."""
+        writing the build directory the next start builds in). The log of a process that started once and
+        stopped cleanly goes too: it says nothing anyone needs, and /tmp filled up with them. One that exited
+        by itself, was restarted, or had to be killed keeps its log (the paths printed about them stay true)."""
         if self.proc is None or self.proc.poll() is not None:
             return None if self.proc is None else self.proc.returncode
         try:
@@ -125,10 +137,15 @@ class ServiceProcess:
         except ProcessLookupError:  # gone meanwhile
             pass
         try:
-            return self.proc.wait(timeout)
+            code = self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
             self.kill()
             return None
+        if self.starts == 1 and code in (0, -signal.SIGTERM):
+            self.log.close()
+            with contextlib.suppress(OSError):
+                os.unlink(self.log.name)
+        return code
 
     def __enter__(self) -> ServiceProcess:
         return self.start().wait_ready()

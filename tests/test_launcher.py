@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 
 from tandem.launcher import _ephemeral_ports, free_port
@@ -118,3 +119,17 @@ def test_the_router_stops_first_with_time_to_finish_and_ctrl_c_again_kills_every
     calls.clear()
     stop_all(StoppingProcess("router", calls, interrupted=True), [StoppingProcess("decode-1", calls)])
     assert calls == [("stop", "router", ROUTER_GRACE_S + 5), ("kill", "router"), ("kill", "decode-1")]
+
+
+def test_a_cleanly_stopped_process_leaves_no_log_and_one_that_was_killed_keeps_it():
+    from tandem.launcher import ServiceProcess
+
+    router = ServiceProcess(["router", "--model", "smollm2", "--decode", "http://127.0.0.1:9"], name="log-test")
+    router.start().wait_ready(path="/health")
+    first_log = router.log.name
+    assert router.stop() in (0, -15) and not os.path.exists(first_log)  # /tmp no longer fills up with them
+    router.start().wait_ready(path="/health")  # a start after that writes a new one
+    assert router.log.name != first_log and os.path.exists(router.log.name)
+    router.kill()  # as a crash: its log is what tells why
+    assert os.path.exists(router.log.name) and router.stop() is not None
+    os.unlink(router.log.name)
