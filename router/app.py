@@ -148,12 +148,13 @@ async def serve(router, request: Request, body: CompletionRequest | ChatCompleti
     # Several choices: the first is charged for the whole request (the others nothing), so that the tenant's
     # bucket is checked and taken once, with each prompt counted once as usage counts it.
     whole = sum(map(len, prompts)) + params.max_tokens * len(choices)
+    prompt_param = "messages" if isinstance(body, ChatCompletionRequest) else "prompt"  # what a cap refusal names
     tickets = {}
     try:
         for choice in choices:
             charge = None if len(choices) == 1 else whole if choice is choices[0] else 0
             tickets[choice.request_id] = admit(router, choice, plans[choice.prompt][0], workers, slo_name, key,
-                                               charge)
+                                               charge, prompt_param)
     except BaseException:
         for request_id in tickets:
             router.dispatcher.withdraw(request_id)
@@ -186,7 +187,7 @@ async def serve(router, request: Request, body: CompletionRequest | ChatCompleti
 
 
 def admit(router, choice: Choice, hashes: list[int], workers: list, slo_name: str, key: str | None,
-          charge: int | None):
+          charge: int | None, prompt_param: str = "prompt"):
     """The admission ticket of one choice, or the 429 (or 400 past a cap) that refuses it. A prompt's later
     samples prefill from its first's cache (tandem.openai_choices): none of its prompt counts as theirs to
     compute. `charge`: see AdmissionRequest.charge_tokens."""
@@ -200,12 +201,12 @@ def admit(router, choice: Choice, hashes: list[int], workers: list, slo_name: st
                                                         charge_tokens=charge))
     if isinstance(decision, Reject):
         router.metrics.by_class(router.metrics.rejections, slo_name, reason=decision.reason.value).inc()
-        caps = (RejectReason.INPUT_TOO_LONG, RejectReason.MAX_TOKENS_TOO_LARGE)
+        caps = {RejectReason.INPUT_TOO_LONG: prompt_param, RejectReason.MAX_TOKENS_TOO_LARGE: "max_tokens"}
         headers = {}
         if decision.retry_after_s is not None:
             headers["Retry-After"] = str(max(1, math.ceil(decision.retry_after_s)))
-        raise APIError(400 if decision.reason in caps else 429, decision.message, code=decision.reason.value,
-                       headers=headers)
+        raise APIError(400 if decision.reason in caps else 429, decision.message, param=caps.get(decision.reason),
+                       code=decision.reason.value, headers=headers)
     return decision
 
 

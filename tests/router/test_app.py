@@ -232,7 +232,7 @@ def test_a_client_that_leaves_stops_every_choice(router_app):
 
 
 def test_one_refused_choice_refuses_the_request_and_releases_the_others():
-    router = Router(RouterConfig(decode=[WORKER], max_input_tokens=8))
+    router = Router(RouterConfig(decode=[WORKER], max_input_tokens=8, max_output_tokens=16))
     router.decode.set_members([WORKER])
     router.decode._set_healthy(router.decode.workers[WORKER], True)
     router.orchestrator.http = worker = SlowWorker()
@@ -245,8 +245,11 @@ def test_one_refused_choice_refuses_the_request_and_releases_the_others():
 
     r = asyncio.run(ask())
     assert r.status_code == 400 and r.json()["error"]["code"] == "input_too_long", r.text
+    assert r.json()["error"]["param"] == "prompt"  # the parameter to change, as OpenAI's errors name it
     assert worker.tokens_made == 0
     assert_forgotten(router)
+    r = post(app, {"model": "smollm2", "prompt": "Hi", "max_tokens": 20}, slo="batch")  # over --max-output-tokens
+    assert (r.json()["error"]["code"], r.json()["error"]["param"]) == ("max_tokens_too_large", "max_tokens"), r.text
 
 
 def post(app, body: dict, slo: str = "interactive") -> httpx.Response:
