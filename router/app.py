@@ -254,6 +254,8 @@ async def dispatch(router, rid: str, ids: list[int], params: SamplingParams, tic
         router.dispatcher.release(time.monotonic() - held_from)
         if failed:
             metrics.by_class(metrics.failed, slo_name).inc()
+            if first_at is None:  # nothing was served: the tenant gets back what admission charged it
+                router.admission.rate_limiter.refund(ticket.tenant, ticket.request.charge)
         elif not finished and not refused:  # its client left (or the server stopped) before the end
             metrics.by_class(metrics.abandoned, slo_name).inc()
         elif finished:

@@ -191,6 +191,26 @@ def test_a_request_the_engine_refuses_is_neither_failed_nor_answered(router_app)
     assert_forgotten(router)
 
 
+class DeadWorker(SlowWorker):
+    """Its connection breaks before any token, as every worker tried does."""
+
+    async def event_batches(self, worker: str, path: str, body: dict):
+        raise aiohttp.ServerDisconnectedError("the worker went away")
+        yield  # an async generator, as the real one is
+
+
+def test_a_request_that_failed_before_any_token_gives_back_its_tenants_charge(router_app):
+    router, app, _ = router_app
+    router.orchestrator.http = DeadWorker()
+    router.admission.rate_limiter = TenantRateLimiter(default_limit=RateLimit(0.001, 1000))
+    bucket = router.admission.rate_limiter.bucket("default")
+    r = post(app, {"model": "smollm2", "prompt": "Hello there", "max_tokens": 10}, slo="batch")
+    assert r.status_code == 503, r.text
+    assert sample(router, "tandem_router_failed_requests_total") == 1
+    assert bucket.level == pytest.approx(1000, abs=0.01)  # charged for nothing served: given back
+    assert_forgotten(router)
+
+
 def test_queue_depth_is_the_requests_admitted_and_not_dispatched_by_class(router_app):
     router, _, _ = router_app
     for i, slo in enumerate(["batch", "batch", "interactive"]):
