@@ -19,8 +19,8 @@ from starlette.responses import JSONResponse, Response
 
 from tandem.body_limit import declared_length_error, too_large
 from tandem.errors import APIError, api_error_response, error_body, error_param
+from tandem.graceful import shutting_down_response
 from tandem.response_head import head_with_body
-from tandem.sse import SHUTTING_DOWN
 
 Handler = Callable[[BaseModel, Request], Awaitable[Response]]
 
@@ -62,8 +62,8 @@ class FastLane:
             response = api_error_response(exc)
         except asyncio.CancelledError:
             # Only uvicorn cancels a request's task (a client that leaves is ClientDisconnected): the server stops
-            # and its graceful wait is over. Said so, rather than uvicorn's plain-text 500; the task ends here.
-            response = JSONResponse(SHUTTING_DOWN, status_code=503, headers={"Retry-After": "1"})
+            # and its graceful wait is over (tandem.graceful). Said so, rather than uvicorn's plain-text 500.
+            response = shutting_down_response()
         await response(scope, receive, send)
 
     async def _read_body(self, scope, receive) -> bytes:

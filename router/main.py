@@ -14,6 +14,7 @@ import httpx
 import uvicorn
 
 from tandem.config import API_KEY_ENV, RouterConfig
+from tandem.graceful import GracefulServer
 from tandem.hashing import model_seed
 from tandem.heap import settle_heap
 from tandem.metrics import RouterMetrics
@@ -140,7 +141,7 @@ def _default_served_name(model: str) -> str:
     return os.path.splitext(os.path.basename(os.path.normpath(path)))[0]
 
 
-class _Server(uvicorn.Server):
+class _Server(GracefulServer):
     def __init__(self, config: uvicorn.Config, router: Router):
         super().__init__(config)
         self.router = router

@@ -210,7 +210,9 @@ class Orchestrator:
                         worker.prefill_tokens_in_flight -= colocated_weight
                         colocated_weight = 0
                     generated.extend(delta.new_token_ids)
-                    last_cached = delta.num_cached_tokens
+                    # A resumed attempt's worker counts its cache over prompt + output so far: the client's
+                    # usage counts the prompt's tokens only.
+                    delta.num_cached_tokens = last_cached = min(delta.num_cached_tokens, len(prompt))
                     yield delta
                     finished = delta.finished
                 if finished:

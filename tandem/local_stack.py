@@ -101,6 +101,7 @@ def stop_all(router: ServiceProcess, workers: list[ServiceProcess]) -> None:
     except KeyboardInterrupt:
         for process in (router, *workers):
             process.kill()
+        print("stopped at once: requests still in flight were cut off", flush=True)
 
 
 def run_local_stack(engine: EngineConfig, *, prefill: int, decode: int, colocated: bool, disagg_min_tokens: int,

@@ -305,56 +305,70 @@ def test_a_client_that_leaves_mid_stream_stops_the_work(fleet, tokenizer):
     assert metric(router_url, "tandem_router_worker_in_flight") == 0
 
 
+def sigterm_in_flight(stop: ServiceProcess, max_tokens: int, in_flight: str) -> dict:
+    """A streamed and a non-streamed request to `stop`; SIGTERM once the stream has its first token and the
+    metric `in_flight` counts both. The answers, as the clients got them."""
+    body = {"model": "smollm2", "prompt": "Count to a thousand:", "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True}
+    answers: dict = {}
+
+    def plain():
+        answers["plain"] = httpx.post(stop.url + "/v1/completions", json=body, timeout=120)
+
+    thread = threading.Thread(target=plain)
+    thread.start()
+    with httpx.Client(timeout=120) as http, http.stream("POST", stop.url + "/v1/completions",
+                                                        json={**body, "stream": True}) as r:
+        lines = []
+        for line in filter(None, r.iter_lines()):  # events, without the blank lines between them
+            lines.append(line)
+            if len(lines) == 1:
+                wait_for(lambda: metric(stop.url, in_flight) == 2)  # the plain one too
+                stop.proc.send_signal(signal.SIGTERM)
+        answers["stream"] = lines
+    thread.join(120)
+    stop.proc.wait(60)
+    return answers
+
+
+def assert_ended_for_shutdown(answers: dict) -> None:
+    assert answers["plain"].status_code == 503 and answers["plain"].headers["retry-after"] == "1"
+    assert answers["plain"].json()["error"]["code"] == "shutting_down"
+    events = [json.loads(line[6:]) for line in answers["stream"] if line.startswith("data: {")]
+    assert events[-1]["error"]["code"] == "shutting_down" and answers["stream"][-1] == "data: [DONE]"
+    assert "choices" in events[0]  # it had begun: the error ends an answer under way
+
+
 def test_a_stopping_router_lets_requests_finish_then_ends_the_rest_with_a_reason(fleet):
     """SIGTERM (Kubernetes after preStop; Ctrl-C on tandem serve): requests in flight get --graceful-shutdown-s to
     finish, and those still running then end with 503 shutting_down, or streamed, with that error event and [DONE]
     (not a bare 500 or a connection cut mid-answer)."""
     decode = fleet["decode"]
-
-    def run(stop: ServiceProcess, max_tokens: int, answers: dict) -> None:
-        """A streamed and a non-streamed request; SIGTERM to the router once the stream has its first token."""
-        body = {"model": "smollm2", "prompt": "Count to a thousand:", "max_tokens": max_tokens, "temperature": 0,
-                "ignore_eos": True}
-        started = threading.Event()
-
-        def plain():
-            answers["plain"] = httpx.post(stop.url + "/v1/completions", json=body, timeout=120)
-
-        thread = threading.Thread(target=plain)
-        thread.start()
-        with httpx.Client(timeout=120) as http, http.stream("POST", stop.url + "/v1/completions",
-                                                            json={**body, "stream": True}) as r:
-            lines = []
-            for line in filter(None, r.iter_lines()):  # events, without the blank lines between them
-                lines.append(line)
-                if line.startswith("data: {") and not started.is_set():
-                    started.set()
-                    wait_for(lambda: metric(stop.url, "tandem_router_worker_in_flight") == 2)  # the plain one too
-                    stop.proc.send_signal(signal.SIGTERM)
-            answers["stream"] = lines
-        thread.join(120)
-        stop.proc.wait(60)
-
     short = router([], decode, "--graceful-shutdown-s", "60")
     cut = router([], decode, "--graceful-shutdown-s", "0.5")
     start_all(short, cut)
     try:
-        finished, ended = {}, {}
-        run(short, 24, finished)
-        run(cut, 4000, ended)
+        finished = sigterm_in_flight(short, 24, "tandem_router_worker_in_flight")
+        ended = sigterm_in_flight(cut, 4000, "tandem_router_worker_in_flight")
     finally:
         short.stop()
         cut.stop()
     assert finished["plain"].status_code == 200 and finished["plain"].json()["usage"]["completion_tokens"] == 24
     events = [json.loads(line[6:]) for line in finished["stream"] if line.startswith("data: {")]
     assert events[-1]["choices"][0]["finish_reason"] == "length" and finished["stream"][-1] == "data: [DONE]"
-
-    assert ended["plain"].status_code == 503 and ended["plain"].headers["retry-after"] == "1"
-    assert ended["plain"].json()["error"]["code"] == "shutting_down"
-    events = [json.loads(line[6:]) for line in ended["stream"] if line.startswith("data: {")]
-    assert events[-1]["error"]["code"] == "shutting_down" and ended["stream"][-1] == "data: [DONE]"
-    assert "choices" in events[0]  # it had begun: the error ends an answer under way
+    assert_ended_for_shutdown(ended)
     wait_for(lambda: all(metric(d.url, "tandem_num_requests_running") == 0 for d in decode))
+
+
+def test_a_stopping_worker_ends_what_it_cannot_finish_with_a_reason():
+    """The same on a worker (its own 5 s wait): a router reading its stream resumes the request elsewhere, a client
+    of its OpenAI API knows to retry."""
+    alone = worker("both")
+    alone.start().wait_ready()
+    try:
+        assert_ended_for_shutdown(sigterm_in_flight(alone, 4000, "tandem_num_requests_running"))
+    finally:
+        alone.stop()
 
 
 @pytest.mark.parametrize("fault,transport", [("kill", "websocket"), ("hang", "websocket"), ("hang", "http")])

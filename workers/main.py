@@ -8,6 +8,7 @@ import uuid
 import uvicorn
 
 from tandem.config import WorkerConfig
+from tandem.graceful import AnswerOnShutdown, GracefulServer
 from tandem.heap import settle_heap
 from tandem.metrics import EngineMetrics
 from tandem.workers.async_engine import AsyncEngine
@@ -18,7 +19,7 @@ from tandem.workers.server import ServingContext, build_app
 log = logging.getLogger("tandem.worker")
 
 
-class _Server(uvicorn.Server):
+class _Server(GracefulServer):
     """uvicorn, plus the one line saying where we listen once the socket is really bound."""
 
     def __init__(self, config: uvicorn.Config, banner: str):
@@ -66,7 +67,7 @@ def run_worker(config: WorkerConfig, log_level: str = "info") -> int:
     log.info(settle_heap(ctx.metrics.gc_pauses))  # the model's code and data, frozen out of collections (tandem.heap)
     async_engine.start()
     app = build_app(ctx)
-    server = _Server(uvicorn.Config(app, host=config.host, port=config.port, log_level=log_level,
+    server = _Server(uvicorn.Config(AnswerOnShutdown(app), host=config.host, port=config.port, log_level=log_level,
                                     access_log=False, timeout_graceful_shutdown=5),
                      banner=f"tandem worker (role {config.role}, model {ctx.served_name}, {_engine_summary(async_engine)})")
     try:

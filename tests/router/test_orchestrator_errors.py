@@ -93,7 +93,8 @@ def test_a_coalesced_request_that_loses_its_worker_resumes_after_what_arrived():
     first = orchestrator._place(pool, orchestrator.plan([1, 2, 3])[1], [], 3, set(), Trace())
     other = next(u for u in pool.workers if u != first)
     http.script[first] = [{"token_ids": [7], "text": "x"}, error_body(503, "engine died")]
-    http.script[other] = [{"token_ids": [8, 9], "text": "yz", "finish_reason": "length"}]
+    # The worker resumed on has prompt + the first token cached: 4 tokens, of a 3-token prompt.
+    http.script[other] = [{"token_ids": [8, 9], "text": "yz", "finish_reason": "length", "num_cached_tokens": 4}]
 
     async def run():
         params = SamplingParams(temperature=0, max_tokens=3)
@@ -101,6 +102,7 @@ def test_a_coalesced_request_that_loses_its_worker_resumes_after_what_arrived():
 
     deltas = asyncio.run(run())
     assert [t for d in deltas for t in d.new_token_ids] == [7, 8, 9]
+    assert deltas[-1].num_cached_tokens == 3  # usage's cached tokens never exceed the prompt's
     assert http.calls == [first, other]
     assert all(body["coalesce_after_first"] for body in http.bodies)
     resumed = http.bodies[1]
@@ -236,8 +238,8 @@ def test_a_stream_lost_after_its_last_token_still_ends_with_its_finish_reason():
     client still gets a finish_reason ("length", as the worker would have said)."""
     orchestrator, pool, http = orchestrator_over({"http://a": [], "http://b": []})
     first, _ = first_and_other(orchestrator, pool)
-    http.script[first] = [{"token_ids": [7], "text": "x", "num_cached_tokens": 16},
-                          {"token_ids": [8], "text": "y", "num_cached_tokens": 16}, aiohttp.ClientConnectionError()]
+    http.script[first] = [{"token_ids": [7], "text": "x", "num_cached_tokens": 2},
+                          {"token_ids": [8], "text": "y", "num_cached_tokens": 2}, aiohttp.ClientConnectionError()]
 
     async def run_it():
         return [d async for d in orchestrator.run("r1", [1, 2, 3], SamplingParams(temperature=0, max_tokens=2),
@@ -246,7 +248,7 @@ def test_a_stream_lost_after_its_last_token_still_ends_with_its_finish_reason():
     deltas = asyncio.run(run_it())
     assert [(d.new_token_ids, d.finished, d.finish_reason) for d in deltas] == [
         ([7], False, None), ([8], False, None), ([], True, "length")]
-    assert deltas[-1].num_cached_tokens == 16 and http.calls == [first]
+    assert deltas[-1].num_cached_tokens == 2 and http.calls == [first]
 
 
 class FailingPrefill(ScriptedWorkers):
