@@ -17,15 +17,18 @@ from tandem.metrics import RouterMetrics
 from tandem.router.pool import WorkerPool, probe_pools
 
 
-async def draining_worker(port: int) -> web.AppRunner:
+async def probed_worker(port: int, ready: bool) -> web.AppRunner:
+    """A worker as the pool's probes see it: its load, and /ready answering 200, or 503 (draining)."""
     async def load(_):
         return web.json_response({"free_blocks": 1, "total_blocks": 1, "running": 1, "waiting": 0})
 
-    async def not_ready(_):
+    async def readiness(_):
+        if ready:
+            return web.json_response({"status": "ready"})
         return web.json_response({"error": {"message": "draining"}}, status=503)
 
     app = web.Application()
-    app.add_routes([web.get("/internal/load", load), web.get("/ready", not_ready)])
+    app.add_routes([web.get("/internal/load", load), web.get("/ready", readiness)])
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", port).start()
@@ -37,7 +40,7 @@ async def test_only_a_worker_that_stops_answering_loses_its_requests_and_once():
     hung.bind(("127.0.0.1", 0))
     hung.listen(16)
     draining_port = free_port()
-    runner = await draining_worker(draining_port)
+    runner = await probed_worker(draining_port, ready=False)
     hung_url, draining_url = f"http://127.0.0.1:{hung.getsockname()[1]}", f"http://127.0.0.1:{draining_port}"
     dropped: list[str] = []
     try:
@@ -88,7 +91,7 @@ async def test_a_lone_hung_worker_loses_its_requests_when_the_router_kept_time()
     hung.listen(16)
     hung_url = f"http://127.0.0.1:{hung.getsockname()[1]}"
     draining_port = free_port()
-    runner = await draining_worker(draining_port)
+    runner = await probed_worker(draining_port, ready=False)
     dropped: list[str] = []
     try:
         async with httpx.AsyncClient() as http:
@@ -110,24 +113,9 @@ async def test_a_lone_hung_worker_loses_its_requests_when_the_router_kept_time()
         await runner.cleanup()
 
 
-async def ready_worker(port: int) -> web.AppRunner:
-    async def load(_):
-        return web.json_response({"free_blocks": 1, "total_blocks": 1, "running": 0, "waiting": 0})
-
-    async def ready(_):
-        return web.json_response({"status": "ready"})
-
-    app = web.Application()
-    app.add_routes([web.get("/internal/load", load), web.get("/ready", ready)])
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    return runner
-
-
 async def test_a_worker_that_keeps_failing_requests_but_passes_its_probes_is_held_out_longer_each_time():
     ports = [free_port(), free_port()]
-    runners = [await ready_worker(port) for port in ports]
+    runners = [await probed_worker(port, ready=True) for port in ports]
     url, other = (f"http://127.0.0.1:{port}" for port in ports)
     metrics = RouterMetrics("test-eject")
     loop = asyncio.get_running_loop()
