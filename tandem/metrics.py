@@ -107,19 +107,19 @@ class RouterMetrics:
         def hist(name: str, doc: str) -> Histogram:
             return Histogram(name, doc, by_class, buckets=LATENCY_BUCKETS, registry=r)
 
+        def class_counter(name: str, doc: str) -> Counter:
+            return Counter(name, f"{doc}, by SLO class", by_class, registry=r)
+
         self.ttft = hist("tandem_router_time_to_first_token_seconds", "Client-seen time to first token")
         self.itl = hist("tandem_router_inter_token_latency_seconds", "Client-seen time between tokens")
         self.e2e = hist("tandem_router_e2e_request_latency_seconds", "Client-seen request latency")
-        self.requests = Counter("tandem_router_requests", "Requests answered in full, by SLO class", by_class,
-                                registry=r)
-        self.failed = Counter("tandem_router_failed_requests",
-                              "Requests admitted whose answer failed (every worker tried failed), by SLO class",
-                              by_class, registry=r)
-        self.abandoned = Counter("tandem_router_abandoned_requests",
-                                 "Requests admitted whose client left before the answer was complete, by SLO class",
-                                 by_class, registry=r)
-        self.goodput = Counter("tandem_router_goodput_requests", "Requests that met their TTFT and ITL targets",
-                               by_class, registry=r)
+        # How each admitted request ended, by SLO class.
+        self.requests = class_counter("tandem_router_requests", "Requests answered in full")
+        self.failed = class_counter("tandem_router_failed_requests",
+                                    "Requests admitted whose answer failed (every worker tried failed)")
+        self.abandoned = class_counter("tandem_router_abandoned_requests",
+                                       "Requests admitted whose client left before the answer was complete")
+        self.goodput = class_counter("tandem_router_goodput_requests", "Requests that met their TTFT and ITL targets")
         self.rejections = Counter("tandem_router_rejections", "Requests refused, by reason",
                                   (*by_class, "reason"), registry=r)
         self.queue_depth = Gauge("tandem_router_queue_depth", "Requests admitted but not yet dispatched",
