@@ -9,7 +9,6 @@ tandem.router.fast_lane in front of FastAPI (same models, same handlers, less CP
 from __future__ import annotations
 
 import asyncio
-import math
 import time
 
 from fastapi import FastAPI, Request
@@ -19,7 +18,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from tandem.background import spawn
 from tandem.body_limit import BodySizeLimit
-from tandem.errors import APIError, add_openai_error_handlers, error_body
+from tandem.errors import APIError, add_openai_error_handlers, error_body, retry_after
 from tandem.json_response import FastJSONResponse
 from tandem.openai_choices import Choice, combined, request_choices, staggered
 from tandem.openai_protocol import (
@@ -187,7 +186,7 @@ async def serve(router, request: Request, body: CompletionRequest | ChatCompleti
 
 
 def admit(router, choice: Choice, hashes: list[int], workers: list, slo_name: str, key: str | None,
-          charge: int | None, prompt_param: str = "prompt"):
+          charge: int | None, prompt_param: str):
     """The admission ticket of one choice, or the 429 (or 400 past a cap) that refuses it. A prompt's later
     samples prefill from its first's cache (tandem.openai_choices): none of its prompt counts as theirs to
     compute. `charge`: see AdmissionRequest.charge_tokens."""
@@ -202,9 +201,7 @@ def admit(router, choice: Choice, hashes: list[int], workers: list, slo_name: st
     if isinstance(decision, Reject):
         router.metrics.by_class(router.metrics.rejections, slo_name, reason=decision.reason.value).inc()
         caps = {RejectReason.INPUT_TOO_LONG: prompt_param, RejectReason.MAX_TOKENS_TOO_LARGE: "max_tokens"}
-        headers = {}
-        if decision.retry_after_s is not None:
-            headers["Retry-After"] = str(max(1, math.ceil(decision.retry_after_s)))
+        headers = retry_after(decision.retry_after_s) if decision.retry_after_s is not None else {}
         raise APIError(400 if decision.reason in caps else 429, decision.message, param=caps.get(decision.reason),
                        code=decision.reason.value, headers=headers)
     return decision
@@ -255,7 +252,7 @@ async def dispatch(router, rid: str, ids: list[int], params: SamplingParams, tic
         if failed:
             metrics.by_class(metrics.failed, slo_name).inc()
             if first_at is None:  # nothing was served: the tenant gets back what admission charged it
-                router.admission.rate_limiter.refund(ticket.tenant, ticket.request.charge)
+                router.admission.refund(ticket)
         elif not finished and not refused:  # its client left (or the server stopped) before the end
             metrics.by_class(metrics.abandoned, slo_name).inc()
         elif finished:
@@ -326,12 +323,11 @@ class Dispatcher:
         self.active += 1
         return True
 
-    def release(self, held_s: float | None = None) -> None:
+    def release(self, held_s: float) -> None:
         """A dispatched request is done with its slot, having held it `held_s` seconds."""
         self.active -= 1
-        if held_s is not None:
-            self.mean_hold_s = held_s if self.mean_hold_s is None else \
-                self.mean_hold_s + self.HOLD_ALPHA * (held_s - self.mean_hold_s)
+        self.mean_hold_s = held_s if self.mean_hold_s is None else \
+            self.mean_hold_s + self.HOLD_ALPHA * (held_s - self.mean_hold_s)
         self._wake_waiting()
 
     def withdraw(self, rid: str) -> None:

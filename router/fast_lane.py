@@ -62,7 +62,9 @@ class FastLane:
             response = api_error_response(exc)
         except asyncio.CancelledError:
             # Only uvicorn cancels a request's task (a client that leaves is ClientDisconnected): the server stops
-            # and its graceful wait is over (tandem.graceful). Said so, rather than uvicorn's plain-text 500.
+            # and its graceful wait is over (tandem.graceful). Said so, rather than uvicorn's plain-text 500. Here
+            # rather than by wrapping the app in AnswerOnShutdown as the worker does: a wrapped `send` is not
+            # uvicorn's own, and head_with_body would fall back to two writes per answer.
             response = shutting_down_response()
         await response(scope, receive, send)
 

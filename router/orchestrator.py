@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from tandem.background import spawn
 from tandem.config import RouterConfig
-from tandem.errors import APIError
+from tandem.errors import APIError, retry_after
 from tandem.hashing import block_hashes
 from tandem.metrics import RouterMetrics
 from tandem.openai_format import Delta
@@ -38,8 +37,7 @@ MAX_ATTEMPTS = 3  # per phase: a request survives two worker failures
 def no_workers(health_interval_s: float) -> APIError:
     """503 for a request no decode worker can take now, with a Retry-After of the probe interval: the soonest
     a worker can be back in rotation."""
-    return APIError(503, "no decode worker is available", code="no_workers",
-                    headers={"Retry-After": str(max(1, math.ceil(health_interval_s)))})
+    return APIError(503, "no decode worker is available", code="no_workers", headers=retry_after(health_interval_s))
 
 
 class WorkerFailure(Exception):
@@ -88,13 +86,12 @@ class Orchestrator:
         disagg = len(prompt) >= self.config.disagg_min_tokens and bool(self.prefill.healthy()) \
             and params.prompt_logprobs is None
         touched: set[tuple[str, str]] = set()  # (worker, request id there): what to abort if the client leaves
-        finished = fell_back = False
+        finished = False
         try:
             if disagg:
                 try:
                     pre = await self._prefill(rid, prompt, params, hashes, key, trace, touched)
                 except WorkerFailure:
-                    disagg, fell_back = False, True
                     self._route("fallback")
                 else:
                     self._route("disagg")
@@ -115,7 +112,7 @@ class Orchestrator:
                     finished = True
                     return
             trace.path = "colocated"
-            if not fell_back:  # a fallback is counted as that, not as colocated too
+            if not disagg:  # a request that fell back is counted as that, not as colocated too
                 self._route("colocated")
             async for delta in self._decode(rid, prompt, params, [], None, hashes, key, trace, touched, coalesce):
                 yield delta

@@ -161,10 +161,6 @@ class WorkerPool:
             w.healthy for w in self.workers.values() if w is not worker)
         self._set_healthy(worker, ready and not held_out)
 
-    async def probe_all(self, timeout_s: float = 2.0) -> None:
-        """One probe round over this pool alone (probe_pools rounds over several)."""
-        await probe_pools([self], timeout_s)
-
     def report_silent(self) -> None:
         """on_silent, once per silence, for each worker whose last silent_after probes went unanswered."""
         if self.on_silent is None:

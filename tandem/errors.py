@@ -6,6 +6,7 @@ HTTP status, so the official SDKs raise their typed exceptions (BadRequestError,
 
 from __future__ import annotations
 
+import math
 from http import HTTPStatus
 
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -54,6 +55,11 @@ def error_body(status: int, message: str, param: str | None = None, code: str | 
     err_type = _TYPE_BY_STATUS.get(status, "server_error" if status >= 500 else "invalid_request_error")
     return {"error": {"message": message, "type": err_type, "param": param,
                       "code": code or HTTPStatus(status).phrase.lower().replace(" ", "_")}}
+
+
+def retry_after(seconds: float) -> dict[str, str]:
+    """The Retry-After header for a wait of `seconds`: whole seconds, at least one."""
+    return {"Retry-After": str(max(1, math.ceil(seconds)))}
 
 
 def api_error_response(exc: APIError) -> JSONResponse:

@@ -14,13 +14,14 @@ import asyncio
 import uvicorn
 from starlette.responses import JSONResponse
 
+from tandem.errors import retry_after
 from tandem.sse import SHUTTING_DOWN
 
 CANCELLED_REQUESTS_GRACE_S = 2.0  # for the cancelled requests to write their ending
 
 
 def shutting_down_response() -> JSONResponse:
-    return JSONResponse(SHUTTING_DOWN, status_code=503, headers={"Retry-After": "1"})
+    return JSONResponse(SHUTTING_DOWN, status_code=503, headers=retry_after(1))
 
 
 class GracefulServer(uvicorn.Server):

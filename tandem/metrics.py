@@ -22,6 +22,13 @@ GC_PAUSE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 
 ENGINE_LABELS = ("model", "pool")
 
 
+def gc_pauses(name: str, held: str, labels: dict, registry: CollectorRegistry) -> list:
+    """One histogram child per collector generation (0, 1, 2), which tandem.heap observes every collection in."""
+    histogram = Histogram(name, f"Time one garbage collection held {held}, by generation", (*labels, "generation"),
+                          buckets=GC_PAUSE_BUCKETS, registry=registry)
+    return [histogram.labels(**labels, generation=str(g)) for g in range(3)]
+
+
 class EngineMetrics:
     """The engine's metrics, bound to one registry and one (model, pool) label pair.
 
@@ -78,10 +85,7 @@ class EngineMetrics:
                                       ENGINE_LABELS, registry=r).labels(**labels)
         self.kv_lease_expirations = Counter("tandem_kv_lease_expirations", "Leases that ran out before release",
                                             ENGINE_LABELS, registry=r).labels(**labels)
-        self.gc_pause = Histogram("tandem_gc_pause_seconds",
-                                  "Time one garbage collection held the worker (event loop and engine thread), by "
-                                  "generation", (*ENGINE_LABELS, "generation"), buckets=GC_PAUSE_BUCKETS, registry=r)
-        self.gc_pauses = [self.gc_pause.labels(**labels, generation=str(g)) for g in range(3)]  # see tandem.heap
+        self.gc_pauses = gc_pauses("tandem_gc_pause_seconds", "the worker (event loop and engine thread)", labels, r)
         self.labels = labels
 
     def fallback(self, reason: str) -> None:
@@ -139,10 +143,7 @@ class RouterMetrics:
         self.ejections = Counter("tandem_router_worker_ejections", "Times a worker was taken out of rotation for "
                                  "failing requests in a row", (*ROUTER_LABELS, "worker", "role"), registry=r)
         # A collection holds the GIL, and so the event loop and every request, whichever thread it runs in.
-        self.gc_pause = Histogram("tandem_router_gc_pause_seconds",
-                                  "Time one garbage collection held the router's event loop, by generation",
-                                  (*ROUTER_LABELS, "generation"), buckets=GC_PAUSE_BUCKETS, registry=r)
-        self.gc_pauses = [self.gc_pause.labels(**self.labels, generation=str(g)) for g in range(3)]  # tandem.heap
+        self.gc_pauses = gc_pauses("tandem_router_gc_pause_seconds", "the router's event loop", self.labels, r)
         self.overload_diversions = Counter("tandem_router_overload_diversions",
                                            "Requests sent off their prefix key's worker because it was overloaded",
                                            (*ROUTER_LABELS, "role"), registry=r)

@@ -167,15 +167,9 @@ class AdmissionController:
         rate = self.rates.prefill_tps
         return rate if rate is not None and rate > 0 else None
 
-    def predicted_wait_s(self, deadline_s: float, priority: int = 0) -> float | None:
-        """Seconds until the pool has served everything in flight and everything queued ahead of a request
-        with this deadline and priority, or until a dispatch slot frees for it if that is longer; None while
-        neither is known (no prefill rate, no slot to wait for)."""
-        return _longer(*self._waits(deadline_s, priority))
-
-    def _waits(self, deadline_s: float, priority: int) -> tuple[float | None, float]:
-        """(the prefill pool's wait, None without a rate; the dispatch slot's wait) for such a request."""
-        rate = self._worker_tps()
+    def _waits(self, deadline_s: float, priority: int, rate: float | None) -> tuple[float | None, float]:
+        """For a request with this deadline and priority: (seconds until the pool has served everything in flight
+        and queued ahead of it, None without a prefill rate; seconds until a dispatch slot frees for it)."""
         ahead = list(self.queue.ahead_of(deadline_s, priority))
         slot_wait = self.slot_wait_s(len(ahead))
         if rate is None:
@@ -213,7 +207,7 @@ class AdmissionController:
 
         now = self._clock()
         deadline = now + slo.ttft_s
-        prefill_wait, slot_wait = self._waits(deadline, slo.priority)
+        prefill_wait, slot_wait = self._waits(deadline, slo.priority, rate)
         wait = _longer(prefill_wait, slot_wait)
         if wait is not None:
             own = request.prefill_tokens / rate if rate is not None else 0.0
@@ -260,8 +254,12 @@ class AdmissionController:
         ticket = self.queue.remove(request_id)
         if ticket is None:
             return False
-        self.rate_limiter.refund(ticket.tenant, ticket.request.charge)
+        self.refund(ticket)
         return True
+
+    def refund(self, ticket: Admit) -> None:
+        """Give the ticket's tenant back what admitting it charged (nothing was served for it)."""
+        self.rate_limiter.refund(ticket.tenant, ticket.request.charge)
 
 
 def _longer(prefill_wait: float | None, slot_wait: float) -> float | None:

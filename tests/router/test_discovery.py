@@ -22,7 +22,7 @@ from kubernetes.config import kube_config
 from tandem.launcher import free_port
 from tandem.metrics import RouterMetrics
 from tandem.router.discovery import KubernetesDiscovery
-from tandem.router.pool import WorkerPool
+from tandem.router.pool import WorkerPool, probe_pools
 
 SLICES = "discovery.k8s.io/v1/endpointslices"
 NAMESPACE = "serving"
@@ -165,7 +165,7 @@ async def test_a_worker_that_leaves_discovery_leaves_the_ring(emulator, discover
         async def refresh() -> None:  # what the router's probe loop does for one pool, each interval
             _, decode = await discovery.members()
             pool.set_members(decode)
-            await pool.probe_all()
+            await probe_pools([pool])
 
         await create(emulator, endpoint_slice("decode-a", "decode", port, [(a, True), (b, True)]))
         await refresh()

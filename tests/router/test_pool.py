@@ -49,7 +49,7 @@ async def test_only_a_worker_that_stops_answering_loses_its_requests_and_once():
             pool.set_members([hung_url, draining_url])
             rounds = []
             for _ in range(4):
-                await pool.probe_all(timeout_s=0.2)
+                await probe_pools([pool], timeout_s=0.2)
                 rounds.append(list(dropped))
     finally:
         hung.close()
@@ -76,7 +76,7 @@ async def test_when_no_worker_answers_and_the_router_was_held_up_the_silence_is_
             pool = WorkerPool("decode", http, RouterMetrics("test"), silent_after=2, on_silent=dropped.append)
             pool.set_members([f"http://127.0.0.1:{s.getsockname()[1]}" for s in hung])
             for _ in range(3):
-                await asyncio.gather(pool.probe_all(timeout_s=0.2), hold_up_the_loop())
+                await asyncio.gather(probe_pools([pool], timeout_s=0.2), hold_up_the_loop())
     finally:
         for s in hung:
             s.close()
@@ -106,7 +106,7 @@ async def test_a_lone_hung_worker_loses_its_requests_when_the_router_kept_time()
             alone = WorkerPool("decode", http, RouterMetrics("test3"), silent_after=2, on_silent=dropped.append)
             alone.set_members([hung_url])
             for _ in range(2):  # a longer timeout: a loaded machine's hiccup must not pass for a held-up loop
-                await alone.probe_all(timeout_s=1.0)
+                await probe_pools([alone], timeout_s=1.0)
             assert dropped == [hung_url]
     finally:
         hung.close()
@@ -123,15 +123,15 @@ async def test_a_worker_that_keeps_failing_requests_but_passes_its_probes_is_hel
         async with httpx.AsyncClient() as http:
             pool = WorkerPool("prefill", http, metrics, eject_after=3)
             pool.set_members([url, other])
-            await pool.probe_all(timeout_s=1.0)
+            await probe_pools([pool], timeout_s=1.0)
             assert len(pool.healthy()) == 2
             for _ in range(3):
                 pool.record_failure(url)
             assert [w.url for w in pool.healthy()] == [other]
-            await pool.probe_all(timeout_s=1.0)
+            await probe_pools([pool], timeout_s=1.0)
             assert [w.url for w in pool.healthy()] == [other]  # ready, but held out: its next requests would fail
             await asyncio.sleep(pool.workers[url].held_out_until - loop.time() + 0.05)
-            await pool.probe_all(timeout_s=1.0)
+            await probe_pools([pool], timeout_s=1.0)
             assert len(pool.healthy()) == 2  # 1 s after the first ejection
             for _ in range(3):
                 pool.record_failure(url)
@@ -140,7 +140,7 @@ async def test_a_worker_that_keeps_failing_requests_but_passes_its_probes_is_hel
             assert pool.workers[url].ejections == 0
             for _ in range(3):
                 pool.record_failure(other)  # the other fails too: nothing would be left in rotation
-            await pool.probe_all(timeout_s=1.0)
+            await probe_pools([pool], timeout_s=1.0)
             assert len(pool.healthy()) == 1  # the first to pass a probe is taken back at once: a 503 helps no one
     finally:
         for runner in runners:
