@@ -71,6 +71,7 @@ LONG_CONCURRENCY = (1, 16)
 FLOOR_NAME = "python floor"
 HTTP_NAME = "ours colocated, HTTP"  # --worker-transport http
 GC_700_NAME = "ours colocated, gc 700"  # --gc-young-threshold 700 (CPython's default)
+VARIANTS = (HTTP_NAME, GC_700_NAME)  # our colocated router with one setting changed: latency cells only
 LONG_STREAM_TOKENS = 64
 WORDS = ("time person year way day thing man world life hand part child eye woman place work week case point "
          "government company number group problem fact river mountain garden window market letter story "
@@ -536,7 +537,7 @@ async def mock_section(args) -> None:
             long_targets = [targets[0], targets[1],
                             Target("ours colocated, tokenize in place", ours_inline.url, pid=ours_inline.proc.pid),
                             *(t for t in targets[2:]
-                              if "round_robin" not in t.name and t.name not in (HTTP_NAME, GC_700_NAME))]
+                              if "round_robin" not in t.name and t.name not in VARIANTS)]
             long_results = {t.name: await long_prompt_suite(t, int(1200 * scale), warmup) for t in long_targets}
             n_tokens = len(tokenizer.encode(json.loads(long_bodies(1, 0)[0])["prompt"]))
             print_long_prompt_table(long_results, n_tokens)
@@ -550,7 +551,7 @@ async def mock_section(args) -> None:
         work = {c: group_prompts(32, per_group[c], seed=c, tokenizer=tokenizer) for c in (16, 1)}
         locality: dict[str, dict] = {}
         for t in targets:
-            if t.name in ("direct", FLOOR_NAME, HTTP_NAME, GC_700_NAME):  # the floor takes turns; the others route
+            if t.name in ("direct", FLOOR_NAME, *VARIANTS):  # the floor takes turns; the others route
                 # as ours does
                 continue
             locality[t.name] = await locality_suite(t, work, mocks)

@@ -81,11 +81,10 @@ def owns(desired: Mapping[str, Any], current: Mapping[str, Any]) -> bool:
     LLMDeployment's uid, or it has none and carries that LLMDeployment's labels (an orphan of it, which the
     operator adopts, as a Deployment adopts its orphaned ReplicaSets)."""
     wanted = desired["metadata"]["ownerReferences"][0]
-    meta = current.get("metadata", {})
-    controller = next((ref for ref in meta.get("ownerReferences") or [] if ref.get("controller")), None)
+    controller = _controller_ref(current)
     if controller is not None:
         return controller.get("uid") == wanted["uid"]
-    labels, ours = meta.get("labels") or {}, desired["metadata"]["labels"]
+    labels, ours = current.get("metadata", {}).get("labels") or {}, desired["metadata"]["labels"]
     return labels.get("app.kubernetes.io/managed-by") == MANAGER and labels.get(OWNER_LABEL) == ours[OWNER_LABEL]
 
 
@@ -239,8 +238,13 @@ def _write_query(dry_run: bool) -> dict[str, str]:
     return {"fieldManager": MANAGER, **({"dryRun": "All"} if dry_run else {})}
 
 
+def _controller_ref(obj: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    """The owner reference that controls `obj`, if any."""
+    return next((ref for ref in obj.get("metadata", {}).get("ownerReferences") or [] if ref.get("controller")), None)
+
+
 def _owner_of(obj: Mapping[str, Any]) -> str:
-    refs = [ref for ref in obj.get("metadata", {}).get("ownerReferences") or [] if ref.get("controller")]
-    if refs:
-        return f"controlled by {refs[0].get('kind')} {refs[0].get('name')}, uid {refs[0].get('uid')}"
+    ref = _controller_ref(obj)
+    if ref is not None:
+        return f"controlled by {ref.get('kind')} {ref.get('name')}, uid {ref.get('uid')}"
     return "not created by this operator"

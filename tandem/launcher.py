@@ -62,6 +62,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def port_in_use(host: str, port: int) -> bool:
+    """Whether the router could not listen there. With SO_REUSEADDR, as uvicorn binds: a port whose last
+    connections are still in TIME_WAIT (a stack just stopped) is free for a listener."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror:
+        return False  # the router will say what is wrong with the host
+    with socket.socket(family, kind, proto) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(address)
+        except OSError:
+            return True
+    return False
+
+
 class ServiceProcess:
     """One `tandem <command>` child process listening on 127.0.0.1:<port>, its output in a log file."""
 

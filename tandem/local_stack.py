@@ -10,13 +10,12 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import socket
 import sys
 import time
 
 from tandem.cli_args import options_to_args
 from tandem.config import API_KEY_ENV, EngineConfig, RouterConfig
-from tandem.launcher import ServiceProcess
+from tandem.launcher import ServiceProcess, port_in_use
 
 RESTART_GRACE_S = 30.0  # a process that exits again this soon after its start is crash-looping
 MAX_BACKOFF_S = 30.0
@@ -62,22 +61,6 @@ def supervise(processes: list[ServiceProcess]) -> int:
     while True:
         supervisor.check(time.monotonic())
         time.sleep(0.5)
-
-
-def port_in_use(host: str, port: int) -> bool:
-    """Whether the router could not listen there. With SO_REUSEADDR, as uvicorn binds: a port whose last
-    connections are still in TIME_WAIT (a stack just stopped) is free for a listener."""
-    try:
-        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-    except socket.gaierror:
-        return False  # the router will say what is wrong with the host
-    with socket.socket(family, kind, proto) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(address)
-        except OSError:
-            return True
-    return False
 
 
 def start_failure(exc: Exception, process: ServiceProcess) -> str:

@@ -156,8 +156,8 @@ class CompletionFormatter(Formatter):
         echo_now = self.echo is not None and not self.echoed  # the first chunk carries the prompt
         self.echoed = True
         logprobs = self._logprobs_block(out.new_logprobs or [], with_prompt=echo_now, offset=self.streamed_chars)
-        if logprobs is not None and logprobs["tokens"]:
-            self.streamed_chars = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
+        if logprobs is not None:
+            self.streamed_chars += sum(map(len, logprobs["tokens"]))
         choice = {"index": self.index, "text": (self.echo[0] if echo_now else "") + out.new_text,
                   "logprobs": logprobs, "finish_reason": out.finish_reason if out.finished else None}
         return [self.envelope(self.chunk_object_name, [choice])]

@@ -183,15 +183,14 @@ class Tokenizer:
             raise ValueError("GGUF lacks tokenizer.ggml.tokens or tokenizer.ggml.merges")
         token_types = meta("tokenizer.ggml.token_type") or [0] * len(tokens)
 
-        byte_chars = _bytes_to_unicode()
-        alphabet = set(byte_chars.values())
+        alphabet = set(_CHAR_OF_BYTE.values())
 
         def byte_level_spelling(token: str) -> str:
             # Every BPE token should already be spelled in the byte alphabet; respell the odd one that is not
             # (as transformers does) so the vocabulary keeps its size.
             if set(token) <= alphabet:
                 return token
-            return "".join(byte_chars[b] for b in token.encode("utf-8"))
+            return "".join(_CHAR_OF_BYTE[b] for b in token.encode("utf-8"))
 
         vocab = {byte_level_spelling(token): index for index, token in enumerate(tokens)}
         merge_pairs = []
@@ -308,7 +307,8 @@ def _bytes_to_unicode() -> dict[int, str]:
     return table
 
 
-_BYTE_OF_CHAR = {char: byte for byte, char in _bytes_to_unicode().items()}
+_CHAR_OF_BYTE = _bytes_to_unicode()
+_BYTE_OF_CHAR = {char: byte for byte, char in _CHAR_OF_BYTE.items()}
 
 
 def load_tokenizer(source: str) -> Tokenizer | None:

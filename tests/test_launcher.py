@@ -78,7 +78,7 @@ def test_a_port_whose_last_connection_is_in_time_wait_is_free_for_the_router():
     not call it taken. A port something listens on is taken."""
     import socket
 
-    from tandem.local_stack import port_in_use
+    from tandem.launcher import port_in_use
 
     server = socket.socket()
     server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

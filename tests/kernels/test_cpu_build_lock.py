@@ -11,17 +11,11 @@ from tandem.workers.kernels import cpu_extension
 LOAD = "from tandem.workers.kernels import cpu_extension as c; print('loaded', c.available(), c.build_error())"
 
 
-def build_directory() -> str:
-    from torch.utils import cpp_extension
-
-    return cpp_extension._get_build_directory(f"tandem_cpu_kernels_{cpu_extension._build_tag()}", verbose=False)
-
-
 def test_a_lock_left_by_an_interrupted_build_is_removed_and_the_kernels_load():
     """Ctrl-C during the first build leaves cpp_extension's `lock` file; torch waits on it forever."""
     if not cpu_extension.available():
         pytest.skip(f"the native CPU kernels do not build here: {cpu_extension.build_error()}")
-    stale = os.path.join(build_directory(), "lock")
+    stale = os.path.join(cpu_extension.build_directory_path(), "lock")
     open(stale, "w").close()
     try:
         done = subprocess.run([sys.executable, "-c", LOAD], capture_output=True, text=True, timeout=120,

@@ -75,6 +75,17 @@ def _put_ninja_on_path() -> None:
         os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
 
 
+def _name() -> str:
+    return f"tandem_cpu_kernels_{_build_tag()}"
+
+
+def build_directory_path() -> str:
+    """Where cpp_extension builds (and caches) the extension for this machine and checkout."""
+    from torch.utils import cpp_extension
+
+    return cpp_extension._get_build_directory(_name(), verbose=False)
+
+
 def load():
     """The compiled extension module, building it on first use; None (and the reason in `build_error()`)
     when it cannot be built here. Kernels call it on every use: once loaded it returns without the lock."""
@@ -87,8 +98,7 @@ def load():
                 from torch.utils import cpp_extension
 
                 _put_ninja_on_path()
-                name = f"tandem_cpu_kernels_{_build_tag()}"
-                build_directory = cpp_extension._get_build_directory(name, verbose=False)
+                name, build_directory = _name(), build_directory_path()
                 built = os.path.exists(os.path.join(build_directory, f"{name}.so"))
                 log.info("loading the native CPU kernels" if built else
                          "compiling the native CPU kernels (once per machine and checkout: about a minute)")
