@@ -1,10 +1,13 @@
 """Large CPU tensors move onto 2 MiB pages in place, content unchanged; small ones are left alone."""
 
+import ctypes
+import errno
 import platform
 
 import pytest
 import torch
 
+from tandem.workers.engine import huge_pages
 from tandem.workers.engine.huge_pages import HUGE_PAGE, collapse_into_huge_pages
 
 
@@ -19,6 +22,16 @@ def _kernel_collapses() -> bool:
     except OSError:
         return False
     return (major, minor) >= (6, 1) and "[never]" not in mode
+
+
+def _refusal_for_want_of_huge_pages(tensor: torch.Tensor) -> bool:
+    """Whether MADV_COLLAPSE on the tensor fails now for want of free huge pages (EAGAIN, ENOMEM), as it can on a
+    host whose memory is in use or fragmented, rather than for a reason that would be a bug here."""
+    begin = tensor.untyped_storage().data_ptr()
+    start = -(-begin // HUGE_PAGE) * HUGE_PAGE
+    if huge_pages._MADVISE(start, _interior(tensor), huge_pages.MADV_COLLAPSE) == 0:
+        return False
+    return ctypes.get_errno() in (errno.EAGAIN, errno.ENOMEM)
 
 
 def _interior(tensor: torch.Tensor) -> int:
@@ -50,6 +63,8 @@ def test_large_tensors_collapse_in_place_and_keep_their_values():
     moved = collapse_into_huge_pages([big, tied, small])
     assert torch.equal(big, before_big) and torch.equal(small, before_small)
     if _kernel_collapses():
+        if moved == 0 and _refusal_for_want_of_huge_pages(big):
+            pytest.skip("the kernel had no free huge pages just now (a loaded host): nothing to check")
         assert moved == _interior(big) >= 5 * HUGE_PAGE
         assert _huge_bytes_of_mapping(big.data_ptr() + HUGE_PAGE * 2) >= _interior(big)
     else:
