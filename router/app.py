@@ -15,6 +15,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.background import BackgroundTask
 
 from tandem.background import spawn
 from tandem.body_limit import BodySizeLimit
@@ -172,17 +173,33 @@ async def serve(router, request: Request, body: CompletionRequest | ChatCompleti
     if body.stream:
         return EventStreamResponse(openai_stream(fmt, deltas, body.usage_in_stream, stream_error_body),
                                    on_close=forget)
+    complete = False
     try:
         async with CancelOnDisconnect(request.receive):
             async for delta in deltas:
                 fmt.add(delta)
+                if delta.finished:
+                    complete = True
+                    break
     except ClientDisconnected:
         return Response(status_code=CLIENT_CLOSED_REQUEST)  # nobody reads it: uvicorn drops it
     finally:
-        await deltas.aclose()
-        forget()
+        if not complete:
+            await deltas.aclose()
+            forget()
+
+    async def finish() -> None:
+        # The answer is whole: the rest of its stream (the pools and the router's accounting closing it) runs once
+        # the answer is sent, so that the client does not wait for it. Nothing in it waits on a worker.
+        try:
+            async for _ in deltas:
+                pass
+        finally:
+            await deltas.aclose()
+            forget()
+
     # Already plain JSON types: a response object skips FastAPI's recursive jsonable_encoder pass.
-    return FastJSONResponse(fmt.final())
+    return FastJSONResponse(fmt.final(), background=BackgroundTask(finish))
 
 
 def admit(router, choice: Choice, hashes: list[int], workers: list, slo_name: str, key: str | None,

@@ -171,8 +171,10 @@ def run_router(config: RouterConfig, log_level: str = "info") -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per health probe is noise
     router = Router(config)
     app = build_app(router)
+    # proxy_headers off: the router reads no client address, so rewriting it from X-Forwarded-For (uvicorn's
+    # default, a middleware pass per request) would buy nothing.
     server = _Server(uvicorn.Config(app, host=config.host, port=config.port, log_level=log_level, access_log=False,
-                                    timeout_graceful_shutdown=config.graceful_shutdown_s), router)
+                                    proxy_headers=False, timeout_graceful_shutdown=config.graceful_shutdown_s), router)
     # Objects built by now (tokenizer, chat template, metrics, the app) live as long as the process: frozen, and
     # the youngest generation collected per --gc-young-threshold net new objects (tandem.heap says why;
     # benchmarks/router.py measures the collections' share of the router's CPU at that and at CPython's 700).

@@ -271,10 +271,15 @@ class Orchestrator:
         """The key's sticky worker (bounded loads on keys, see policies/key_table.py) among the pool's healthy
         workers less `exclude`, unless the in-flight overload valve diverts this one request."""
         ring = pool.ring
-        candidates = [u for u in ring.walk(key) if u not in exclude] if len(ring) else []
-        if not candidates:
-            return None
-        preferred = self._key_table(pool).assign(key, candidates)
+        table = self._key_table(pool)
+        # A key seen before keeps its worker (the usual case) without listing the candidates.
+        preferred = table.kept(key, lambda u: u in ring and u not in exclude)
+        candidates = None
+        if preferred is None:
+            candidates = self._candidates(ring, key, exclude)
+            if not candidates:
+                return None
+            preferred = table.assign(key, candidates)
         predicted = self.predictor.predicted_hit_tokens(preferred, hashes, prompt_len)
         weight = max(prompt_len - predicted, 1)
         url = preferred
@@ -290,6 +295,8 @@ class Orchestrator:
             loads = pool.prefill_loads()
             capacity = ring.capacity(loads, self.config.balance_eps, weight)
             if preferred_load > capacity:
+                if candidates is None:
+                    candidates = self._candidates(ring, key, exclude)
                 ordered = [preferred, *(u for u in candidates if u != preferred)]
                 url = next((u for u in ordered if loads.get(u, 0) + weight <= capacity), None) \
                     or min(ordered, key=lambda u: loads.get(u, 0))
@@ -301,6 +308,11 @@ class Orchestrator:
         self.predictor.record(url, hashes)
         self.metrics.plain(self.metrics.predicted_prefix_hit).inc(trace.predicted_hit_tokens)
         return url
+
+    @staticmethod
+    def _candidates(ring, key: int, exclude: set[str]) -> list[str]:
+        """The ring's workers less `exclude`, clockwise from `key`."""
+        return [u for u in ring.walk(key) if u not in exclude] if len(ring) else []
 
     def _key_table(self, pool: WorkerPool) -> KeyAssignments:
         table = self._key_tables.get(pool)

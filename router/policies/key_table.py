@@ -104,6 +104,18 @@ class KeyAssignments:
         total = sum(self._counts.get(w, 0) for w in candidates)
         return math.ceil((1 + self.eps) * (total + 1) / len(candidates))
 
+    def kept(self, key: int, usable: Callable[[str], bool]) -> str | None:
+        """The worker `key` sticks to when it has one and `usable(worker)`: assign's first case, decided without
+        the candidates, which cost a walk of the ring to list. None: call assign."""
+        now = self.clock()
+        self._expire(now)
+        entry = self._table.get(key)
+        if entry is None or not usable(entry[0]):
+            return None
+        self._table[key] = (entry[0], now)
+        self._table.move_to_end(key)
+        return entry[0]
+
     def assign(self, key: int, candidates: Sequence[str]) -> str:
         """The worker for `key`. `candidates` are the workers it may use, in the ring's clockwise order from the
         key (`HashRing.walk(key)` less any excluded worker)."""

@@ -197,6 +197,20 @@ def test_an_excluded_worker_loses_the_key():
     assert table.counts == {"b": 1}
 
 
+def test_kept_is_assigns_answer_for_a_key_whose_worker_is_usable(clock):
+    table = KeyAssignments(eps=0.0, ttl_s=60, clock=clock)
+    assert table.kept(7, lambda w: True) is None  # never placed: assign decides
+    assert table.assign(7, ["a", "b"]) == "a"
+    clock.advance(50)
+    assert table.kept(7, lambda w: True) == "a"  # and its idle time starts over, as assign's would
+    clock.advance(20)
+    assert table.worker_of(7) == "a"
+    assert table.kept(7, lambda w: w != "a") is None  # "a" is excluded now: assign moves the key
+    assert table.assign(7, ["b"]) == "b" and table.counts == {"b": 1}
+    clock.advance(61)
+    assert table.kept(7, lambda w: True) is None and len(table) == 0  # idle past the TTL: forgotten
+
+
 @pytest.mark.parametrize("kwargs, message", [({"eps": -0.1}, "eps"), ({"ttl_s": 0}, "ttl_s"),
                                              ({"max_keys": 0}, "max_keys")])
 def test_bad_arguments_are_refused(kwargs, message):
