@@ -1,41 +1,62 @@
-"""The least a Python router on Tandem's stack can add: a reference target for benchmarks/router.py.
+"""The least a Python router on Tandem's stack can add: reference targets for benchmarks/router.py.
 
-uvicorn (uvloop, httptools) takes the request, aiohttp forwards its body unchanged to the next backend's OpenAI
-endpoint (round robin) and the answer goes back as it arrives. No validation, tokenizing, routing, admission
-or metrics: what remains is the HTTP server, the HTTP client and the event loop, so the gap between this and
-our router with an HTTP request per worker call (--worker-transport http) is our own per-request work, and the
-gap between this and sglang-router is the stack's.
+uvicorn (uvloop, httptools) takes the request and passes it to the next backend (round robin), and the answer
+goes back as it arrives. No validation, tokenizing, routing, admission or metrics: what remains is the HTTP
+server, the call to the backend and the event loop. Two ways to call the backend:
+  http (default)  aiohttp forwards the body unchanged to the backend's OpenAI endpoint: the floor of a router
+                  with an HTTP request per worker call (ours with --worker-transport http).
+  channel         tandem's WorkerClient sends it on the backend's multiplexed WebSocket (/internal/ws) as a
+                  decode call, as our router does by default, and the floor formats the events it gets back as
+                  the OpenAI answer (the prompt is not tokenized: a mock backend does not read it).
+The gap between a floor and our router on the same transport is our own per-request work; the gap between a
+floor and sglang-router is the stack's.
 
-    PYTHONSAFEPATH=1 .venv/bin/python benchmarks/proxy_floor.py --port 9100 --backend URL [--backend URL ...]
+    PYTHONSAFEPATH=1 .venv/bin/python benchmarks/proxy_floor.py --port 9100 [--transport channel] \
+        --backend URL [--backend URL ...]
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+import time
 
 import aiohttp
+import orjson
 import uvicorn
 
+from tandem.router.worker_client import WorkerClient
 
-def make_app(backends: list[str]):
+
+async def _lifespan(receive, send, on_shutdown) -> None:
+    while (await receive())["type"] != "lifespan.shutdown":
+        await send({"type": "lifespan.startup.complete"})
+    await on_shutdown()
+    await send({"type": "lifespan.shutdown.complete"})
+
+
+async def _body(receive) -> bytes:
+    body, more = b"", True
+    while more:
+        message = await receive()
+        body += message.get("body", b"")
+        more = message.get("more_body", False)
+    return body
+
+
+def http_app(backends: list[str]):
     turn = itertools.cycle(backends)
     session: aiohttp.ClientSession | None = None
+
+    async def close() -> None:
+        if session is not None:
+            await session.close()
 
     async def app(scope, receive, send):
         nonlocal session
         if scope["type"] == "lifespan":
-            while (await receive())["type"] != "lifespan.shutdown":
-                await send({"type": "lifespan.startup.complete"})
-            if session is not None:
-                await session.close()
-            await send({"type": "lifespan.shutdown.complete"})
-            return
-        body, more = b"", True
-        while more:
-            message = await receive()
-            body += message.get("body", b"")
-            more = message.get("more_body", False)
+            return await _lifespan(receive, send, close)
+        body = await _body(receive)
         if session is None:  # made on first use: it belongs to the serving loop
             session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
         async with session.post(next(turn) + scope["path"], data=body,
@@ -56,11 +77,56 @@ def make_app(backends: list[str]):
     return app
 
 
+def channel_app(backends: list[str]):
+    turn = itertools.cycle(backends)
+    ids = itertools.count()
+    client: WorkerClient | None = None
+
+    async def close() -> None:
+        if client is not None:
+            await client.close()
+
+    async def app(scope, receive, send):
+        nonlocal client
+        if scope["type"] == "lifespan":
+            return await _lifespan(receive, send, close)
+        request = orjson.loads(await _body(receive))
+        stream = bool(request.get("stream"))
+        if client is None:  # made on first use: its connections belong to the serving loop
+            client = WorkerClient()
+        call = {"request_id": f"floor-{next(ids)}", "sampling": {"max_tokens": request.get("max_tokens") or 16},
+                "prompt_token_ids": [0], "kv_handle": None, "first_token_id": None, "coalesce_after_first": not stream}
+        batches = client.event_batches(next(turn), "/internal/decode", call)
+        head = {"id": call["request_id"], "object": "text_completion", "created": int(time.time()),
+                "model": request.get("model")}
+        if not stream:
+            text, finish = [], None
+            async for batch in batches:
+                text += [event.get("text", "") for event in batch]
+                finish = batch[-1].get("finish_reason") or finish
+            answer = orjson.dumps({**head, "choices": [{"index": 0, "text": "".join(text), "finish_reason": finish}]})
+            await send({"type": "http.response.start", "status": 200, "headers": [
+                (b"content-type", b"application/json"), (b"content-length", str(len(answer)).encode())]})
+            await send({"type": "http.response.body", "body": answer})
+            return
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
+        async for batch in batches:  # one event per batch that arrived together, as our router relays them
+            choice = {"index": 0, "text": "".join(e.get("text", "") for e in batch),
+                      "finish_reason": batch[-1].get("finish_reason")}
+            await send({"type": "http.response.body", "body": b"data: " + orjson.dumps({**head, "choices": [choice]})
+                        + b"\n\n", "more_body": True})
+        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
+
+    return app
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--backend", action="append", required=True, help="backend base URL (repeat)")
+    ap.add_argument("--transport", choices=("http", "channel"), default="http")
     args = ap.parse_args()
+    make_app = channel_app if args.transport == "channel" else http_app
     uvicorn.run(make_app([b.rstrip("/") for b in args.backend]), host="127.0.0.1", port=args.port,
                 log_level="warning", access_log=False, loop="uvloop", http="httptools")
 

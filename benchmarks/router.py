@@ -12,7 +12,9 @@ where each request landed.
   ours colocated, HTTP (--worker-transport http: an HTTP request per worker call), ours colocated, gc 700
   (--gc-young-threshold 700: garbage collected at CPython's default threshold), the python floor
   (benchmarks/proxy_floor.py: uvicorn + aiohttp passing each request through to b0-b3 in turn, with none of
-  a router's work: what this stack alone adds), sglang-router cache_aware and round_robin (-> b0-b3).
+  a router's work: what this stack alone adds), the python floor, channel (the same, calling b0-b3 on our
+  router's worker channel as ours does: the gap between it and ours colocated is our own per-request work),
+  sglang-router cache_aware and round_robin (-> b0-b3).
   latency: concurrency 1, 16, 64, non-streaming (end-to-end) and streaming (TTFT); "added" is the router's
   quantile minus direct's at the same concurrency; req/s is the best throughput over the three concurrencies.
   Requests to our router carry `x-tandem-slo-class: batch` (TTFT target 30 s) so that these cells measure
@@ -22,11 +24,11 @@ where each request landed.
   4 backends, concurrency 16 and 1. Locality = fraction of requests on their group's most-used backend;
   load = requests per backend counted at the mocks, max/mean.
   long streams: 64-token streamed completions at c=16 for direct, ours colocated (channel and HTTP), the
-  floor and sglang-router cache_aware: end-to-end latency and the router's CPU per relayed token.
+  floors and sglang-router cache_aware: end-to-end latency and the router's CPU per relayed token.
   long prompts: ~460-token prompts (450 words, each different), non-streaming, c=1 and c=16, for direct, ours
   colocated (long prompts tokenized on a thread), the same router with --tokenize-in-thread-chars 10^9 (every
-  prompt tokenized on its event loop), ours disaggregated and sglang-router cache_aware (which routes on text
-  and does not tokenize).
+  prompt tokenized on its event loop), ours disaggregated, the floors and sglang-router cache_aware (which
+  routes on text and does not tokenize).
 Targets (issue 5): p99 added <= 1 ms at c=16; non-streaming p50 added <= 1.5x sglang-router's; streaming TTFT
 added <= 1 ms; locality >= 0.95 with max/mean <= 1.25. Prints met / not met; never asserts.
 
@@ -68,7 +70,9 @@ FLOOR_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "proxy_f
 BACKEND_TAG = re.compile(r"([bp]\d+):\d+")
 CONCURRENCY = (1, 16, 64)
 LONG_CONCURRENCY = (1, 16)
-FLOOR_NAME = "python floor"
+FLOOR_NAME = "python floor"  # benchmarks/proxy_floor.py: uvicorn + an HTTP request per call (aiohttp)
+FLOOR_CHANNEL_NAME = "python floor, channel"  # the same with --transport channel: our router's worker channel
+FLOORS = (FLOOR_NAME, FLOOR_CHANNEL_NAME)
 HTTP_NAME = "ours colocated, HTTP"  # --worker-transport http
 GC_700_NAME = "ours colocated, gc 700"  # --gc-young-threshold 700 (CPython's default)
 VARIANTS = (HTTP_NAME, GC_700_NAME)  # our colocated router with one setting changed: latency cells only
@@ -109,10 +113,10 @@ class Mock(ScriptProcess):
 
 
 class ProxyFloor(ScriptProcess):
-    """benchmarks/proxy_floor.py: uvicorn + aiohttp passing requests through round robin, nothing else."""
+    """benchmarks/proxy_floor.py: uvicorn passing requests through round robin over `transport`, nothing else."""
 
-    def __init__(self, backend_urls: list[str]):
-        super().__init__(FLOOR_SCRIPT, *(a for url in backend_urls for a in ("--backend", url)))
+    def __init__(self, backend_urls: list[str], transport: str = "http"):
+        super().__init__(FLOOR_SCRIPT, "--transport", transport, *(a for url in backend_urls for a in ("--backend", url)))
 
 
 class SglangRouter:
@@ -485,10 +489,11 @@ async def mock_section(args) -> None:
                     Target("ours disagg (P/D)", ours_pd.url, "p", pid=ours_pd.proc.pid, ours=True),
                     Target(HTTP_NAME, ours_http.url, pid=ours_http.proc.pid, ours=True),
                     Target(GC_700_NAME, ours_gc.url, pid=ours_gc.proc.pid, ours=True)]
-        floor = ProxyFloor([m.url for m in decode])
-        routers.append(floor)
-        await wait_serving(floor.url, 30, floor.proc)
-        targets.append(Target(FLOOR_NAME, floor.url, pid=floor.proc.pid))
+        for name, transport in zip(FLOORS, ("http", "channel"), strict=True):
+            floor = ProxyFloor([m.url for m in decode], transport)
+            routers.append(floor)
+            await wait_serving(floor.url, 30, floor.proc)
+            targets.append(Target(name, floor.url, pid=floor.proc.pid))
         if not args.no_sglang:
             try:
                 for policy in ("cache_aware", "round_robin"):
@@ -530,7 +535,7 @@ async def mock_section(args) -> None:
         tokenizer = load_tokenizer(MODEL)
         if not args.only_locality:
             stream_targets = [t for t in targets
-                              if t.name in ("direct", "ours colocated", HTTP_NAME, FLOOR_NAME,
+                              if t.name in ("direct", "ours colocated", HTTP_NAME, *FLOORS,
                                             "sglang-router cache_aware")]
             long_streams = {t.name: await long_stream_suite(t, int(1000 * scale), warmup) for t in stream_targets}
             print_long_stream_table(long_streams, latency)
@@ -551,7 +556,7 @@ async def mock_section(args) -> None:
         work = {c: group_prompts(32, per_group[c], seed=c, tokenizer=tokenizer) for c in (16, 1)}
         locality: dict[str, dict] = {}
         for t in targets:
-            if t.name in ("direct", FLOOR_NAME, *VARIANTS):  # the floor takes turns; the others route
+            if t.name in ("direct", *FLOORS, *VARIANTS):  # the floors take turns; the others route
                 # as ours does
                 continue
             locality[t.name] = await locality_suite(t, work, mocks)
@@ -580,6 +585,10 @@ async def mock_section(args) -> None:
             ttft_added1 = o[(True, 1)].pct(50) - d[(True, 1)].pct(50)
             print(f"  streaming TTFT added <= 1 ms: p50 {ttft_added1:.2f} ms at c=1, {ttft_added:.2f} ms at c=16 -> "
                   f"{verdict(max(ttft_added, ttft_added1) <= 1)}")
+            fl = latency[FLOOR_CHANNEL_NAME]
+            print("  (not a target) ours colocated over the python floor, channel, non-streaming p50 at c=1/16/64, our "
+                  "own per-request work: " + " / ".join(f"+{o[(False, c)].pct(50) - fl[(False, c)].pct(50):.2f}"
+                                                        for c in CONCURRENCY) + " ms")
             sg = latency.get("sglang-router cache_aware")
             if sg is not None:
                 for c in CONCURRENCY:
