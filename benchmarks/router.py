@@ -17,6 +17,7 @@ where each request landed.
   sglang-router cache_aware and round_robin (-> b0-b3).
   latency: concurrency 1, 16, 64, non-streaming (end-to-end) and streaming (TTFT); "added" is the router's
   quantile minus direct's at the same concurrency; req/s is the best throughput over the three concurrencies.
+  Cell by cell, every target in turn (direct first), so that a drift of the shared host weighs on all alike.
   Requests to our router carry `x-tandem-slo-class: batch` (TTFT target 30 s) so that these cells measure
   routing, not admission; one extra cell shows what the default `interactive` class refuses.
   garbage collection: our routers' own tandem_router_gc_pause_seconds over each latency cell, per request.
@@ -331,10 +332,19 @@ async def measured_load(target: Target, bodies: list[bytes], concurrency: int, s
     return result
 
 
-async def latency_suite(target: Target, counts: dict[int, int], warmup: int) -> dict:
-    await run_load(target.url, short_bodies(warmup, False, 99), 16, False)
-    return {(stream, c): await measured_load(target, short_bodies(counts[c], stream, c), c, stream)
-            for stream in (False, True) for c in CONCURRENCY}
+async def latency_suite(targets: list[Target], counts: dict[int, int], warmup: int) -> dict[str, dict]:
+    """{target name: {(stream, concurrency): result}}. Cell by cell, every target in turn: what a shared host does
+    to one target's cell in the minutes the suite runs (another process, a CPU's clock), it does about as much to
+    the others' and to direct's, whose cell comes just before them, rather than to one target alone."""
+    for t in targets:
+        await run_load(t.url, short_bodies(warmup, False, 99), 16, False)
+    results: dict[str, dict] = {t.name: {} for t in targets}
+    for stream in (False, True):
+        for c in CONCURRENCY:
+            bodies = short_bodies(counts[c], stream, c)
+            for t in targets:
+                results[t.name][(stream, c)] = await measured_load(t, bodies, c, stream)
+    return results
 
 
 async def long_prompt_suite(target: Target, n: int, warmup: int) -> dict[int, RunResult]:
@@ -512,8 +522,7 @@ async def mock_section(args) -> None:
 
         latency: dict[str, dict] = {}
         if not args.only_locality:
-            for t in targets:
-                latency[t.name] = await latency_suite(t, counts, warmup)
+            latency = await latency_suite(targets, counts, warmup)
             print_latency_table(latency, "Non-streaming end-to-end latency (ms), 4-token completions; +p50/+p99 = "
                                          "added over direct", False)
             print_latency_table(latency, "Streaming time to first token (ms); +p50/+p99 = added over direct", True)
