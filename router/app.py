@@ -238,6 +238,7 @@ async def dispatch(router, rid: str, ids: list[int], params: SamplingParams, tic
     arrival = ticket.arrival_s
     first_at = last_at = None
     later_tokens = 0  # tokens after the first delta
+    produced = 0  # tokens relayed, the first delta's included
     released = finished = failed = refused = False
     try:
         if after is not None:
@@ -255,6 +256,7 @@ async def dispatch(router, rid: str, ids: list[int], params: SamplingParams, tic
             elif delta.new_token_ids:
                 later_tokens += len(delta.new_token_ids)
                 itl.observe((t - last_at) / len(delta.new_token_ids))
+            produced += len(delta.new_token_ids)
             last_at = t
             finished = delta.finished
             yield delta
@@ -266,10 +268,14 @@ async def dispatch(router, rid: str, ids: list[int], params: SamplingParams, tic
         if not released:
             router.admission.release(rid)
         router.dispatcher.release(time.monotonic() - held_from)
+        if failed and first_at is None:  # nothing was served: the tenant gets back what admission charged it
+            router.admission.refund(ticket)
+        elif first_at is not None and produced < params.max_tokens:
+            # Admission charged max_tokens of output; what was never made (a stop or EOS before it, a failure, a
+            # client that left) goes back, so that a tenant's rate counts the tokens it was served.
+            router.admission.refund(ticket, params.max_tokens - produced)
         if failed:
             metrics.by_class(metrics.failed, slo_name).inc()
-            if first_at is None:  # nothing was served: the tenant gets back what admission charged it
-                router.admission.refund(ticket)
         elif not finished and not refused:  # its client left (or the server stopped) before the end
             metrics.by_class(metrics.abandoned, slo_name).inc()
         elif finished:

@@ -257,9 +257,10 @@ class AdmissionController:
         self.refund(ticket)
         return True
 
-    def refund(self, ticket: Admit) -> None:
-        """Give the ticket's tenant back what admitting it charged (nothing was served for it)."""
-        self.rate_limiter.refund(ticket.tenant, ticket.request.charge)
+    def refund(self, ticket: Admit, tokens: int | None = None) -> None:
+        """Give the ticket's tenant back `tokens` of what admitting it charged, by default all of it (nothing was
+        served for it)."""
+        self.rate_limiter.refund(ticket.tenant, ticket.request.charge if tokens is None else tokens)
 
 
 def _longer(prefill_wait: float | None, slot_wait: float) -> float | None:

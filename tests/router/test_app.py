@@ -211,6 +211,40 @@ def test_a_request_that_failed_before_any_token_gives_back_its_tenants_charge(ro
     assert_forgotten(router)
 
 
+class ShortWorker(SlowWorker):
+    """Stops after three tokens (EOS), whatever max_tokens asked for; or, `dies`, breaks after them."""
+
+    def __init__(self, dies: bool = False):
+        super().__init__()
+        self.dies = dies
+
+    async def event_batches(self, worker: str, path: str, body: dict):
+        for i in range(3):
+            await asyncio.sleep(0.01)
+            end = {"finish_reason": "stop"} if i == 2 and not self.dies else {}
+            yield [{"token_ids": [100 + i], "text": "x", **end}]
+        if self.dies:
+            raise aiohttp.ServerDisconnectedError("the worker went away")
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("dies", [False, True], ids=["stops", "dies"])
+def test_a_tenant_pays_for_the_output_tokens_it_was_served_not_for_max_tokens(router_app, stream, dies):
+    router, app, _ = router_app
+    router.orchestrator.http = ShortWorker(dies)
+    router.admission.rate_limiter = TenantRateLimiter(default_limit=RateLimit(0.001, 1000))
+    bucket = router.admission.rate_limiter.bucket("default")
+    n = 1 if dies else 2  # a failure ends every sample's stream at once: the others would stop wherever they were
+    r = post(app, {"model": "smollm2", "prompt": "Hello there", "max_tokens": 50, "stream": stream, "n": n},
+             slo="batch")
+    assert r.status_code == (503 if dies and not stream else 200), r.text
+    assert ('"error"' in r.text) == dies
+    prompt_tokens = len(router.tokenizer.encode("Hello there"))
+    # Each sample made three tokens (then stopped, or its only worker broke) of the 50 it was charged for.
+    assert bucket.level == pytest.approx(1000 - prompt_tokens - n * 3, abs=0.01)
+    assert_forgotten(router)
+
+
 def test_queue_depth_is_the_requests_admitted_and_not_dispatched_by_class(router_app):
     router, _, _ = router_app
     for i, slo in enumerate(["batch", "batch", "interactive"]):
