@@ -54,11 +54,11 @@ def build_app(router) -> FastLane | ApiKeyGate:
     async def _invalid(_: Request, exc: RequestValidationError):
         return validation_error_response(exc.errors())
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD: load balancers and uptime checks that send it
     async def health():
         return {"status": "ok"}
 
-    @app.get("/ready")
+    @app.api_route("/ready", methods=["GET", "HEAD"])
     async def ready():
         if not router.decode.healthy():
             return JSONResponse(error_body(503, "no decode worker is ready"), status_code=503)

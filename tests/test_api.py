@@ -55,6 +55,9 @@ def test_health_ready_models_metrics(worker):
     unknown = httpx.get(worker.url + "/v1/nothing-here")
     assert unknown.status_code == 404 and unknown.json()["error"]["type"] == "not_found_error"
     assert httpx.get(worker.url + "/ready").status_code == 200
+    for path in ("/health", "/ready"):  # as load balancers and uptime checks may ask
+        head = httpx.head(worker.url + path)
+        assert head.status_code == 200 and head.content == b"", path
     models = httpx.get(worker.url + "/v1/models").json()
     assert [m["id"] for m in models["data"]] == ["smollm2"]
     assert metric(worker, "tandem_kv_blocks_total") == 256

@@ -30,6 +30,7 @@ def test_drain_stops_readiness_and_waits_for_requests_in_flight():
         assert drain.returncode == 0 and "is idle" in drain.stdout, drain.stdout + drain.stderr
         t.join(60)
         assert httpx.get(worker.url + "/ready").status_code == 503  # routers take it out of rotation
+        assert httpx.head(worker.url + "/ready").status_code == 503
         usage = client.completions.create(model="smollm2", prompt="x", max_tokens=2)  # still answers if asked
         assert usage.choices[0].text is not None
         assert len("".join(pieces)) > 0 and len(pieces) >= 40  # the in-flight stream ran to its end

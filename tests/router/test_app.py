@@ -211,6 +211,18 @@ def test_a_request_that_failed_before_any_token_gives_back_its_tenants_charge(ro
     assert_forgotten(router)
 
 
+def test_probes_answer_head_as_get(router_app):
+    router, app, _ = router_app
+
+    async def ask(method: str, path: str) -> int:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://r") as client:
+            return (await client.request(method, path)).status_code
+
+    assert [asyncio.run(ask("HEAD", p)) for p in ("/health", "/ready")] == [200, 200]
+    router.decode._set_healthy(router.decode.workers[WORKER], False)
+    assert asyncio.run(ask("HEAD", "/ready")) == asyncio.run(ask("GET", "/ready")) == 503
+
+
 class ShortWorker(SlowWorker):
     """Stops after three tokens (EOS), whatever max_tokens asked for; or, `dies`, breaks after them."""
 

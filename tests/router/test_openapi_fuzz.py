@@ -20,7 +20,7 @@ from tandem.launcher import ServiceProcess
 
 EXAMPLES_PER_OPERATION = 20
 OPERATIONS = [("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("GET", "/v1/models"),
-              ("GET", "/health"), ("GET", "/ready"), ("GET", "/metrics")]
+              ("GET", "/health"), ("GET", "/ready"), ("HEAD", "/health"), ("HEAD", "/ready"), ("GET", "/metrics")]
 # Error events inside an SSE stream that would mean the server, not the request, failed.
 SERVER_ERROR_TYPES = {"server_error", "service_unavailable"}
 
