@@ -268,7 +268,7 @@ async def dispatch(router, rid: str, ids: list[int], params: SamplingParams, tic
         if not released:
             router.admission.release(rid)
         router.dispatcher.release(time.monotonic() - held_from)
-        if failed and first_at is None:  # nothing was served: the tenant gets back what admission charged it
+        if first_at is None and (failed or refused):  # nothing served: the tenant gets back what it was charged
             router.admission.refund(ticket)
         elif first_at is not None and produced < params.max_tokens:
             # Admission charged max_tokens of output; what was never made (a stop or EOS before it, a failure, a

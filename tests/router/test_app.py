@@ -184,10 +184,13 @@ class RefusingWorker(SlowWorker):
 def test_a_request_the_engine_refuses_is_neither_failed_nor_answered(router_app):
     router, app, _ = router_app
     router.orchestrator.http = RefusingWorker()
+    router.admission.rate_limiter = TenantRateLimiter(default_limit=RateLimit(0.001, 1000))
+    bucket = router.admission.rate_limiter.bucket("default")
     r = post(app, {"model": "smollm2", "prompt": "Hello there", "max_tokens": 3}, slo="batch")
     assert r.status_code == 400 and "seed out of range" in r.text
     for ended in ("requests", "failed_requests", "abandoned_requests"):
         assert sample(router, f"tandem_router_{ended}_total") == 0, ended
+    assert bucket.level == pytest.approx(1000, abs=0.01)  # nothing served: its tenant's charge given back
     assert_forgotten(router)
 
 
