@@ -154,7 +154,7 @@ async def serve(router, request: Request, body: CompletionRequest | ChatCompleti
         for choice in choices:
             charge = None if len(choices) == 1 else whole if choice is choices[0] else 0
             tickets[choice.request_id] = admit(router, choice, plans[choice.prompt][0], workers, slo_name, key,
-                                               charge, prompt_param)
+                                               charge, prompt_param, first=choice is choices[0])
     except BaseException:
         for request_id in tickets:
             router.dispatcher.withdraw(request_id)
@@ -203,10 +203,11 @@ async def serve(router, request: Request, body: CompletionRequest | ChatCompleti
 
 
 def admit(router, choice: Choice, hashes: list[int], workers: list, slo_name: str, key: str | None,
-          charge: int | None, prompt_param: str):
+          charge: int | None, prompt_param: str, first: bool = True):
     """The admission ticket of one choice, or the 429 (or 400 past a cap) that refuses it. A prompt's later
     samples prefill from its first's cache (tandem.openai_choices): none of its prompt counts as theirs to
-    compute. `charge`: see AdmissionRequest.charge_tokens."""
+    compute. `charge`: see AdmissionRequest.charge_tokens; `first`: the request's first choice (the others are
+    not refused for the wait: AdmissionRequest.checks_ttft)."""
     ids = choice.prompt_ids
     uncached = 0
     if choice.sample == 0:
@@ -214,7 +215,7 @@ def admit(router, choice: Choice, hashes: list[int], workers: list, slo_name: st
                                    for w in workers), default=0)
     decision = router.admission.decide(AdmissionRequest(choice.request_id, len(ids), choice.params.max_tokens,
                                                         slo_name, key, uncached_prompt_tokens=uncached,
-                                                        charge_tokens=charge))
+                                                        charge_tokens=charge, checks_ttft=first))
     if isinstance(decision, Reject):
         router.metrics.by_class(router.metrics.rejections, slo_name, reason=decision.reason.value).inc()
         caps = {RejectReason.INPUT_TOO_LONG: prompt_param, RejectReason.MAX_TOKENS_TOO_LARGE: "max_tokens"}

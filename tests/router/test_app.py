@@ -352,6 +352,27 @@ def test_n_samples_count_their_prompt_once_and_start_after_the_first_token(route
     assert_forgotten(router)
 
 
+@pytest.mark.parametrize("body", [{"n": 2}, {"n": 3, "stream": True}, {"prompt_list": True}],
+                         ids=["n=2", "n=3 streamed", "two prompts"])
+def test_several_choices_of_a_long_prompt_are_judged_by_the_first_as_one_choice_is(router_app, body):
+    """A prompt whose prefill alone takes longer than the TTFT target is refused with other work ahead of it and
+    admitted on an idle pool (nothing ahead), and so is a request of several choices of it: the later ones are
+    not refused for the wait their own first choice adds."""
+    router, app, _ = router_app
+    router.admission.rates.record_prefill(100, 1.0)  # 100 tokens/s per worker
+    prompt = " ".join(["word"] * 150)  # 1.5 s of prefill alone: over the 1 s target
+    request = {"model": "smollm2", "prompt": [prompt, prompt + " more"] if body.pop("prompt_list", False) else prompt,
+               "max_tokens": 2, **body}
+    router.admission.decide(AdmissionRequest("ahead", 100, 1, charge_tokens=0))  # 1 s of work ahead (EDF)
+    r = post(app, request)
+    assert r.status_code == 429 and r.json()["error"]["code"] == "slo_unmeetable", r.text
+    assert len(router.admission.queue) == 1  # the other's place only: the refused request left nothing queued
+    router.dispatcher.abandon("ahead")
+    r = post(app, request)  # nothing ahead now
+    assert r.status_code == 200, r.text
+    assert_forgotten(router)
+
+
 def test_a_refused_request_gives_back_what_its_tenant_was_charged():
     router = Router(RouterConfig(decode=[WORKER], max_queue=4))
     router.decode.set_members([WORKER])
