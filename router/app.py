@@ -159,9 +159,10 @@ async def serve(router, request: Request, body: CompletionRequest | ChatCompleti
         for request_id in tickets:
             router.dispatcher.withdraw(request_id)
         raise
+    bill = Bill(router.admission, tickets[choices[0].request_id], choices)
     streams = staggered(choices, body.n, lambda c, after: dispatch(
         router, c.request_id, c.prompt_ids, c.params, tickets[c.request_id], slo_name, plans[c.prompt],
-        coalesce=not body.stream, after=after))
+        coalesce=not body.stream, after=after, bill=bill))
     fmt, deltas = combined(choices, body.n, streams)
 
     def forget() -> None:
@@ -169,6 +170,7 @@ async def serve(router, request: Request, body: CompletionRequest | ChatCompleti
         # response whose client leaves before its body begins never runs them: forgotten here then, or never.
         for choice in choices:
             router.dispatcher.abandon(choice.request_id)
+        bill.settle_unstarted()
 
     if body.stream:
         return EventStreamResponse(openai_stream(fmt, deltas, body.usage_in_stream, stream_error_body),
@@ -226,13 +228,15 @@ def admit(router, choice: Choice, hashes: list[int], workers: list, slo_name: st
 
 
 async def dispatch(router, rid: str, ids: list[int], params: SamplingParams, ticket, slo_name: str, plan=None,
-                   coalesce: bool = False, after: asyncio.Event | None = None):
+                   coalesce: bool = False, after: asyncio.Event | None = None, bill: Bill | None = None):
     """Waits for the request's turn (EDF), runs it through the pools and records its SLO outcome. Inter-token
     latency is per token: a delta of k tokens after a gap g (coalesced, or from a worker that fell behind)
     is observed as g / k. `after`: a later sample of a prompt waits for it once its turn came (holding its slot,
     not the queue's head, which every other request would wait behind)."""
     metrics, slo = router.metrics, ticket.slo
     ttft, itl = metrics.by_class(metrics.ttft, slo_name), metrics.by_class(metrics.itl, slo_name)
+    if bill is not None:
+        bill.started.add(rid)
     await router.dispatcher.acquire(rid)
     held_from = time.monotonic()
     trace = Trace()
@@ -269,12 +273,10 @@ async def dispatch(router, rid: str, ids: list[int], params: SamplingParams, tic
         if not released:
             router.admission.release(rid)
         router.dispatcher.release(time.monotonic() - held_from)
-        if first_at is None and (failed or refused):  # nothing served: the tenant gets back what it was charged
-            router.admission.refund(ticket)
-        elif first_at is not None and produced < params.max_tokens:
-            # Admission charged max_tokens of output; what was never made (a stop or EOS before it, a failure, a
-            # client that left) goes back, so that a tenant's rate counts the tokens it was served.
-            router.admission.refund(ticket, params.max_tokens - produced)
+        if bill is not None:
+            # The prompt counts as served once it had its first token, or when the client left while the workers
+            # may have been computing it; not when they failed or refused it.
+            bill.settle(rid, first_at is not None, produced, computed=not (failed or refused))
         if failed:
             metrics.by_class(metrics.failed, slo_name).inc()
         elif not finished and not refused:  # its client left (or the server stopped) before the end
@@ -285,6 +287,39 @@ async def dispatch(router, rid: str, ids: list[int], params: SamplingParams, tic
             mean_itl = (last_at - first_at) / later_tokens if later_tokens else 0.0
             if first_at - arrival <= slo.ttft_s and mean_itl <= slo.itl_s:
                 metrics.by_class(metrics.goodput, slo_name).inc()
+
+
+class Bill:
+    """What a request's tenant pays for, settled choice by choice as each ends. Admission charged the request's first
+    choice with the whole: every prompt once and every choice's max_tokens (serve). Each choice gives back the
+    output tokens it did not make; a prompt's tokens go back when none of its samples was served it (no first
+    token) and none was left computing it by a client that went away. So a tenant's rate counts the tokens it
+    was served: a request that ends short of max_tokens (a stop, EOS, a failure) is not billed for the rest."""
+
+    def __init__(self, admission, ticket, choices: list[Choice]):
+        self.admission = admission
+        self.ticket = ticket  # the first choice's: it carries the charge (all choices are one tenant's)
+        self.open = {c.request_id: c for c in choices}  # not settled yet
+        self.started: set[str] = set()  # choices whose dispatch began: they settle themselves when it ends
+        self.prompt_owed: dict[int, bool] = {}  # prompt -> served to one of its samples, or left being computed
+        self.samples_open = {c.prompt: sum(1 for d in choices if d.prompt == c.prompt) for c in choices}
+
+    def settle(self, request_id: str, first_token: bool, produced: int, computed: bool) -> None:
+        choice = self.open.pop(request_id, None)
+        if choice is None:
+            return
+        unmade = max(choice.params.max_tokens - produced, 0)
+        self.prompt_owed[choice.prompt] = self.prompt_owed.get(choice.prompt, False) or first_token or computed
+        self.samples_open[choice.prompt] -= 1
+        if not self.samples_open[choice.prompt] and not self.prompt_owed[choice.prompt]:
+            unmade += len(choice.prompt_ids)  # the prompt's last sample to end: nobody was served it
+        if unmade:
+            self.admission.refund(self.ticket, unmade)
+
+    def settle_unstarted(self) -> None:
+        """The choices never dispatched (the client left before its answer began): nothing was computed for them."""
+        for request_id in [r for r in self.open if r not in self.started]:
+            self.settle(request_id, False, 0, computed=False)
 
 
 def stream_error_body(exc: Exception) -> dict | None:

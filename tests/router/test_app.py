@@ -214,6 +214,47 @@ def test_a_request_that_failed_before_any_token_gives_back_its_tenants_charge(ro
     assert_forgotten(router)
 
 
+class FirstCallDies(SlowWorker):
+    """Its first request's connection breaks before any token; the others are served."""
+
+    async def event_batches(self, worker: str, path: str, body: dict):
+        self.calls = getattr(self, "calls", 0) + 1
+        if self.calls == 1:
+            raise aiohttp.ServerDisconnectedError("the worker went away")
+        async for batch in super().event_batches(worker, path, body):
+            yield batch
+
+
+def half_full_bucket(router):
+    router.admission.rate_limiter = TenantRateLimiter(default_limit=RateLimit(0.001, 1000))
+    bucket = router.admission.rate_limiter.bucket("default")
+    bucket.consume(500)  # below full, so that a refund of too much shows (a full bucket caps it)
+    return bucket
+
+
+def test_a_prompt_nobody_was_served_is_given_back_once_and_the_others_pay_what_they_got(router_app):
+    router, app, _ = router_app
+    router.orchestrator.http = FirstCallDies()
+    bucket = half_full_bucket(router)
+    r = post(app, {"model": "smollm2", "prompt": ["Hello there", "Hello where"], "max_tokens": 50}, slo="batch")
+    assert r.status_code == 503, r.text  # one prompt's choice failed on the only worker: the request fails
+    prompt_tokens = len(router.tokenizer.encode("Hello there"))
+    assert prompt_tokens == len(router.tokenizer.encode("Hello where"))
+    # The failed prompt and every output token not made go back; the other prompt stays charged (it was being
+    # computed when the request ended), with whatever tokens it made by then.
+    assert 500 - prompt_tokens - 5 <= bucket.level <= 500 - prompt_tokens + 0.01
+    assert_forgotten(router)
+
+
+def test_a_client_that_leaves_before_its_first_token_pays_for_its_prompt_only(router_app):
+    router, app, _ = router_app
+    bucket = half_full_bucket(router)
+    asyncio.run(call_and_leave(app, completion(50, stream=True), leave_after_s=0.002))  # streamed: noticed at once
+    prompt_tokens = len(router.tokenizer.encode("Hello there"))
+    assert bucket.level == pytest.approx(500 - prompt_tokens, abs=0.01)
+    assert_forgotten(router)
+
+
 def test_probes_answer_head_as_get(router_app):
     router, app, _ = router_app
 
