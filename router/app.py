@@ -54,11 +54,13 @@ def build_app(router) -> FastLane | ApiKeyGate:
     async def _invalid(_: Request, exc: RequestValidationError):
         return validation_error_response(exc.errors())
 
-    @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD: load balancers and uptime checks that send it
+    @app.get("/health")
+    @app.head("/health")  # HEAD too (405 otherwise): load balancers and uptime checks send it
     async def health():
         return {"status": "ok"}
 
-    @app.api_route("/ready", methods=["GET", "HEAD"])
+    @app.get("/ready")
+    @app.head("/ready")
     async def ready():
         if not router.decode.healthy():
             return JSONResponse(error_body(503, "no decode worker is ready"), status_code=503)

@@ -69,13 +69,15 @@ def build_app(ctx: ServingContext) -> FastAPI:
     async def _engine_dead(_: Request, exc: EngineDeadError):
         return JSONResponse(error_body(503, str(exc)), status_code=503)
 
-    @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD: load balancers and uptime checks that send it
+    @app.get("/health")
+    @app.head("/health")  # HEAD too (405 otherwise): load balancers and uptime checks send it
     async def health():
         if not ctx.engine.alive:
             return JSONResponse(error_body(503, "engine loop is not running"), status_code=503)
         return {"status": "ok"}
 
-    @app.api_route("/ready", methods=["GET", "HEAD"])
+    @app.get("/ready")
+    @app.head("/ready")
     async def ready():
         if not ctx.engine.alive or ctx.draining:
             reason = "draining" if ctx.draining else "engine loop is not running"

@@ -112,3 +112,5 @@ def test_the_schema_covers_the_openai_surface(router_url):
         assert path in paths, f"{path} is missing from /openapi.json"
     for path in ("/v1/completions", "/v1/chat/completions"):
         assert "requestBody" in paths[path]["post"], f"{path} documents no request body"
+    ids = [op["operationId"] for ops in paths.values() for op in ops.values()]
+    assert len(ids) == len(set(ids)), f"operation ids are not unique: {sorted(ids)}"  # client generators need them
