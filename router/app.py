@@ -9,6 +9,7 @@ tandem.router.fast_lane in front of FastAPI (same models, same handlers, less CP
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 
 from fastapi import FastAPI, Request
@@ -37,6 +38,8 @@ from tandem.router.api_keys import ApiKeyGate, bearer_token
 from tandem.router.fast_lane import FastLane, validation_error_response
 from tandem.router.orchestrator import Trace, no_workers
 from tandem.sse import CancelOnDisconnect, ClientDisconnected, EventStreamResponse, openai_stream
+
+log = logging.getLogger(__name__)
 
 SLO_HEADER = "x-tandem-slo-class"
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left before its answer
@@ -194,10 +197,13 @@ async def serve(router, request: Request, body: CompletionRequest | ChatCompleti
 
     async def finish() -> None:
         # The answer is whole: the rest of its stream (the pools and the router's accounting closing it) runs once
-        # the answer is sent, so that the client does not wait for it. Nothing in it waits on a worker.
+        # the answer is sent, so that the client does not wait for it. On a worker's channel nothing in it waits on
+        # the worker; over HTTP (--worker-transport http) it reads the stream's end.
         try:
             async for _ in deltas:
                 pass
+        except Exception:  # the client has its whole answer: a failure now is the router's to log, not to send
+            log.exception("closing the stream of an answer already sent failed")
         finally:
             await deltas.aclose()
             forget()

@@ -225,6 +225,24 @@ class FirstCallDies(SlowWorker):
             yield batch
 
 
+class RaisesAfterItsEnd(SlowWorker):
+    """Serves the request, then its stream raises (a bug's way to end) after the finishing event."""
+
+    async def event_batches(self, worker: str, path: str, body: dict):
+        async for batch in super().event_batches(worker, path, body):
+            yield batch
+        raise RuntimeError("after the end")
+
+
+def test_a_failure_after_a_whole_answer_was_sent_is_logged_not_raised(router_app, caplog):
+    router, app, _ = router_app
+    router.orchestrator.http = RaisesAfterItsEnd()
+    r = post(app, {"model": "smollm2", "prompt": "Hello there", "max_tokens": 3}, slo="batch")  # raises if the app did
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == "xxx", r.text
+    assert "already sent failed" in caplog.text
+    assert_forgotten(router)
+
+
 def half_full_bucket(router):
     router.admission.rate_limiter = TenantRateLimiter(default_limit=RateLimit(0.001, 1000))
     bucket = router.admission.rate_limiter.bucket("default")
