@@ -8,8 +8,10 @@ server, the call to the backend and the event loop. Two ways to call the backend
   channel         tandem's WorkerClient sends it on the backend's multiplexed WebSocket (/internal/ws) as a
                   decode call, as our router does by default, and the floor formats the events it gets back as
                   the OpenAI answer (the prompt is not tokenized: a mock backend does not read it).
-The gap between a floor and our router on the same transport is our own per-request work; the gap between a
-floor and sglang-router is the stack's.
+The gap between a floor and our router on the same transport is what our own per-request work costs (at high
+concurrency mostly as the queueing its CPU adds); the gap between a floor and sglang-router is the stack's. A
+floor is not quite the least: it writes an answer's head and body in two writes where our router joins them
+(tandem.response_head), and collects garbage at CPython's default threshold, so the gap is a lower bound.
 
     PYTHONSAFEPATH=1 .venv/bin/python benchmarks/proxy_floor.py --port 9100 [--transport channel] \
         --backend URL [--backend URL ...]
@@ -127,8 +129,9 @@ def main() -> None:
     ap.add_argument("--transport", choices=("http", "channel"), default="http")
     args = ap.parse_args()
     make_app = channel_app if args.transport == "channel" else http_app
+    # Served as our router is (proxy_headers off), so that the gap between the two is the router's own work.
     uvicorn.run(make_app([b.rstrip("/") for b in args.backend]), host="127.0.0.1", port=args.port,
-                log_level="warning", access_log=False, loop="uvloop", http="httptools")
+                log_level="warning", access_log=False, loop="uvloop", http="httptools", proxy_headers=False)
 
 
 if __name__ == "__main__":
