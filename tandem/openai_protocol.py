@@ -12,6 +12,7 @@ from typing import Annotated, Literal
 
 import jinja2
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic.json_schema import SkipJsonSchema
 
 from tandem.errors import APIError
 from tandem.protocol import (
@@ -46,6 +47,7 @@ class _Request(BaseModel):
 
 class StreamOptions(_Request):
     include_usage: bool = False
+    continuous_usage_stats: SkipJsonSchema[bool] = False  # vLLM's, not implemented: refused (_sampling)
 
 
 class JsonSchemaFormat(_Request):
@@ -68,6 +70,18 @@ class StructuredOutputs(_Request):
     choice: list[str] | None = Field(None, min_length=1)
     grammar: str | None = Field(None, description="a Lark or GBNF grammar")
     json_object: bool | None = None
+
+
+# Parameters of vLLM's that are not implemented, refused when set (to anything but null, false or 0) rather than
+# ignored, with what to use instead. (And stream_options.continuous_usage_stats, and `echo` on chat.)
+_REFUSED = {
+    "use_beam_search": "", "min_p": "", "truncate_prompt_tokens": "",
+    "prompt_logprobs": "; completions give the prompt's logprobs with echo: true and logprobs",
+    "guided_json": "; use structured_outputs: {\"json\": ...} or response_format",
+    "guided_regex": "; use structured_outputs: {\"regex\": ...}",
+    "guided_choice": "; use structured_outputs: {\"choice\": [...]}",
+    "guided_grammar": "; use structured_outputs: {\"grammar\": ...}",
+}
 
 
 class _CommonParams(_Request):
@@ -93,6 +107,16 @@ class _CommonParams(_Request):
     include_stop_str_in_output: bool = False
     repetition_penalty: float | None = Field(None, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY)
     min_tokens: int | None = Field(None, ge=0)
+    # vLLM extensions not implemented here: declared so that one set to anything but its default is refused
+    # (_REFUSED) rather than ignored, and left out of the schema, which lists what is served.
+    use_beam_search: SkipJsonSchema[bool | None] = None
+    min_p: SkipJsonSchema[float | None] = None
+    truncate_prompt_tokens: SkipJsonSchema[int | None] = None
+    prompt_logprobs: SkipJsonSchema[int | None] = None
+    guided_json: SkipJsonSchema[dict | str | None] = None
+    guided_regex: SkipJsonSchema[str | None] = None
+    guided_choice: SkipJsonSchema[list | None] = None
+    guided_grammar: SkipJsonSchema[str | None] = None
 
     @property
     def usage_in_stream(self) -> bool:
@@ -176,6 +200,12 @@ class _CommonParams(_Request):
                            param="min_tokens")
         if self.stream_options is not None and not self.stream:  # as OpenAI and vLLM answer it
             raise APIError(400, "stream_options is only allowed with stream: true", param="stream_options")
+        for name, instead in _REFUSED.items():
+            if getattr(self, name):
+                raise APIError(400, f"{name} is not supported{instead}", param=name)
+        if self.stream_options is not None and self.stream_options.continuous_usage_stats:
+            raise APIError(400, "stream_options.continuous_usage_stats is not supported; include_usage gives the "
+                                "usage once, at the end", param="stream_options")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return SamplingParams(
             temperature=1.0 if self.temperature is None else self.temperature,
@@ -267,6 +297,7 @@ class ChatCompletionRequest(_CommonParams):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: list | None = None  # not implemented (function calling): refused unless empty
+    echo: SkipJsonSchema[bool] = False  # vLLM's, on chat: not implemented, refused (sampling_params)
     functions: list | None = None  # the same, in its older spelling
     tool_choice: str | dict | None = None
     # vLLM's, as transformers' apply_chat_template takes them.
@@ -312,6 +343,8 @@ class ChatCompletionRequest(_CommonParams):
             raise APIError(400, "tool_choice needs tools, which are not supported", param="tool_choice")
         if self.top_logprobs is not None and not self.logprobs:  # as OpenAI and vLLM answer it
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        if self.echo:
+            raise APIError(400, "echo is not supported on chat completions", param="echo")
         name = "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
         top = (self.top_logprobs or 0) if self.logprobs else None
         return self._sampling(_max_tokens(getattr(self, name), default_max_tokens, name), top, vocab_size)

@@ -144,3 +144,18 @@ def test_an_invalid_parameter_is_named_as_the_client_wrote_it(model, body, param
     with pytest.raises(ValidationError) as caught:
         model.model_validate(body)
     assert error_param(caught.value.errors()[0]["loc"]) == param
+
+
+@pytest.mark.parametrize("field, default", [("use_beam_search", False), ("min_p", 0.0), ("min_p", 0),
+                                            ("truncate_prompt_tokens", None), ("guided_json", None)])
+def test_a_refused_vllm_parameter_left_at_its_default_is_accepted(field, default):
+    CompletionRequest(model="m", prompt="x", **{field: default}).sampling_params(16, 100)
+
+
+def test_refused_vllm_parameters_are_not_in_the_schema():
+    """The schema lists what is served: parameters refused whenever set are not offered there."""
+    for model in (CompletionRequest, ChatCompletionRequest):
+        properties = model.model_json_schema()["properties"]
+        assert not {"use_beam_search", "min_p", "guided_choice", "prompt_logprobs"} & set(properties), model
+    assert "echo" not in ChatCompletionRequest.model_json_schema()["properties"]
+    assert "echo" in CompletionRequest.model_json_schema()["properties"]
