@@ -77,6 +77,11 @@ def build_app(router) -> FastLane | ApiKeyGate:
     async def models():
         return ModelList(data=[ModelCard(id=router.served_name, max_model_len=router.max_model_len)]).model_dump()
 
+    @app.get("/v1/models/{model_id:path}")  # OpenAI's "retrieve model" (the SDK's models.retrieve); ids may hold "/"
+    async def model(model_id: str):
+        check_model(router.served_name, model_id)
+        return ModelCard(id=router.served_name, max_model_len=router.max_model_len).model_dump()
+
     async def completions_handler(body: CompletionRequest, request: Request) -> Response:
         check_model(router.served_name, body.model)
         vocab = router.tokenizer.vocab_size

@@ -390,12 +390,15 @@ def check_token_ids(vocab_size: int, ids: list[int]) -> list[int]:
     return ids
 
 
-def check_length(max_model_len: int, prompt_len: int, params: SamplingParams) -> None:
+def check_length(max_model_len: int, prompt_len: int, params: SamplingParams, prompt_param: str = "prompt") -> None:
+    """The 400 for a prompt and max_tokens past the context. Its `param` is the one to change: the prompt when it
+    leaves no room for a token by itself (named `prompt_param`, as the client sent it), else max_tokens."""
     total = prompt_len + params.max_tokens
     if total > max_model_len:
         raise APIError(400, f"This model's maximum context length is {max_model_len} tokens. However, you "
                             f"requested {total} tokens ({prompt_len} in the prompt, {params.max_tokens} in the "
-                            "completion). Please reduce the prompt or max_tokens.", param="max_tokens",
+                            "completion). Please reduce the prompt or max_tokens.",
+                       param=prompt_param if prompt_len >= max_model_len else "max_tokens",
                        code="context_length_exceeded")
 
 
@@ -433,6 +436,7 @@ async def check_request(body: CompletionRequest | ChatCompletionRequest, prompts
                         params: SamplingParams, max_model_len: int) -> None:
     """What a request is checked for once its prompts are token ids and its parameters known, on the router and a
     worker alike: each prompt with max_tokens fits the context, and its structured output compiles."""
+    prompt_param = "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
     for ids in prompts:
-        check_length(max_model_len, len(ids), params)
+        check_length(max_model_len, len(ids), params, prompt_param)
     await check_structured(params.structured, body.structured_param)

@@ -60,6 +60,9 @@ def test_health_ready_models_metrics(worker):
         assert head.status_code == 200 and head.content == b"", path
     models = httpx.get(worker.url + "/v1/models").json()
     assert [m["id"] for m in models["data"]] == ["smollm2"]
+    assert httpx.get(worker.url + "/v1/models/smollm2").json() == models["data"][0]
+    other = httpx.get(worker.url + "/v1/models/org/other")
+    assert other.status_code == 404 and other.json()["error"]["code"] == "model_not_found"
     assert metric(worker, "tandem_kv_blocks_total") == 256
 
 
@@ -439,6 +442,9 @@ def test_sdk_raises_typed_errors(client):
         client.completions.create(model="nope", prompt="x")
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model="smollm2", prompt="x", max_tokens=0)
+    assert client.models.retrieve("smollm2").id == "smollm2"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("nope")
 
 
 def test_disconnected_stream_frees_its_blocks(worker):

@@ -4,7 +4,7 @@ import pytest
 from pydantic import ValidationError
 
 from tandem.errors import APIError, error_body
-from tandem.openai_protocol import ChatCompletionRequest, CompletionRequest
+from tandem.openai_protocol import ChatCompletionRequest, CompletionRequest, check_length
 from tandem.protocol import SamplingParams
 
 VOCAB = 1000
@@ -159,3 +159,12 @@ def test_refused_vllm_parameters_are_not_in_the_schema():
         assert not {"use_beam_search", "min_p", "guided_choice", "prompt_logprobs"} & set(properties), model
     assert "echo" not in ChatCompletionRequest.model_json_schema()["properties"]
     assert "echo" in CompletionRequest.model_json_schema()["properties"]
+
+
+@pytest.mark.parametrize("prompt_len, max_tokens, param", [(90, 20, "max_tokens"), (100, 1, "messages"),
+                                                           (150, 1, "messages")])
+def test_past_the_context_names_what_to_change(prompt_len, max_tokens, param):
+    """A prompt that leaves no room for a token by itself is what to shorten; otherwise max_tokens is."""
+    with pytest.raises(APIError) as info:
+        check_length(100, prompt_len, SamplingParams(max_tokens=max_tokens), "messages")
+    assert info.value.code == "context_length_exceeded" and info.value.param == param

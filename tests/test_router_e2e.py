@@ -205,6 +205,8 @@ def test_models_names_the_served_model_and_its_context_length(fleet):
     [card] = httpx.get(fleet["disagg"].url + "/v1/models").json()["data"]
     [worker_card] = httpx.get(fleet["decode"][0].url + "/v1/models").json()["data"]
     assert card["id"] == "smollm2" and card["max_model_len"] == worker_card["max_model_len"] > 0
+    assert httpx.get(fleet["disagg"].url + "/v1/models/smollm2").json() == card  # OpenAI's retrieve
+    assert httpx.get(fleet["disagg"].url + "/v1/models/nope").status_code == 404
 
 
 def test_bad_input_follows_the_worker_contract(fleet):

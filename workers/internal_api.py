@@ -134,7 +134,7 @@ async def serve_prefill(ctx, body: PrefillRequest) -> dict:
     """The first token and a handle on the prompt's KV blocks, leased for a decode worker to pull."""
     require_role(ctx, "prefill")
     check_token_ids(ctx.tokenizer.vocab_size, body.prompt_token_ids)
-    check_length(ctx.max_model_len, len(body.prompt_token_ids), body.sampling)
+    check_length(ctx.max_model_len, len(body.prompt_token_ids), body.sampling, "prompt_token_ids")
     if ctx.kv_transfer is None:
         raise APIError(503, "this worker has no KV transfer backend; it cannot serve prefills")
     outputs = ctx.engine.generate(body.request_id, body.prompt_token_ids, body.sampling, time.monotonic(),
@@ -167,7 +167,7 @@ async def serve_decode(ctx, body: DecodeRequest) -> AsyncIterator[tuple[dict, bo
     event) and its KV source is known: pulled from the prefill worker's handle, or computed here."""
     require_role(ctx, "decode")
     check_token_ids(ctx.tokenizer.vocab_size, body.prompt_token_ids)
-    check_length(ctx.max_model_len, len(body.prompt_token_ids), body.sampling)
+    check_length(ctx.max_model_len, len(body.prompt_token_ids), body.sampling, "prompt_token_ids")
     handle = body.kv_handle
     kv_source, fallback = None, None
     if handle is not None:
