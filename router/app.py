@@ -159,12 +159,16 @@ async def serve(router, request: Request, body: CompletionRequest | ChatCompleti
     # bucket is checked and taken once, with each prompt counted once as usage counts it.
     whole = sum(map(len, prompts)) + params.max_tokens * len(choices)
     prompt_param = "messages" if isinstance(body, ChatCompletionRequest) else "prompt"  # what a cap refusal names
+    # The prompt tokens each prompt's first sample will compute (a prompt's later samples prefill from its cache).
+    uncached = [len(ids) - max((router.orchestrator.predictor.predicted_hit_tokens(w.url, hashes, len(ids))
+                                for w in workers), default=0) for ids, (hashes, _) in zip(prompts, plans, strict=True)]
     tickets = {}
     try:
         for choice in choices:
-            charge = None if len(choices) == 1 else whole if choice is choices[0] else 0
-            tickets[choice.request_id] = admit(router, choice, plans[choice.prompt][0], workers, slo_name, key,
-                                               charge, prompt_param, first=choice is choices[0])
+            first = choice is choices[0]
+            charge = None if len(choices) == 1 else whole if first else 0
+            tickets[choice.request_id] = admit(router, choice, uncached[choice.prompt] if choice.sample == 0 else 0,
+                                               sum(uncached) if first else None, slo_name, key, charge, prompt_param)
     except BaseException:
         for request_id in tickets:
             router.dispatcher.withdraw(request_id)
@@ -217,20 +221,17 @@ async def serve(router, request: Request, body: CompletionRequest | ChatCompleti
     return FastJSONResponse(fmt.final(), background=BackgroundTask(finish))
 
 
-def admit(router, choice: Choice, hashes: list[int], workers: list, slo_name: str, key: str | None,
-          charge: int | None, prompt_param: str, first: bool = True):
-    """The admission ticket of one choice, or the 429 (or 400 past a cap) that refuses it. A prompt's later
-    samples prefill from its first's cache (tandem.openai_choices): none of its prompt counts as theirs to
-    compute. `charge`: see AdmissionRequest.charge_tokens; `first`: the request's first choice (the others are
-    not refused for the wait: AdmissionRequest.checks_ttft)."""
-    ids = choice.prompt_ids
-    uncached = 0
-    if choice.sample == 0:
-        uncached = len(ids) - max((router.orchestrator.predictor.predicted_hit_tokens(w.url, hashes, len(ids))
-                                   for w in workers), default=0)
-    decision = router.admission.decide(AdmissionRequest(choice.request_id, len(ids), choice.params.max_tokens,
-                                                        slo_name, key, uncached_prompt_tokens=uncached,
-                                                        charge_tokens=charge, checks_ttft=first))
+def admit(router, choice: Choice, uncached: int, request_prefill: int | None, slo_name: str, key: str | None,
+          charge: int | None, prompt_param: str):
+    """The admission ticket of one choice, or the 429 (or 400 past a cap) that refuses it. `uncached`: the prompt
+    tokens it will compute (none for a prompt's later samples, which prefill from its first's cache:
+    tandem.openai_choices). `request_prefill`: for a request's first choice, what all its prompts will compute
+    (the request is judged as one); None for the others, which are not refused for the wait
+    (AdmissionRequest.checks_ttft). `charge`: see AdmissionRequest.charge_tokens."""
+    decision = router.admission.decide(AdmissionRequest(
+        choice.request_id, len(choice.prompt_ids), choice.params.max_tokens, slo_name, key,
+        uncached_prompt_tokens=uncached, charge_tokens=charge, checks_ttft=request_prefill is not None,
+        request_prefill_tokens=request_prefill))
     if isinstance(decision, Reject):
         router.metrics.by_class(router.metrics.rejections, slo_name, reason=decision.reason.value).inc()
         caps = {RejectReason.INPUT_TOO_LONG: prompt_param, RejectReason.MAX_TOKENS_TOO_LARGE: "max_tokens"}
@@ -248,9 +249,9 @@ async def dispatch(router, rid: str, ids: list[int], params: SamplingParams, tic
     not the queue's head, which every other request would wait behind)."""
     metrics, slo = router.metrics, ticket.slo
     ttft, itl = metrics.by_class(metrics.ttft, slo_name), metrics.by_class(metrics.itl, slo_name)
+    await router.dispatcher.acquire(rid)  # cancelled here (its client left, or a sibling failed): settled unstarted
     if bill is not None:
         bill.started.add(rid)
-    await router.dispatcher.acquire(rid)
     held_from = time.monotonic()
     trace = Trace()
     arrival = ticket.arrival_s
@@ -287,9 +288,7 @@ async def dispatch(router, rid: str, ids: list[int], params: SamplingParams, tic
             router.admission.release(rid)
         router.dispatcher.release(time.monotonic() - held_from)
         if bill is not None:
-            # The prompt counts as served once it had its first token, or when the client left while the workers
-            # may have been computing it; not when they failed or refused it.
-            bill.settle(rid, first_at is not None, produced, computed=not (failed or refused))
+            bill.settle(rid, first_at is not None, produced, failed=failed or refused)
         if failed:
             metrics.by_class(metrics.failed, slo_name).inc()
         elif not finished and not refused:  # its client left (or the server stopped) before the end
@@ -305,34 +304,40 @@ async def dispatch(router, rid: str, ids: list[int], params: SamplingParams, tic
 class Bill:
     """What a request's tenant pays for, settled choice by choice as each ends. Admission charged the request's first
     choice with the whole: every prompt once and every choice's max_tokens (serve). Each choice gives back the
-    output tokens it did not make; a prompt's tokens go back when none of its samples was served it (no first
-    token) and none was left computing it by a client that went away. So a tenant's rate counts the tokens it
-    was served: a request that ends short of max_tokens (a stop, EOS, a failure) is not billed for the rest."""
+    output tokens it did not make. A prompt's tokens go back when none of its samples had a first token, unless
+    one was dispatched and then given up by a client that went away (the workers may have computed it); a choice
+    that failed or was refused ends the request, and the others' ends are then not the client's doing. So a
+    tenant's rate counts the tokens it was served: a request that ends short of max_tokens (a stop, EOS, a
+    failure) is not billed for the rest."""
 
     def __init__(self, admission, ticket, choices: list[Choice]):
         self.admission = admission
         self.ticket = ticket  # the first choice's: it carries the charge (all choices are one tenant's)
         self.open = {c.request_id: c for c in choices}  # not settled yet
-        self.started: set[str] = set()  # choices whose dispatch began: they settle themselves when it ends
+        self.started: set[str] = set()  # dispatched choices: they settle themselves when their dispatch ends
+        self.failed = False  # a choice failed or was refused
         self.prompt_owed: dict[int, bool] = {}  # prompt -> served to one of its samples, or left being computed
         self.samples_open = {c.prompt: sum(1 for d in choices if d.prompt == c.prompt) for c in choices}
 
-    def settle(self, request_id: str, first_token: bool, produced: int, computed: bool) -> None:
+    def settle(self, request_id: str, first_token: bool, produced: int, failed: bool) -> None:
         choice = self.open.pop(request_id, None)
         if choice is None:
             return
-        unmade = max(choice.params.max_tokens - produced, 0)
-        self.prompt_owed[choice.prompt] = self.prompt_owed.get(choice.prompt, False) or first_token or computed
+        self.failed = self.failed or failed
+        left_computing = request_id in self.started and not self.failed
+        owed = self.prompt_owed.get(choice.prompt, False) or first_token or left_computing
+        self.prompt_owed[choice.prompt] = owed
         self.samples_open[choice.prompt] -= 1
-        if not self.samples_open[choice.prompt] and not self.prompt_owed[choice.prompt]:
+        unmade = max(choice.params.max_tokens - produced, 0)
+        if not self.samples_open[choice.prompt] and not owed:
             unmade += len(choice.prompt_ids)  # the prompt's last sample to end: nobody was served it
         if unmade:
             self.admission.refund(self.ticket, unmade)
 
     def settle_unstarted(self) -> None:
-        """The choices never dispatched (the client left before its answer began): nothing was computed for them."""
+        """The choices never dispatched (the client left first, or a sibling failed): nothing was computed for them."""
         for request_id in [r for r in self.open if r not in self.started]:
-            self.settle(request_id, False, 0, computed=False)
+            self.settle(request_id, False, 0, failed=False)
 
 
 def stream_error_body(exc: Exception) -> dict | None:

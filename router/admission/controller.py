@@ -26,7 +26,7 @@ per-worker rate times `prefill_workers`). Counting only the queue ahead, not all
 interactive request overtake a batch backlog instead of being refused because of it. The request's own
 prefill runs on one worker, so its time is its uncached tokens over the per-worker rate. A prompt too long
 to meet its target even on an idle pool is admitted when nothing is ahead of it rather than refused
-forever; a request of several choices is judged by its first (AdmissionRequest.checks_ttft). Until a rate is
+forever; a request of several choices is judged as one (AdmissionRequest). Until a rate is
 known (no measurement and no prior) nothing is refused for the prefill backlog.
 
 Dispatch slots: a router dispatches at most --max-in-flight requests at once, and a slot is held until the last
@@ -64,11 +64,11 @@ class AdmissionRequest:
     `uncached_prompt_tokens` is the router's estimate of the prompt tokens the prefill worker will have to
     compute (prompt minus the prefix it expects cached); None means all of them. `charge_tokens` is what the
     tenant's token bucket is charged; None means prompt + max_tokens (a request of several choices charges its
-    first choice with the whole and the others nothing: tandem.router.app.serve). `checks_ttft` False: a
-    request's choice after its first, which is not refused for the predicted wait. The request's time to first
-    token is its first choice's, checked when that one was admitted; the later ones queue behind it by design
-    (tandem.openai_choices.staggered), and judged alone they would be refused for the wait their own first
-    choice adds, on an idle pool too.
+    first choice with the whole and the others nothing: tandem.router.app.serve). Such a request is judged as one,
+    on its first choice: `request_prefill_tokens` there is the prefill of all its prompts (None: this choice's
+    own), and `checks_ttft` False on the others, which are not refused for the predicted wait. Judged alone, they
+    would be refused for the wait their own first choice adds (they queue behind it by design:
+    tandem.openai_choices.staggered), on an idle pool too.
     """
 
     request_id: str
@@ -79,6 +79,7 @@ class AdmissionRequest:
     uncached_prompt_tokens: int | None = None
     charge_tokens: int | None = None
     checks_ttft: bool = True
+    request_prefill_tokens: int | None = None
 
     def __post_init__(self):
         if self.prompt_tokens < 0:
@@ -216,7 +217,9 @@ class AdmissionController:
         prefill_wait, slot_wait = self._waits(deadline, slo.priority, rate)
         wait = _longer(prefill_wait, slot_wait)
         if wait is not None and request.checks_ttft:
-            own = request.prefill_tokens / rate if rate is not None else 0.0
+            own_tokens = request.prefill_tokens if request.request_prefill_tokens is None \
+                else request.request_prefill_tokens
+            own = own_tokens / rate if rate is not None else 0.0
             allowed = max(0.0, slo.ttft_s - own)
             if wait > allowed:
                 # The backlog ahead drains at one second of predicted wait per second.

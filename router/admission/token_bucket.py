@@ -51,6 +51,8 @@ class TokenBucket:
         """Seconds until `charge` can be taken; 0.0 when it can be taken now."""
         if charge < 0:
             raise ValueError(f"charge must be >= 0, got {charge}")
+        if charge == 0:  # nothing to take, even from a bucket in debt (a request's later choices: serve)
+            return 0.0
         missing = min(charge, self.limit.burst) - self.level
         # Refill arithmetic leaves float dust (a bucket refilled for exactly charge/rate seconds can hold
         # charge - 1e-14 tokens); a billionth of a token is not worth a refusal.

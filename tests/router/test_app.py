@@ -250,17 +250,49 @@ def half_full_bucket(router):
     return bucket
 
 
-def test_a_prompt_nobody_was_served_is_given_back_once_and_the_others_pay_what_they_got(router_app):
+def test_a_failed_request_of_several_prompts_pays_only_for_the_tokens_it_made(router_app):
     router, app, _ = router_app
     router.orchestrator.http = FirstCallDies()
     bucket = half_full_bucket(router)
-    r = post(app, {"model": "smollm2", "prompt": ["Hello there", "Hello where"], "max_tokens": 50}, slo="batch")
+    prompts = [" ".join(["word"] * 20), " ".join(["other"] * 20)]
+    r = post(app, {"model": "smollm2", "prompt": prompts, "max_tokens": 50}, slo="batch")
     assert r.status_code == 503, r.text  # one prompt's choice failed on the only worker: the request fails
-    prompt_tokens = len(router.tokenizer.encode("Hello there"))
-    assert prompt_tokens == len(router.tokenizer.encode("Hello where"))
-    # The failed prompt and every output token not made go back; the other prompt stays charged (it was being
-    # computed when the request ended), with whatever tokens it made by then.
-    assert 500 - prompt_tokens - 5 <= bucket.level <= 500 - prompt_tokens + 0.01
+    # Both prompts go back once (the other prompt's choice ended because the request failed, not because its client
+    # left), and every output token not made: what stays charged is the few tokens the other made meanwhile.
+    assert 500 - 5 <= bucket.level <= 500 + 0.01
+    assert_forgotten(router)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_samples_of_a_refused_request_pay_nothing(router_app, stream):
+    router, app, _ = router_app
+    router.orchestrator.http = RefusingWorker()
+    bucket = half_full_bucket(router)
+    r = post(app, {"model": "smollm2", "prompt": "Hello there", "max_tokens": 50, "n": 2, "stream": stream},
+             slo="batch")
+    assert (r.status_code == 400) if not stream else ("seed out of range" in r.text), r.text
+    assert bucket.level == pytest.approx(500, abs=0.01)
+    assert_forgotten(router)
+
+
+def test_a_client_that_leaves_while_waiting_for_a_dispatch_slot_pays_nothing(router_app):
+    router, app, _ = router_app
+    bucket = half_full_bucket(router)
+    router.dispatcher.active = router.dispatcher.limit  # every slot held (by long streams, say)
+    sent = asyncio.run(call_and_leave(app, completion(50, stream=True), leave_after_s=0.05))
+    router.dispatcher.active = 0
+    assert not any(m.get("status") == 200 and m["type"] == "http.response.start" for m in sent[1:])
+    assert bucket.level == pytest.approx(500, abs=0.01)
+    assert_forgotten(router)
+
+
+def test_a_request_of_several_choices_over_the_burst_is_admitted_as_one_of_one_choice_is(router_app):
+    """A charge over the bucket's whole burst is taken once the bucket is full (it goes into debt); the request's
+    later choices, charged nothing, must not then be refused for the debt their first choice made."""
+    router, app, _ = router_app
+    router.admission.rate_limiter = TenantRateLimiter(default_limit=RateLimit(0.001, 60))
+    r = post(app, {"model": "smollm2", "prompt": "Hello there", "max_tokens": 40, "n": 2}, slo="batch")
+    assert r.status_code == 200, r.text
     assert_forgotten(router)
 
 
@@ -429,6 +461,23 @@ def test_several_choices_of_a_long_prompt_are_judged_by_the_first_as_one_choice_
     router.dispatcher.abandon("ahead")
     r = post(app, request)  # nothing ahead now
     assert r.status_code == 200, r.text
+    assert_forgotten(router)
+
+
+def test_a_request_of_several_prompts_is_judged_by_all_its_prefill(router_app):
+    """With 0.2 s of work ahead and a 1 s target, one 30-token prompt (0.3 s) fits and three in one request (0.9 s)
+    do not: a request cannot slip its later prompts past admission."""
+    router, app, _ = router_app
+    router.admission.rates.record_prefill(100, 1.0)  # 100 tokens/s per worker
+    prompt = " ".join(["word"] * 30)
+    router.admission.decide(AdmissionRequest("ahead", 20, 1, charge_tokens=0))  # 0.2 s of work ahead (EDF)
+    r = post(app, {"model": "smollm2", "prompt": [prompt, prompt + " a", prompt + " b"], "max_tokens": 2})
+    assert r.status_code == 429 and r.json()["error"]["code"] == "slo_unmeetable", r.text
+    # One prompt fits; it waits behind "ahead", so it is only checked for admission here, then taken back.
+    assert router.admission.decide(AdmissionRequest("one", 31, 2, uncached_prompt_tokens=31)).__class__.__name__ \
+        == "Admit"
+    for rid in ("one", "ahead"):
+        router.dispatcher.abandon(rid)
     assert_forgotten(router)
 
 
