@@ -47,7 +47,7 @@ class _Request(BaseModel):
 
 class StreamOptions(_Request):
     include_usage: bool = False
-    continuous_usage_stats: SkipJsonSchema[bool] = False  # vLLM's, not implemented: refused (_sampling)
+    continuous_usage_stats: SkipJsonSchema[bool | None] = None  # vLLM's, not implemented: refused (_sampling)
 
 
 class JsonSchemaFormat(_Request):
@@ -72,8 +72,8 @@ class StructuredOutputs(_Request):
     json_object: bool | None = None
 
 
-# Parameters of vLLM's that are not implemented, refused when set (to anything but null, false or 0) rather than
-# ignored, with what to use instead. (And stream_options.continuous_usage_stats, and `echo` on chat.)
+# Parameters of vLLM's that are not implemented, refused when set (to anything but null or false; min_p 0 is off)
+# rather than ignored, with what to use instead. (And stream_options.continuous_usage_stats, and `echo` on chat.)
 _REFUSED = {
     "use_beam_search": "", "min_p": "", "truncate_prompt_tokens": "",
     "prompt_logprobs": "; completions give the prompt's logprobs with echo: true and logprobs",
@@ -201,11 +201,12 @@ class _CommonParams(_Request):
         if self.stream_options is not None and not self.stream:  # as OpenAI and vLLM answer it
             raise APIError(400, "stream_options is only allowed with stream: true", param="stream_options")
         for name, instead in _REFUSED.items():
-            if getattr(self, name):
+            value = getattr(self, name)
+            if value is not None and value is not False and not (name == "min_p" and value == 0):  # 0: min_p off
                 raise APIError(400, f"{name} is not supported{instead}", param=name)
         if self.stream_options is not None and self.stream_options.continuous_usage_stats:
             raise APIError(400, "stream_options.continuous_usage_stats is not supported; include_usage gives the "
-                                "usage once, at the end", param="stream_options")
+                                "usage once, at the end", param="stream_options.continuous_usage_stats")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return SamplingParams(
             temperature=1.0 if self.temperature is None else self.temperature,
@@ -390,15 +391,16 @@ def check_token_ids(vocab_size: int, ids: list[int]) -> list[int]:
     return ids
 
 
-def check_length(max_model_len: int, prompt_len: int, params: SamplingParams, prompt_param: str = "prompt") -> None:
-    """The 400 for a prompt and max_tokens past the context. Its `param` is the one to change: the prompt when it
-    leaves no room for a token by itself (named `prompt_param`, as the client sent it), else max_tokens."""
+def check_length(max_model_len: int, prompt_len: int, params: SamplingParams, prompt_param: str = "prompt",
+                 output_param: str = "max_tokens") -> None:
+    """The 400 for a prompt and max_tokens past the context. Its `param` is the one to change, named as the client
+    sent it: the prompt when it leaves no room for a token by itself, else the output's length."""
     total = prompt_len + params.max_tokens
     if total > max_model_len:
         raise APIError(400, f"This model's maximum context length is {max_model_len} tokens. However, you "
                             f"requested {total} tokens ({prompt_len} in the prompt, {params.max_tokens} in the "
                             "completion). Please reduce the prompt or max_tokens.",
-                       param=prompt_param if prompt_len >= max_model_len else "max_tokens",
+                       param=prompt_param if prompt_len >= max_model_len else output_param,
                        code="context_length_exceeded")
 
 
@@ -436,7 +438,9 @@ async def check_request(body: CompletionRequest | ChatCompletionRequest, prompts
                         params: SamplingParams, max_model_len: int) -> None:
     """What a request is checked for once its prompts are token ids and its parameters known, on the router and a
     worker alike: each prompt with max_tokens fits the context, and its structured output compiles."""
-    prompt_param = "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
+    chat = isinstance(body, ChatCompletionRequest)
+    prompt_param = "messages" if chat else "prompt"
+    output_param = "max_completion_tokens" if chat and body.max_completion_tokens is not None else "max_tokens"
     for ids in prompts:
-        check_length(max_model_len, len(ids), params, prompt_param)
+        check_length(max_model_len, len(ids), params, prompt_param, output_param)
     await check_structured(params.structured, body.structured_param)

@@ -1,10 +1,12 @@
 """Request validation and the mapping from OpenAI parameters to SamplingParams."""
 
+import asyncio
+
 import pytest
 from pydantic import ValidationError
 
 from tandem.errors import APIError, error_body
-from tandem.openai_protocol import ChatCompletionRequest, CompletionRequest, check_length
+from tandem.openai_protocol import ChatCompletionRequest, CompletionRequest, check_length, check_request
 from tandem.protocol import SamplingParams
 
 VOCAB = 1000
@@ -152,6 +154,21 @@ def test_a_refused_vllm_parameter_left_at_its_default_is_accepted(field, default
     CompletionRequest(model="m", prompt="x", **{field: default}).sampling_params(16, 100)
 
 
+@pytest.mark.parametrize("field, value", [("prompt_logprobs", 0), ("guided_json", {}), ("guided_choice", []),
+                                          ("guided_regex", ""), ("truncate_prompt_tokens", 0), ("min_p", 0.05)])
+def test_a_refused_vllm_parameter_set_to_anything_else_is_refused(field, value):
+    """Even a falsy value: prompt_logprobs 0 asks vLLM for the prompt's logprobs."""
+    with pytest.raises(APIError) as info:
+        CompletionRequest(model="m", prompt="x", **{field: value}).sampling_params(16, 100)
+    assert info.value.status == 400 and info.value.param == field
+
+
+def test_continuous_usage_stats_null_or_false_is_accepted():
+    for value in (None, False):
+        CompletionRequest(model="m", prompt="x", stream=True,
+                          stream_options={"continuous_usage_stats": value}).sampling_params(16, 100)
+
+
 def test_refused_vllm_parameters_are_not_in_the_schema():
     """The schema lists what is served: parameters refused whenever set are not offered there."""
     for model in (CompletionRequest, ChatCompletionRequest):
@@ -168,3 +185,11 @@ def test_past_the_context_names_what_to_change(prompt_len, max_tokens, param):
     with pytest.raises(APIError) as info:
         check_length(100, prompt_len, SamplingParams(max_tokens=max_tokens), "messages")
     assert info.value.code == "context_length_exceeded" and info.value.param == param
+
+
+def test_past_the_context_names_max_completion_tokens_when_the_client_sent_it():
+    body = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "x"}], max_completion_tokens=50)
+    params = body.sampling_params(16, 100)
+    with pytest.raises(APIError) as info:
+        asyncio.run(check_request(body, [[1] * 30], params, 64))
+    assert info.value.param == "max_completion_tokens"
