@@ -72,10 +72,10 @@ class StructuredOutputs(_Request):
     json_object: bool | None = None
 
 
-# Parameters of vLLM's that are not implemented, refused when set (to anything but null or false; min_p 0 is off)
-# rather than ignored, with what to use instead. (And stream_options.continuous_usage_stats, and `echo` on chat.)
+# Parameters of vLLM's that are not implemented, refused when set (to anything but null or false) rather than
+# ignored, with what to use instead. (And stream_options.continuous_usage_stats, and `echo` on chat.)
 _REFUSED = {
-    "use_beam_search": "", "min_p": "", "truncate_prompt_tokens": "",
+    "use_beam_search": "", "truncate_prompt_tokens": "",
     "prompt_logprobs": "; completions give the prompt's logprobs with echo: true and logprobs",
     "guided_json": "; use structured_outputs: {\"json\": ...} or response_format",
     "guided_regex": "; use structured_outputs: {\"regex\": ...}",
@@ -102,6 +102,8 @@ class _CommonParams(_Request):
     # Extensions that vLLM users rely on.
     structured_outputs: StructuredOutputs | None = None
     top_k: int | None = Field(None, ge=-1, le=INT64_MAX)
+    min_p: float | None = Field(None, ge=0.0, le=1.0, description="drop tokens less likely than min_p x the "
+                                                                   "likeliest one (ext.)")
     ignore_eos: bool = False
     stop_token_ids: list[TokenId] | None = None
     include_stop_str_in_output: bool = False
@@ -110,7 +112,6 @@ class _CommonParams(_Request):
     # vLLM extensions not implemented here: declared so that one set to anything but its default is refused
     # (_REFUSED) rather than ignored, and left out of the schema, which lists what is served.
     use_beam_search: SkipJsonSchema[bool | None] = None
-    min_p: SkipJsonSchema[float | None] = None
     truncate_prompt_tokens: SkipJsonSchema[int | None] = None
     prompt_logprobs: SkipJsonSchema[int | None] = None
     guided_json: SkipJsonSchema[dict | str | None] = None
@@ -202,7 +203,7 @@ class _CommonParams(_Request):
             raise APIError(400, "stream_options is only allowed with stream: true", param="stream_options")
         for name, instead in _REFUSED.items():
             value = getattr(self, name)
-            if value is not None and value is not False and not (name == "min_p" and value == 0):  # 0: min_p off
+            if value is not None and value is not False:
                 raise APIError(400, f"{name} is not supported{instead}", param=name)
         if self.stream_options is not None and self.stream_options.continuous_usage_stats:
             raise APIError(400, "stream_options.continuous_usage_stats is not supported; include_usage gives the "
@@ -212,6 +213,7 @@ class _CommonParams(_Request):
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
             top_k=-1 if self.top_k is None else self.top_k,
+            min_p=self.min_p or 0.0,
             seed=self.seed,
             max_tokens=max_tokens,
             stop=stop,

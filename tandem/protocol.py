@@ -37,6 +37,8 @@ class SamplingParams(BaseModel):
     temperature: float = Field(1.0, ge=0.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(-1, ge=-1, le=INT64_MAX, description="-1 or 0 disables top-k")
+    min_p: float = Field(0.0, ge=0.0, le=1.0, description="drop tokens less likely than min_p x the likeliest one; "
+                                                           "0 disables it")
     seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
     max_tokens: int = Field(16, ge=1)
     stop: list[str] = Field(default_factory=list)

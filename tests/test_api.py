@@ -173,6 +173,9 @@ def test_seeded_sampling_and_top_k_one(client):
     greedy = client.completions.create(temperature=0, **kwargs).choices[0].text
     top1 = client.completions.create(temperature=0.9, extra_body={"top_k": 1}, **kwargs).choices[0].text
     assert top1 == greedy
+    # min_p 1 keeps only tokens as likely as the likeliest: the greedy answer, at any temperature.
+    min_p_one = client.completions.create(temperature=1.5, seed=7, extra_body={"min_p": 1.0}, **kwargs)
+    assert min_p_one.choices[0].text == greedy
 
 
 def check_several_completions(client, long_prompt: str = "Once upon a time") -> None:
@@ -391,7 +394,7 @@ BAD_INPUTS = [
     # vLLM's parameters that are not implemented: refused, not ignored.
     ("use_beam_search", "/v1/completions", {"model": "smollm2", "prompt": "x", "use_beam_search": True}, 400,
      "use_beam_search"),
-    ("min_p", "/v1/completions", {"model": "smollm2", "prompt": "x", "min_p": 0.1}, 400, "min_p"),
+    ("min_p out of range", "/v1/completions", {"model": "smollm2", "prompt": "x", "min_p": 1.5}, 400, "min_p"),
     ("truncate_prompt_tokens", "/v1/completions", {"model": "smollm2", "prompt": "x", "truncate_prompt_tokens": 2},
      400, "truncate_prompt_tokens"),
     ("prompt_logprobs", "/v1/completions", {"model": "smollm2", "prompt": "x", "prompt_logprobs": 2}, 400, "echo"),

@@ -148,19 +148,26 @@ def test_an_invalid_parameter_is_named_as_the_client_wrote_it(model, body, param
     assert error_param(caught.value.errors()[0]["loc"]) == param
 
 
-@pytest.mark.parametrize("field, default", [("use_beam_search", False), ("min_p", 0.0), ("min_p", 0),
-                                            ("truncate_prompt_tokens", None), ("guided_json", None)])
+@pytest.mark.parametrize("field, default", [("use_beam_search", False), ("truncate_prompt_tokens", None),
+                                            ("guided_json", None)])
 def test_a_refused_vllm_parameter_left_at_its_default_is_accepted(field, default):
     CompletionRequest(model="m", prompt="x", **{field: default}).sampling_params(16, 100)
 
 
 @pytest.mark.parametrize("field, value", [("prompt_logprobs", 0), ("guided_json", {}), ("guided_choice", []),
-                                          ("guided_regex", ""), ("truncate_prompt_tokens", 0), ("min_p", 0.05)])
+                                          ("guided_regex", ""), ("truncate_prompt_tokens", 0)])
 def test_a_refused_vllm_parameter_set_to_anything_else_is_refused(field, value):
     """Even a falsy value: prompt_logprobs 0 asks vLLM for the prompt's logprobs."""
     with pytest.raises(APIError) as info:
         CompletionRequest(model="m", prompt="x", **{field: value}).sampling_params(16, 100)
     assert info.value.status == 400 and info.value.param == field
+
+
+def test_min_p_reaches_the_sampling_params_and_is_bounded():
+    assert CompletionRequest(model="m", prompt="x", min_p=0.05).sampling_params(16, 100).min_p == 0.05
+    assert CompletionRequest(model="m", prompt="x", min_p=None).sampling_params(16, 100).min_p == 0.0
+    with pytest.raises(ValidationError):
+        CompletionRequest(model="m", prompt="x", min_p=1.5)
 
 
 def test_continuous_usage_stats_null_or_false_is_accepted():
@@ -173,7 +180,8 @@ def test_refused_vllm_parameters_are_not_in_the_schema():
     """The schema lists what is served: parameters refused whenever set are not offered there."""
     for model in (CompletionRequest, ChatCompletionRequest):
         properties = model.model_json_schema()["properties"]
-        assert not {"use_beam_search", "min_p", "guided_choice", "prompt_logprobs"} & set(properties), model
+        assert not {"use_beam_search", "guided_choice", "prompt_logprobs"} & set(properties), model
+        assert "min_p" in properties, model
     assert "echo" not in ChatCompletionRequest.model_json_schema()["properties"]
     assert "echo" in CompletionRequest.model_json_schema()["properties"]
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tandem.protocol import SamplingParams
-from tandem.workers.engine.sampler import History, Sampler, adjust_logits, apply_top_k_top_p
+from tandem.workers.engine.sampler import History, Sampler, adjust_logits, apply_min_p, apply_top_k_top_p
 
 V = 50
 
@@ -118,6 +118,22 @@ def test_top_p_keeps_the_smallest_set_holding_the_mass():
     assert freq[3] == 0 and freq[4] == 0
     kept = probs[:3] / probs[:3].sum()
     assert torch.allclose(freq[:3], kept, atol=0.03)
+
+
+def test_min_p_drops_what_is_less_likely_than_its_share_of_the_top_token():
+    probs = torch.tensor([0.5, 0.3, 0.12, 0.08])
+    freq = empirical(probs.log(), SamplingParams(temperature=1.0, min_p=0.2), n=6000)
+    # The bar is 0.2 x 0.5 = 0.1: the last token is dropped, the rest keep their proportions.
+    assert freq[3] == 0
+    assert torch.allclose(freq[:3], probs[:3] / probs[:3].sum(), atol=0.03)
+    assert set(empirical(probs.log(), SamplingParams(temperature=1.0, min_p=0.7), n=500).nonzero().flatten()
+               .tolist()) == {0}
+
+
+def test_min_p_is_per_row_and_zero_keeps_every_token():
+    probs = torch.tensor([[0.5, 0.3, 0.2], [0.5, 0.3, 0.2]])
+    kept = apply_min_p(probs, torch.tensor([0.0, 0.5]))
+    assert kept[0].tolist() == probs[0].tolist() and (kept[1] > 0).tolist() == [True, True, False]
 
 
 def test_top_p_always_keeps_the_top_token():

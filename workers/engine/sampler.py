@@ -32,6 +32,13 @@ class SamplerOutput:
     logprobs: list[TokenLogprobs | None]  # per row; None where the request asked for none
 
 
+def apply_min_p(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Zero each row's tokens less likely than min_p[row] x its likeliest token (vLLM's min_p; 0 keeps all). A ratio
+    to the top token, so it does not matter whether top-k/top-p renormalised the row first."""
+    threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
+    return probs.masked_fill(probs < threshold, 0.0)
+
+
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
     """Mask (to -inf) what top-k [B] (V = off) and top-p [B] (1.0 = off) exclude, row by row."""
     if top_p is None:
@@ -180,6 +187,9 @@ class Sampler:
         if top_k is not None or top_p is not None:
             x = apply_top_k_top_p(x, top_k, top_p)
         probs = x.softmax(dim=-1)
+        min_ps = [params[i].min_p for i in rows]
+        if max(min_ps) > 0:
+            probs = apply_min_p(probs, torch.tensor(min_ps, dtype=probs.dtype, device=probs.device))
 
         noise = torch.empty_like(probs)
         unseeded = []
