@@ -249,6 +249,11 @@ def router_deployment(owner: Owner, spec: LLMDeploymentSpec) -> dict:
     key_eps = router.key_eps if router.key_eps is not None else (0.0 if router.replicas == 1 else MULTI_ROUTER_KEY_EPS)
     if key_eps:
         args += ["--key-eps", str(key_eps)]
+    prefill_tps = spec.scaling.prefill.tokens_per_second
+    if prefill_tps is not None:
+        # One prefill replica's capacity: what admission predicts waits with until this router has measured its own,
+        # so that a router started into traffic (a rolling update, a scale-up) does not admit blind meanwhile.
+        args += ["--initial-prefill-tps", str(prefill_tps)]
     env = [*_env(router), {"name": "TANDEM_CONFIG_DIR", "value": CONFIG_MOUNT}]
     volumes = [*volumes, {"name": "config", "configMap": {"name": names.config_map_name(owner.name)}}]
     mounts = [*mounts, {"name": "config", "mountPath": CONFIG_MOUNT, "readOnly": True}]

@@ -205,6 +205,17 @@ def test_the_router_hashes_prompts_in_the_workers_block_size():
         assert args[args.index("--block-size") + 1] == "32", name
 
 
+def test_a_known_prefill_capacity_seeds_the_routers_admission_rate():
+    """A new router replica predicts prefill waits from the spec's prefill capacity until it measures its own."""
+    def router_args(spec):
+        return _by_name(_objects(spec), "Deployment")["smollm2-router"]["spec"]["template"]["spec"]["containers"][0][
+            "args"]
+
+    args = router_args(_variant(scaling__prefill={"tokensPerSecond": 5000}))
+    assert float(args[args.index("--initial-prefill-tps") + 1]) == 5000
+    assert "--initial-prefill-tps" not in router_args(_variant(scaling=None))
+
+
 def test_the_routers_graceful_shutdown_ends_before_the_pods_grace_period():
     """SIGTERM comes after the preStop sleep; the router must end what still runs before the kubelet's SIGKILL."""
     pod = _by_name(_objects(VARIANTS["example"]), "Deployment")["smollm2-router"]["spec"]["template"]["spec"]
