@@ -30,11 +30,25 @@ import uvicorn
 from tandem.router.worker_client import WorkerClient
 
 
-async def _lifespan(receive, send, on_shutdown) -> None:
-    while (await receive())["type"] != "lifespan.shutdown":
-        await send({"type": "lifespan.startup.complete"})
-    await on_shutdown()
-    await send({"type": "lifespan.shutdown.complete"})
+def floor_app(make_client, forward):
+    """ASGI app: the lifespan, a client to the backends made on first use (it belongs to the serving loop) and
+    closed at shutdown, and each request handed to `forward(client, scope, receive, send)`."""
+    client = None
+
+    async def app(scope, receive, send):
+        nonlocal client
+        if scope["type"] == "lifespan":
+            while (await receive())["type"] != "lifespan.shutdown":
+                await send({"type": "lifespan.startup.complete"})
+            if client is not None:
+                await client.close()
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+        if client is None:
+            client = make_client()
+        await forward(client, scope, receive, send)
+
+    return app
 
 
 async def _body(receive) -> bytes:
@@ -48,19 +62,9 @@ async def _body(receive) -> bytes:
 
 def http_app(backends: list[str]):
     turn = itertools.cycle(backends)
-    session: aiohttp.ClientSession | None = None
 
-    async def close() -> None:
-        if session is not None:
-            await session.close()
-
-    async def app(scope, receive, send):
-        nonlocal session
-        if scope["type"] == "lifespan":
-            return await _lifespan(receive, send, close)
+    async def forward(session: aiohttp.ClientSession, scope, receive, send):
         body = await _body(receive)
-        if session is None:  # made on first use: it belongs to the serving loop
-            session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
         async with session.post(next(turn) + scope["path"], data=body,
                                 headers={"Content-Type": "application/json"}) as r:
             content_type = r.headers.get("Content-Type", "application/json")
@@ -76,26 +80,16 @@ def http_app(backends: list[str]):
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
-    return app
+    return floor_app(lambda: aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)), forward)
 
 
 def channel_app(backends: list[str]):
     turn = itertools.cycle(backends)
     ids = itertools.count()
-    client: WorkerClient | None = None
 
-    async def close() -> None:
-        if client is not None:
-            await client.close()
-
-    async def app(scope, receive, send):
-        nonlocal client
-        if scope["type"] == "lifespan":
-            return await _lifespan(receive, send, close)
+    async def forward(client: WorkerClient, scope, receive, send):
         request = orjson.loads(await _body(receive))
         stream = bool(request.get("stream"))
-        if client is None:  # made on first use: its connections belong to the serving loop
-            client = WorkerClient()
         call = {"request_id": f"floor-{next(ids)}", "sampling": {"max_tokens": request.get("max_tokens") or 16},
                 "prompt_token_ids": [0], "kv_handle": None, "first_token_id": None, "coalesce_after_first": not stream}
         batches = client.event_batches(next(turn), "/internal/decode", call)
@@ -119,7 +113,7 @@ def channel_app(backends: list[str]):
                         + b"\n\n", "more_body": True})
         await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
 
-    return app
+    return floor_app(WorkerClient, forward)
 
 
 def main() -> None:

@@ -184,8 +184,7 @@ class RefusingWorker(SlowWorker):
 def test_a_request_the_engine_refuses_is_neither_failed_nor_answered(router_app):
     router, app, _ = router_app
     router.orchestrator.http = RefusingWorker()
-    router.admission.rate_limiter = TenantRateLimiter(default_limit=RateLimit(0.001, 1000))
-    bucket = router.admission.rate_limiter.bucket("default")
+    bucket = metered(router)
     r = post(app, {"model": "smollm2", "prompt": "Hello there", "max_tokens": 3}, slo="batch")
     assert r.status_code == 400 and "seed out of range" in r.text
     for ended in ("requests", "failed_requests", "abandoned_requests"):
@@ -205,8 +204,7 @@ class DeadWorker(SlowWorker):
 def test_a_request_that_failed_before_any_token_gives_back_its_tenants_charge(router_app):
     router, app, _ = router_app
     router.orchestrator.http = DeadWorker()
-    router.admission.rate_limiter = TenantRateLimiter(default_limit=RateLimit(0.001, 1000))
-    bucket = router.admission.rate_limiter.bucket("default")
+    bucket = metered(router)
     r = post(app, {"model": "smollm2", "prompt": "Hello there", "max_tokens": 10}, slo="batch")
     assert r.status_code == 503, r.text
     assert sample(router, "tandem_router_failed_requests_total") == 1
@@ -243,9 +241,14 @@ def test_a_failure_after_a_whole_answer_was_sent_is_logged_not_raised(router_app
     assert_forgotten(router)
 
 
+def metered(router, burst: float = 1000):
+    """Every caller's tenant limited to `burst` tokens (refilling at a negligible rate): its bucket, full."""
+    router.admission.rate_limiter = TenantRateLimiter(default_limit=RateLimit(0.001, burst))
+    return router.admission.rate_limiter.bucket("default")
+
+
 def half_full_bucket(router):
-    router.admission.rate_limiter = TenantRateLimiter(default_limit=RateLimit(0.001, 1000))
-    bucket = router.admission.rate_limiter.bucket("default")
+    bucket = metered(router)
     bucket.consume(500)  # below full, so that a refund of too much shows (a full bucket caps it)
     return bucket
 
@@ -290,7 +293,7 @@ def test_a_request_of_several_choices_over_the_burst_is_admitted_as_one_of_one_c
     """A charge over the bucket's whole burst is taken once the bucket is full (it goes into debt); the request's
     later choices, charged nothing, must not then be refused for the debt their first choice made."""
     router, app, _ = router_app
-    router.admission.rate_limiter = TenantRateLimiter(default_limit=RateLimit(0.001, 60))
+    metered(router, burst=60)
     r = post(app, {"model": "smollm2", "prompt": "Hello there", "max_tokens": 40, "n": 2}, slo="batch")
     assert r.status_code == 200, r.text
     assert_forgotten(router)
@@ -338,8 +341,7 @@ class ShortWorker(SlowWorker):
 def test_a_tenant_pays_for_the_output_tokens_it_was_served_not_for_max_tokens(router_app, stream, dies):
     router, app, _ = router_app
     router.orchestrator.http = ShortWorker(dies)
-    router.admission.rate_limiter = TenantRateLimiter(default_limit=RateLimit(0.001, 1000))
-    bucket = router.admission.rate_limiter.bucket("default")
+    bucket = metered(router)
     n = 1 if dies else 2  # a failure ends every sample's stream at once: the others would stop wherever they were
     r = post(app, {"model": "smollm2", "prompt": "Hello there", "max_tokens": 50, "stream": stream, "n": n},
              slo="batch")
@@ -486,8 +488,7 @@ def test_a_refused_request_gives_back_what_its_tenant_was_charged():
     router.decode.set_members([WORKER])
     router.decode._set_healthy(router.decode.workers[WORKER], True)
     router.orchestrator.http = SlowWorker()
-    router.admission.rate_limiter = TenantRateLimiter(default_limit=RateLimit(0.001, 1000))
-    bucket = router.admission.rate_limiter.bucket("default")
+    bucket = metered(router)
     app = build_app(router)
     r = post(app, {"model": "smollm2", "prompt": ["Hello there", "Hi"], "max_tokens": 10, "n": 3})
     assert r.status_code == 400 and "--max-queue" in r.json()["error"]["message"], r.text  # 6 could never queue
