@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import Counter
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -73,14 +74,17 @@ def build_app(router) -> FastLane | ApiKeyGate:
     async def metrics():
         return Response(generate_latest(router.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    def card() -> ModelCard:  # per request: its `created` is the time of asking
+        return ModelCard(id=router.served_name, max_model_len=router.max_model_len)
+
     @app.get("/v1/models")
     async def models():
-        return ModelList(data=[ModelCard(id=router.served_name, max_model_len=router.max_model_len)]).model_dump()
+        return ModelList(data=[card()]).model_dump()
 
     @app.get("/v1/models/{model_id:path}")  # OpenAI's "retrieve model" (the SDK's models.retrieve); ids may hold "/"
     async def model(model_id: str):
         check_model(router.served_name, model_id)
-        return ModelCard(id=router.served_name, max_model_len=router.max_model_len).model_dump()
+        return card().model_dump()
 
     async def completions_handler(body: CompletionRequest, request: Request) -> Response:
         check_model(router.served_name, body.model)
@@ -158,7 +162,6 @@ async def serve(router, request: Request, body: CompletionRequest | ChatCompleti
     # Several choices: the first is charged for the whole request (the others nothing), so that the tenant's
     # bucket is checked and taken once, with each prompt counted once as usage counts it.
     whole = sum(map(len, prompts)) + params.max_tokens * len(choices)
-    prompt_param = "messages" if isinstance(body, ChatCompletionRequest) else "prompt"  # what a cap refusal names
     # The prompt tokens each prompt's first sample will compute (a prompt's later samples prefill from its cache).
     uncached = [len(ids) - max((router.orchestrator.predictor.predicted_hit_tokens(w.url, hashes, len(ids))
                                 for w in workers), default=0) for ids, (hashes, _) in zip(prompts, plans, strict=True)]
@@ -168,7 +171,7 @@ async def serve(router, request: Request, body: CompletionRequest | ChatCompleti
             first = choice is choices[0]
             charge = None if len(choices) == 1 else whole if first else 0
             tickets[choice.request_id] = admit(router, choice, uncached[choice.prompt] if choice.sample == 0 else 0,
-                                               sum(uncached) if first else None, slo_name, key, charge, prompt_param)
+                                               sum(uncached) if first else None, slo_name, key, charge, body.prompt_param)
     except BaseException:
         for request_id in tickets:
             router.dispatcher.withdraw(request_id)
@@ -317,7 +320,7 @@ class Bill:
         self.started: set[str] = set()  # dispatched choices: they settle themselves when their dispatch ends
         self.failed = False  # a choice failed or was refused
         self.prompt_owed: dict[int, bool] = {}  # prompt -> served to one of its samples, or left being computed
-        self.samples_open = {c.prompt: sum(1 for d in choices if d.prompt == c.prompt) for c in choices}
+        self.samples_open = Counter(c.prompt for c in choices)
 
     def settle(self, request_id: str, first_token: bool, produced: int, failed: bool) -> None:
         choice = self.open.pop(request_id, None)

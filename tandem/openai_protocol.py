@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import random
 import time
-from typing import Annotated, Literal
+from typing import Annotated, ClassVar, Literal
 
 import jinja2
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -237,6 +237,7 @@ PositiveInt = Annotated[int, Field(ge=1)]
 class CompletionRequest(_CommonParams):
     model_config = ConfigDict(json_schema_extra={"examples": [{"model": "smollm2", "prompt": "Once upon a time",
                                                                "max_tokens": 8}]})
+    prompt_param: ClassVar[str] = "prompt"  # the parameter an error about the prompt names
 
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = Field(16, description="tokens to generate; must be >= 1, or 0 with echo (the prompt "
@@ -293,6 +294,7 @@ class ChatMessage(_Request):
 class ChatCompletionRequest(_CommonParams):
     model_config = ConfigDict(json_schema_extra={"examples": [{"model": "smollm2", "max_tokens": 8, "messages": [
         {"role": "user", "content": "Say hello."}]}]})
+    prompt_param: ClassVar[str] = "messages"
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
@@ -441,8 +443,7 @@ async def check_request(body: CompletionRequest | ChatCompletionRequest, prompts
     """What a request is checked for once its prompts are token ids and its parameters known, on the router and a
     worker alike: each prompt with max_tokens fits the context, and its structured output compiles."""
     chat = isinstance(body, ChatCompletionRequest)
-    prompt_param = "messages" if chat else "prompt"
     output_param = "max_completion_tokens" if chat and body.max_completion_tokens is not None else "max_tokens"
     for ids in prompts:
-        check_length(max_model_len, len(ids), params, prompt_param, output_param)
+        check_length(max_model_len, len(ids), params, body.prompt_param, output_param)
     await check_structured(params.structured, body.structured_param)

@@ -88,14 +88,17 @@ def build_app(ctx: ServingContext) -> FastAPI:
     async def metrics():
         return Response(generate_latest(ctx.registry), media_type=CONTENT_TYPE_LATEST)
 
+    def card() -> ModelCard:  # per request: its `created` is the time of asking
+        return ModelCard(id=ctx.served_name, max_model_len=ctx.max_model_len)
+
     @app.get("/v1/models")
     async def models():
-        return ModelList(data=[ModelCard(id=ctx.served_name, max_model_len=ctx.max_model_len)]).model_dump()
+        return ModelList(data=[card()]).model_dump()
 
     @app.get("/v1/models/{model_id:path}")  # OpenAI's "retrieve model" (the SDK's models.retrieve); ids may hold "/"
     async def model(model_id: str):
         check_model(ctx.served_name, model_id)
-        return ModelCard(id=ctx.served_name, max_model_len=ctx.max_model_len).model_dump()
+        return card().model_dump()
 
     @app.post("/v1/completions")
     async def completions(request: Request):

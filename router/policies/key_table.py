@@ -121,16 +121,12 @@ class KeyAssignments:
         key (`HashRing.walk(key)` less any excluded worker)."""
         if not candidates:
             raise ValueError("no candidate workers")
-        now = self.clock()
-        self._expire(now)
-        entry = self._table.get(key)
-        if entry is not None:
-            worker = entry[0]
-            if worker in candidates:
-                self._table[key] = (worker, now)
-                self._table.move_to_end(key)
-                return worker
+        worker = self.kept(key, candidates.__contains__)
+        if worker is not None:
+            return worker
+        if key in self._table:
             self._drop(key)  # its worker left the ring or is excluded: place it again
+        now = self.clock()
         bound = self.bound(candidates)
         # Some candidate always has room (see the module docstring); next() raising would be a bug.
         worker = next(w for w in candidates if self._counts.get(w, 0) + 1 <= bound)
