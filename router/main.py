@@ -18,7 +18,7 @@ from tandem.graceful import GracefulServer
 from tandem.hashing import model_seed
 from tandem.heap import settle_heap
 from tandem.metrics import RouterMetrics
-from tandem.model_source import DEFAULT_MODEL_ALIAS, resolve_model_source
+from tandem.model_source import default_served_name
 from tandem.router.admission import (
     DEFAULT_SLO_CLASSES,
     AdmissionController,
@@ -83,7 +83,7 @@ class Router:
             raise SystemExit(f"{config.model} has no tokenizer; the router needs one to route by prefix")
         # Long prompts are tokenized here: the tokenizer releases the GIL (tandem.router.app.tokenize).
         self.tokenize_pool = ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1), thread_name_prefix="tokenize")
-        self.served_name = config.served_model_name or _default_served_name(config.model)
+        self.served_name = config.served_model_name or default_served_name(config.model)
         self.max_model_len = DEFAULT_MAX_MODEL_LEN
         self.metrics = RouterMetrics(self.served_name)
         self.http = httpx.AsyncClient(limits=httpx.Limits(max_connections=None, max_keepalive_connections=1024))
@@ -132,13 +132,6 @@ class Router:
             except Exception:  # discovery hiccups must never stop the loop
                 log.exception("discovery/probe round failed")
             await asyncio.sleep(self.config.health_interval_s)
-
-
-def _default_served_name(model: str) -> str:
-    if model == DEFAULT_MODEL_ALIAS:
-        return DEFAULT_MODEL_ALIAS
-    path = resolve_model_source(model)
-    return os.path.splitext(os.path.basename(os.path.normpath(path)))[0]
 
 
 class _Server(GracefulServer):

@@ -13,19 +13,23 @@ from tandem.cli_args import add_model_options, model_from_options
 from tandem.config import EngineConfig, RouterConfig, WorkerConfig
 
 
+def _add_log_level(p: argparse.ArgumentParser, default: str) -> None:
+    p.add_argument("--log-level", default=default, choices=["debug", "info", "warning", "error"], help="what to log")
+
+
 def _worker_parser(sub, name: str, help_text: str, default_port: int) -> argparse.ArgumentParser:
     p = sub.add_parser(name, help=help_text, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_model_options(p, WorkerConfig, skip=("port",))
     p.add_argument("--port", type=int, default=default_port, help="port to listen on (0 picks a free one)")
     add_model_options(p, EngineConfig)
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    _add_log_level(p, "info")
     return p
 
 
 def _serve_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="run the local stack: a router before prefill and decode workers",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--host", default="127.0.0.1", help="the address the router listens on (the workers stay on 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="the router's port")
     p.add_argument("--prefill", type=int, default=1, help="prefill workers")
     p.add_argument("--decode", type=int, default=1, help="decode workers")
@@ -33,9 +37,9 @@ def _serve_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--disagg-min-tokens", type=int, default=RouterConfig.model_fields["disagg_min_tokens"].default,
                    help="prompts shorter than this skip the prefill pool")
     p.add_argument("--api-key", default=None, help="the router then requires `Authorization: Bearer <key>` on "
-                                                   "/v1/* (default: $TANDEM_API_KEY; unset, the API is open)")
+                                                   "/v1/*; none given: $TANDEM_API_KEY's, else the API is open")
     add_model_options(p, EngineConfig)
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    _add_log_level(p, "info")
     return p
 
 
@@ -43,7 +47,7 @@ def _router_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("router", help="run the OpenAI front door before prefill and decode pools",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_model_options(p, RouterConfig)
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    _add_log_level(p, "info")
     return p
 
 
@@ -52,7 +56,7 @@ def _drain_parser(sub) -> argparse.ArgumentParser:
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--url", default="http://127.0.0.1:8000", help="the worker to drain")
     p.add_argument("--timeout", type=float, default=55.0, help="seconds to wait for in-flight requests")
-    p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    _add_log_level(p, "warning")
     return p
 
 
@@ -71,7 +75,7 @@ def _operator_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--resync-seconds", type=float, default=300.0, help="re-apply owned objects this often (0: never)")
     p.add_argument("--kubeconfig", default=None, help="unset: in-cluster credentials, then $KUBECONFIG or ~/.kube/config")
     p.add_argument("--context", default=None, help="kubeconfig context")
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    _add_log_level(p, "info")
     return p
 
 
@@ -86,7 +90,7 @@ def _bench_parser(sub) -> argparse.ArgumentParser:
                        help="closed-loop sweep: requests kept in flight, one point per value (default: 1)")
     sweep.add_argument("--rate", type=float, nargs="+", metavar="R",
                        help="open-loop sweep: requests per second, one point per value")
-    p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    _add_log_level(p, "warning")
     return p
 
 
@@ -97,7 +101,8 @@ def _plan_parser(sub) -> argparse.ArgumentParser:
                        epilog="Formulas: see tandem/planning/sizing.py. Disaggregation threshold = (ITL SLO - "
                               "decode step time) x prefill tokens/s: the longest prompt a decode worker can "
                               "prefill without breaking its batch's ITL.")
-    p.add_argument("--profile", metavar="FILE.yaml", help="workload profile; flags override its fields")
+    p.add_argument("--profile", metavar="FILE.yaml", help="workload profile: the flags' names in snake_case, e.g. `peak_rps: 120` and "
+                   "`input_tokens: uniform:256:1024`; flags override its fields")
     p.add_argument("--curve", metavar="FILE", help="measured curve: the bench.json `tandem bench` writes, or "
                                                    "a YAML/JSON file with `points:`")
     add_model_options(p, WorkloadProfile)
@@ -107,7 +112,7 @@ def _plan_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--patch-out", metavar="FILE", help="write the LLMDeployment patch here instead of printing it")
     p.add_argument("--format", dest="output_format", choices=["table", "json"], default="table",
                    help="a table and the patch, or one JSON document (default: table)")
-    p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    _add_log_level(p, "warning")
     return p
 
 

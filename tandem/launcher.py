@@ -12,6 +12,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 
 import httpx
 
@@ -63,7 +64,7 @@ def free_port() -> int:
 
 
 def port_in_use(host: str, port: int) -> bool:
-    """Whether the router could not listen there. With SO_REUSEADDR, as uvicorn binds: a port whose last
+    """Whether a server (uvicorn) could not listen there. With SO_REUSEADDR, as uvicorn binds: a port whose last
     connections are still in TIME_WAIT (a stack just stopped) is free for a listener."""
     try:
         family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
@@ -113,17 +114,24 @@ class ServiceProcess:
         if self.log.closed:
             return "(its log was removed when it stopped cleanly)"
         with open(self.log.name, "rb") as f:
-            f.seek(max(self._log_start, os.path.getsize(self.log.name) - 4 * chars))  # 4: UTF-8's widest
-            return f.read().decode(errors="replace")[-chars:]
+            start = max(self._log_start, os.path.getsize(self.log.name) - 4 * chars)  # 4: UTF-8's widest
+            f.seek(start)
+            text = f.read().decode(errors="replace")
+        cut = start > self._log_start or len(text) > chars
+        text = text[-chars:]
+        if cut and "\n" in text:  # from the first whole line, not from the middle of one
+            text = text[text.index("\n") + 1:]
+        return text
 
     def wait_ready(self, timeout: float = 180.0, path: str = "/ready",
-                   notice: tuple[float, str] | None = None) -> ServiceProcess:
-        """Until GET `path` answers 200. `notice`: (seconds, text) printed once if it takes that long."""
+                   notice: tuple[float, Callable[[], str]] | None = None) -> ServiceProcess:
+        """Until GET `path` answers 200. `notice`: (seconds, what to print) once if it takes that long; the text is
+        asked for then, so that it can say what the process is doing by that time."""
         started = time.monotonic()
         deadline = started + timeout
         while time.monotonic() < deadline:
             if notice is not None and time.monotonic() - started > notice[0]:
-                print(notice[1], flush=True)
+                print(notice[1](), flush=True)
                 notice = None
             if self.proc.poll() is not None:
                 raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self.log_tail()}")

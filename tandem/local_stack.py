@@ -16,6 +16,8 @@ import time
 from tandem.cli_args import options_to_args
 from tandem.config import API_KEY_ENV, EngineConfig, RouterConfig
 from tandem.launcher import ServiceProcess, port_in_use
+from tandem.model_source import default_served_name
+from tandem.workers.kernels.cpu_extension import COMPILING
 
 RESTART_GRACE_S = 30.0  # a process that exits again this soon after its start is crash-looping
 MAX_BACKOFF_S = 30.0
@@ -71,6 +73,14 @@ def start_failure(exc: Exception, process: ServiceProcess) -> str:
         "\n  ".join(lines[-6:])
 
 
+def slow_start_notice(workers: list[ServiceProcess], everything: list[ServiceProcess]) -> str:
+    """What `tandem serve` says when the stack takes long to start: why, as the workers' logs tell it so far."""
+    logs = ", ".join(p.log.name for p in everything)
+    if any(COMPILING in w.log_tail() for w in workers):
+        return f"  still starting: the workers are {COMPILING}; logs: {logs}"
+    return f"  still starting: the workers are loading the model; logs: {logs}"
+
+
 ROUTER_GRACE_S = RouterConfig.model_fields["graceful_shutdown_s"].default
 
 
@@ -89,6 +99,11 @@ def stop_all(router: ServiceProcess, workers: list[ServiceProcess]) -> None:
 
 def run_local_stack(engine: EngineConfig, *, prefill: int, decode: int, colocated: bool, disagg_min_tokens: int,
                     host: str, port: int, api_key: str | None = None) -> int:
+    try:  # a model that is not there is said now, not in a worker's traceback after the others have loaded it
+        served_name = engine.served_model_name or default_served_name(engine.model)
+    except ValueError as exc:
+        print(f"tandem serve: {exc}", file=sys.stderr)
+        return 2
     worker_args = options_to_args(engine)
     roles = ["both"] * decode if colocated else ["prefill"] * prefill + ["decode"] * decode
     workers = [ServiceProcess(["worker", "--role", role, *worker_args], name=f"{role}-{i}")
@@ -115,8 +130,8 @@ def run_local_stack(engine: EngineConfig, *, prefill: int, decode: int, colocate
         return 2
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per readiness poll is noise
     signal.signal(signal.SIGTERM, stop)
-    slow = (15.0, "  still starting: the first start on a machine also compiles the workers' CPU kernels (about "
-                  "a minute); logs: " + ", ".join(p.log.name for p in everything))
+
+    slow = (15.0, lambda: slow_start_notice(workers, everything))
     try:
         print(f"starting {len(workers)} worker(s): {', '.join(roles)}", flush=True)
         for w in workers:
@@ -135,7 +150,7 @@ def run_local_stack(engine: EngineConfig, *, prefill: int, decode: int, colocate
             f"{len(prefill_urls)} prefill + {len(decode_urls)} decode worker(s)"
         print(f"\ntandem serve: {shape}, router on {url}")
         print(f"  curl -s {url}/v1/chat/completions -H 'content-type: application/json'{auth} \\\n"
-              f"    -d '{{\"model\": \"{engine.served_model_name or engine.model}\", \"messages\": "
+              f"    -d '{{\"model\": \"{served_name}\", \"messages\": "
               f"[{{\"role\": \"user\", \"content\": \"Hello!\"}}], \"max_tokens\": 32}}'")
         print("Ctrl-C stops everything.", flush=True)
         return supervise(everything)

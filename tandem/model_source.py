@@ -44,3 +44,12 @@ def resolve_model_source(source: str) -> str:
     raise ValueError(
         f"model {source!r} is neither {DEFAULT_MODEL_ALIAS!r}, a .gguf file nor a HuggingFace checkpoint folder"
     )
+
+
+def default_served_name(source: str) -> str:
+    """The name clients use for `source` when none is given (--served-model-name): "smollm2", else the checkpoint's
+    file or folder name without its extension. Raises ValueError as resolve_model_source does."""
+    if source == DEFAULT_MODEL_ALIAS:
+        return DEFAULT_MODEL_ALIAS
+    path = resolve_model_source(source)
+    return os.path.splitext(os.path.basename(os.path.normpath(path)))[0]

@@ -47,12 +47,24 @@ def test_serve_on_a_port_in_use_says_so_before_starting_anything():
     assert "is in use" in done.stderr and "--port" in done.stderr and "starting" not in done.stdout
 
 
-def test_serve_with_a_model_that_does_not_exist_says_why_in_a_few_lines():
-    done = _serve("--model", "smollm3", "--port", str(free_port()))
+def test_a_worker_on_a_port_in_use_says_so_before_loading_its_model():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = subprocess.run([sys.executable, "-m", "tandem.cli", "worker", "--port", str(port)], capture_output=True,
+                              text=True, timeout=60, env={**os.environ, "PYTHONSAFEPATH": "1"})
     assert done.returncode == 1
-    assert "did not start" in done.stderr and "'smollm3' is neither 'smollm2'" in done.stderr
-    assert "Traceback" not in done.stderr.split("the end of its log")[0]  # serve's own: none
-    assert len(done.stderr.splitlines()) <= 8
+    assert done.stderr.strip().endswith(f"tandem worker: port {port} on 127.0.0.1 is in use; choose another with --port")
+    assert "Traceback" not in done.stderr
+
+
+def test_serve_with_a_model_that_does_not_exist_says_why_before_starting_anything():
+    done = _serve("--model", "smollm3", "--port", str(free_port()), timeout=30)
+    assert done.returncode == 2
+    assert done.stderr.startswith("tandem serve: model 'smollm3' is neither 'smollm2'")
+    assert "Traceback" not in done.stderr and "starting" not in done.stdout
+    assert len(done.stderr.splitlines()) == 1
 
 
 def test_a_misspelt_option_is_said_by_its_command(capsys):

@@ -42,7 +42,9 @@ class FakeProcess:
         return self
 
     def log_tail(self, chars: int = 4000) -> str:
-        return "Traceback ... the reason"
+        return self.tail
+
+    tail = "Traceback ... the reason"
 
 
 def test_a_crash_looping_process_is_retried_with_a_doubling_delay_and_the_others_go_on():
@@ -133,3 +135,36 @@ def test_a_cleanly_stopped_process_leaves_no_log_and_one_that_was_killed_keeps_i
     router.kill()  # as a crash: its log is what tells why
     assert os.path.exists(router.log.name) and router.stop() is not None
     os.unlink(router.log.name)
+
+
+def test_a_log_tail_begins_at_a_whole_line():
+    """What `tandem serve` prints of a process that exited: the end of its log from a line's start, not from the
+    middle of one."""
+    from tandem.launcher import ServiceProcess
+
+    process = ServiceProcess(["worker"], port=1, name="tail-test")
+    try:
+        process.log.write(b"".join(f"line {i:04d} {'x' * 40}\n".encode() for i in range(200)))
+        process.log.flush()
+        tail = process.log_tail(500)
+        assert 0 < len(tail) <= 500
+        assert all(line.startswith("line ") and len(line) == 50 for line in tail.splitlines())
+        assert tail.endswith("line 0199 " + "x" * 40 + "\n")
+        assert process.log_tail(100_000).startswith("line 0000 ")  # the whole log: nothing is cut
+    finally:
+        process.log.close()
+        os.remove(process.log.name)
+
+
+
+def test_a_slow_start_is_put_down_to_compiling_only_while_a_worker_compiles():
+    from tandem.local_stack import slow_start_notice
+    from tandem.workers.kernels.cpu_extension import COMPILING
+
+    workers = [FakeProcess("prefill-0", dead=False), FakeProcess("decode-1", dead=False)]
+    for worker in workers:
+        worker.tail = "INFO tandem.workers.kernels.cpu_extension: loading the native CPU kernels\n"
+    notice = slow_start_notice(workers, workers)
+    assert "loading the model" in notice and "compil" not in notice and "/tmp/decode-1.log" in notice
+    workers[1].tail = f"INFO tandem.workers.kernels.cpu_extension: {COMPILING}\n"
+    assert "compiling the native CPU kernels" in slow_start_notice(workers, workers)

@@ -322,6 +322,17 @@ def test_resolve_model_source_errors(tmp_path, smollm2_gguf_path):
         resolve_model_source(str(tmp_path / "weights.bin"))
 
 
+def test_the_default_served_name_is_the_alias_or_the_checkpoint_name(tmp_path, smollm2_gguf_path, tiny_llama_dir):
+    """What the router serves a model as without --served-model-name, and what `tandem serve`'s curl line names."""
+    from tandem.model_source import default_served_name
+
+    assert default_served_name("smollm2") == "smollm2"
+    assert default_served_name(smollm2_gguf_path) == "SmolLM2-135M-Instruct.Q4_1"
+    assert default_served_name(str(tiny_llama_dir) + "/") == os.path.basename(str(tiny_llama_dir))
+    with pytest.raises(ValueError, match="neither"):
+        default_served_name(str(tmp_path / "nope.gguf"))
+
+
 def test_load_weights_reports_missing_and_unknown_tensors(tiny_qwen2_dir):
     from tandem.workers.models.hf_loader import iter_hf_tensors
 

@@ -10,6 +10,7 @@ import uvicorn
 from tandem.config import WorkerConfig
 from tandem.graceful import AnswerOnShutdown, GracefulServer
 from tandem.heap import settle_heap
+from tandem.launcher import port_in_use
 from tandem.metrics import EngineMetrics
 from tandem.workers.async_engine import AsyncEngine
 from tandem.workers.engine.llm_engine import LLMEngine, load_engine_model
@@ -63,6 +64,8 @@ def _engine_summary(async_engine: AsyncEngine) -> str:
 
 
 def run_worker(config: WorkerConfig, log_level: str = "info") -> int:
+    if config.port and port_in_use(config.host, config.port):  # said now, not after loading the model
+        raise SystemExit(f"tandem worker: port {config.port} on {config.host} is in use; choose another with --port")
     ctx, async_engine = build_worker(config)
     log.info(settle_heap(ctx.metrics.gc_pauses))  # the model's code and data, frozen out of collections (tandem.heap)
     async_engine.start()

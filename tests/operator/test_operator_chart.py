@@ -160,7 +160,7 @@ def test_dashboards_ship_as_configmaps_for_the_grafana_sidecar():
 
 # Grafana variables, replaced by values of the same kind before parsing.
 GRAFANA_VARIABLES = {"$__rate_interval": "1m", "$__interval": "1m", "$__range": "1h", "$model": ".*",
-                     "$namespace": ".*", "$ttft_slo": "0.5", "$itl_slo": "0.05"}
+                     "$namespace": ".*", "$ttft_slo": "1", "$itl_slo": "0.1"}
 
 
 def dashboard_expressions(path: Path) -> list[tuple[str, str]]:
@@ -201,6 +201,19 @@ def test_every_dashboard_expression_parses_and_names_only_known_metrics():
             # Only the SLO reference lines are constants (vector(<target>)); every other query reads a metric.
             assert names or re.fullmatch(r"vector\([0-9.]+\)", expr), f"{path.name} / {title}: no metric in {expr}"
             assert names <= known, f"{path.name} / {title}: unknown metrics {sorted(names - known)}"
+
+
+def test_the_overview_draws_the_default_slo_class_targets_and_lets_them_be_changed():
+    """The SLO lines start at the router's default class's targets, and are textboxes a user can set to their own
+    class's (a constant is hidden in Grafana's UI)."""
+    from tandem.router.admission.slo import DEFAULT_SLO_CLASSES
+
+    default = DEFAULT_SLO_CLASSES["interactive"]
+    variables = {v["name"]: v for v in json.loads((CHART / "dashboards" / "tandem-overview.json").read_text())
+                 ["templating"]["list"]}
+    for name, target in (("ttft_slo", default.ttft_s), ("itl_slo", default.itl_s)):
+        assert variables[name]["type"] == "textbox" and variables[name]["hide"] == 0
+        assert float(variables[name]["query"]) == float(variables[name]["current"]["value"]) == target
 
 
 def test_the_name_check_catches_a_typo():

@@ -25,6 +25,8 @@ import threading
 
 log = logging.getLogger(__name__)
 
+# Logged when the build starts; `tandem serve` looks for it in a slow worker's log to say why it is slow.
+COMPILING = "compiling the native CPU kernels (once per machine and checkout: about a minute)"
 _SOURCES = sorted(glob.glob(os.path.join(os.path.dirname(__file__), "csrc", "*.cpp")))
 _lock = threading.Lock()
 _module = None
@@ -100,8 +102,7 @@ def load():
                 _put_ninja_on_path()
                 name, build_directory = _name(), build_directory_path()
                 built = os.path.exists(os.path.join(build_directory, f"{name}.so"))
-                log.info("loading the native CPU kernels" if built else
-                         "compiling the native CPU kernels (once per machine and checkout: about a minute)")
+                log.info("loading the native CPU kernels" if built else COMPILING)
                 with _building_alone(build_directory):
                     _module = cpp_extension.load(
                         name=name,
