@@ -15,16 +15,23 @@ def _s(seconds: float | None) -> str:
     return "n/a" if seconds is None else f"{seconds:.3f} s"
 
 
+def slo_text(profile) -> str:
+    """The SLO the plan holds the curve to, naming only the targets given ("no SLO given" without any)."""
+    pct = profile.slo_percentile
+    targets = [f"{pct} {name} <= {_s(value)}" for name, value in (("TTFT", profile.slo_ttft), ("ITL", profile.slo_itl))
+               if value is not None]
+    return " and ".join(targets) or "no SLO given"
+
+
 def plan_rows(plan: Plan) -> list[tuple[str, str, str]]:
     """(quantity, value, how it was obtained) rows, in reading order."""
     p = plan.profile
-    tp, safety, pct = p.tensor_parallel_size, p.safety_factor, p.slo_percentile
+    tp, safety = p.tensor_parallel_size, p.safety_factor
     rows: list[tuple[str, str, str]] = []
     if plan.curve_points:
         c = plan.c_max
         rows.append(("C_max (per instance)", "none" if c is None else f"{c.concurrency:g}",
-                     f"highest concurrency of {plan.curve_points} measured with {pct} TTFT <= "
-                     f"{_s(p.slo_ttft)} and ITL <= {_s(p.slo_itl)}"))
+                     f"highest concurrency of {plan.curve_points} measured with {slo_text(p)}"))
         rows.append(("knee", "none" if plan.knee_concurrency is None else f"{plan.knee_concurrency:g}",
                      "Kneedle point of throughput vs concurrency"))
         if c is not None:
@@ -77,8 +84,7 @@ def format_plan(plan: Plan) -> str:
         "Tandem capacity plan",
         f"  workload  peak {p.peak_rps:g} RPS; input mean {plan.mean_input_tokens:g} tokens ({p.input_tokens}); "
         f"output mean {plan.mean_output_tokens:g} tokens ({p.output_tokens})",
-        f"  SLO       {p.slo_percentile} TTFT <= {_s(p.slo_ttft)}, {p.slo_percentile} ITL <= {_s(p.slo_itl)}; "
-        f"TP{p.tensor_parallel_size}; safety x{p.safety_factor:g}",
+        f"  SLO       {slo_text(p)}; TP{p.tensor_parallel_size}; safety x{p.safety_factor:g}",
         "",
     ]
     rows = [("quantity", "value", "how"), *plan_rows(plan)]

@@ -117,8 +117,12 @@ def test_make_plan_reproduces_the_guide_and_the_ratio():
     assert plan.little_ok
     table = format_plan(plan)
     for text in ("C_max (per instance)", "ceil(120 / 12.00)", "ceil(10 x TP4 x 1.3)", "1:1",
-                 "ceil(2 s max wait x 50 RPS)"):
+                 "ceil(2 s max wait x 50 RPS)", "p99 TTFT <= 2.000 s and p99 ITL <= 0.050 s"):
         assert text in table
+    # A target not given is not shown as "<= n/a"; none given is said so.
+    assert "SLO       p99 TTFT <= 2.000 s; TP4" in format_plan(make_plan(profile.model_copy(update={"slo_itl": None})))
+    no_slo = format_plan(make_plan(profile.model_copy(update={"slo_itl": None, "slo_ttft": None})))
+    assert "n/a s" not in no_slo and "<= n/a" not in no_slo and "SLO       no SLO given;" in no_slo
 
 
 def test_patch_is_a_valid_llmdeployment_change():
