@@ -421,3 +421,68 @@ def test_a_callers_own_cancel_landing_with_a_drop_stays_a_cancel():
         return outcome, task.cancelled()
 
     assert asyncio.run(run()) == ([], True)
+
+
+async def serve_stand_in_prefill_worker(port: int, released: list[str], agent_asked: asyncio.Event,
+                                        agent_delay_s: float) -> web.AppRunner:
+    """A prefill worker reduced to what a decode worker calls on it: its KV agent (answered after `agent_delay_s`)
+    and lease release (recorded)."""
+    async def agent(request: web.Request) -> web.Response:
+        agent_asked.set()
+        await asyncio.sleep(agent_delay_s)
+        return web.json_response({"agent": {"agent_name": "stand-in"}})
+
+    async def release(request: web.Request) -> web.Response:
+        released.append((await request.json())["lease_id"])
+        return web.json_response({})
+
+    return await serve_routes(port, web.get("/internal/kv/agent", agent), web.post("/internal/kv/release", release))
+
+
+def pulled_decode_body(request_id: str, prefill_url: str, layout: dict, lease_id: str, **handle_changes) -> dict:
+    prompt = PROMPTS[1]
+    handle = {"source_url": prefill_url, "agent_name": "stand-in", "lease_id": lease_id, "block_ids": [0],
+              "num_tokens": len(prompt), "layout": layout, "expires_at": 4e9, **handle_changes}
+    return {**decode_body(request_id, prompt), "kv_handle": handle, "first_token_id": 5}
+
+
+def test_a_decode_given_up_on_while_it_waits_for_the_prefill_worker_frees_the_prompt_blocks_at_once(worker):
+    """The router gives up on a disaggregated request (its client left) while the decode worker is still asking
+    the prefill worker for its KV agent: nothing will read the prompt's blocks, which must be freed now, not
+    pinned on the prefill worker until the lease expires. A decode refused before it begins frees them too."""
+    layout = httpx.get(f"{worker.url}/internal/kv/agent").json()["layout"]
+
+    async def run():
+        port, released, agent_asked = free_port(), [], asyncio.Event()
+        prefill_url = f"http://127.0.0.1:{port}"
+        runner = await serve_stand_in_prefill_worker(port, released, agent_asked, agent_delay_s=30)
+        client = WorkerClient()
+        try:
+            batches = client.event_batches(worker.url, "/internal/decode",
+                                           pulled_decode_body("pd-left", prefill_url, layout, "lease-left"))
+            first = asyncio.get_running_loop().create_task(anext(batches))
+            await asyncio.wait_for(agent_asked.wait(), 20)
+            first.cancel()  # the caller gives up: the channel tells the worker to stop the request
+            await asyncio.gather(first, return_exceptions=True)
+            await batches.aclose()
+            for _ in range(100):
+                if released:
+                    break
+                await asyncio.sleep(0.05)
+            left = list(released)
+            with pytest.raises(WorkerStatusError) as refused:
+                await collect(client, worker.url, pulled_decode_body("pd-bad", prefill_url, layout, "lease-bad",
+                                                                     num_tokens=99))
+            for _ in range(100):
+                if len(released) > 1:
+                    break
+                await asyncio.sleep(0.05)
+            return left, refused.value, released
+        finally:
+            await client.close()
+            await runner.cleanup()
+
+    left, refused, released = asyncio.run(run())
+    assert left == ["lease-left"]  # well before the 30 s the agent takes
+    assert refused.status == 400 and "kv_handle covers 99 tokens" in refused.message
+    assert released == ["lease-left", "lease-bad"]

@@ -115,7 +115,9 @@ def add_internal_routes(app: FastAPI, ctx) -> None:
 
     @app.post("/internal/decode")
     async def decode(request: Request):
-        return EventStreamResponse(sse_stream(await serve_decode(ctx, await parse_body(request, DecodeRequest))))
+        events = await serve_decode(ctx, await parse_body(request, DecodeRequest))
+        # A client that leaves while the headers go out ends the answer before its body begins.
+        return EventStreamResponse(sse_stream(events), on_close=events.close_unstarted)
 
     add_channel_route(app, {
         "/internal/prefill": (PrefillRequest, lambda body: serve_prefill(ctx, body)),
@@ -162,28 +164,68 @@ async def serve_prefill(ctx, body: PrefillRequest) -> dict:
     ).model_dump()
 
 
-async def serve_decode(ctx, body: DecodeRequest) -> AsyncIterator[tuple[dict, bool]]:
+async def serve_decode(ctx, body: DecodeRequest) -> DecodeStream:
     """The request's decode events (see decode_events), once the request is checked (an APIError before any
-    event) and its KV source is known: pulled from the prefill worker's handle, or computed here."""
-    require_role(ctx, "decode")
-    check_token_ids(ctx.tokenizer.vocab_size, body.prompt_token_ids)
-    check_length(ctx.max_model_len, len(body.prompt_token_ids), body.sampling, "prompt_token_ids")
+    event) and its KV source is known: pulled from the prefill worker's handle, or computed here.
+
+    The handle's lease is this request's to release from the moment it arrives: a request refused, or given up
+    by its caller (cancelled) before its events begin, frees the prompt's blocks on the prefill worker at once.
+    Left to the lease's expiry, they would stay pinned there for its whole TTL, every such request's."""
     handle = body.kv_handle
-    kv_source, fallback = None, None
-    if handle is not None:
-        check_handle(ctx, body, handle)
-        agent = await ctx.agents.get(handle)
-        if agent is None:
-            fallback = "agent_unreachable"
-            ctx.metrics.fallback(fallback)
-        else:
-            kv_source = RemoteKV(agent, handle.block_ids, handle.expires_at,
-                                 release=release_from_pull_thread(ctx, handle, asyncio.get_running_loop()))
+    try:
+        require_role(ctx, "decode")
+        check_token_ids(ctx.tokenizer.vocab_size, body.prompt_token_ids)
+        check_length(ctx.max_model_len, len(body.prompt_token_ids), body.sampling, "prompt_token_ids")
+        kv_source, fallback = None, None
+        if handle is not None:
+            check_handle(ctx, body, handle)
+            # Shielded: a fetch cut short by this request's cancel would leave the agent unknown, and the next
+            # request from that prefill worker would wait on it again.
+            agent = await asyncio.shield(ctx.agents.get(handle))
+            if agent is None:
+                fallback = "agent_unreachable"
+                ctx.metrics.fallback(fallback)
+            else:
+                kv_source = RemoteKV(agent, handle.block_ids, handle.expires_at,
+                                     release=release_from_pull_thread(ctx, handle, asyncio.get_running_loop()))
+    except BaseException:
+        if handle is not None:
+            spawn(release_lease(ctx, handle))
+        raise
     options = {"first_token_id": body.first_token_id, "kv_source": kv_source,
                "output_tokens_in_prompt": body.output_tokens_in_prompt}
     outputs = ctx.engine.generate(body.request_id, body.prompt_token_ids, body.sampling, time.monotonic(),
                                   **options)
-    return decode_events(ctx, outputs, handle, fallback, body.coalesce_after_first)
+    return DecodeStream(decode_events(ctx, outputs, handle, fallback, body.coalesce_after_first), ctx, handle)
+
+
+class DecodeStream:
+    """decode_events' (event, last) pairs. Once they have begun, decode_events releases the lease however they end;
+    closing them before they began (close_unstarted, or aclose) releases it here: an async generator's cleanup
+    runs only once it has started."""
+
+    def __init__(self, events: AsyncIterator[tuple[dict, bool]], ctx, handle: KVHandle | None):
+        self._events = events
+        self._ctx = ctx
+        self._handle = handle
+        self._started = False
+
+    def __aiter__(self) -> DecodeStream:
+        return self
+
+    def __anext__(self):
+        self._started = True
+        return self._events.__anext__()
+
+    def close_unstarted(self) -> None:
+        if not self._started:
+            self._started = True
+            if self._handle is not None:
+                spawn(release_lease(self._ctx, self._handle))
+
+    async def aclose(self) -> None:
+        self.close_unstarted()
+        await self._events.aclose()
 
 
 async def sse_stream(events: AsyncIterator[tuple[dict, bool]]) -> AsyncIterator[str]:
