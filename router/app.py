@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import Counter
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -157,14 +156,15 @@ async def serve(router, request: Request, body: CompletionRequest | ChatCompleti
     if not healthy:  # said now, with a status, rather than in an error event after a 200
         router.metrics.by_class(router.metrics.rejections, slo_name, reason="no_workers").inc()
         raise no_workers(router.config.health_interval_s)
-    workers = router.prefill.healthy() + healthy
+    workers = [w.url for w in router.prefill.healthy()] + [w.url for w in healthy]
     plans = [router.orchestrator.plan(ids) for ids in prompts]  # (block hashes, routing key), shared by samples
     # Several choices: the first is charged for the whole request (the others nothing), so that the tenant's
     # bucket is checked and taken once, with each prompt counted once as usage counts it.
     whole = sum(map(len, prompts)) + params.max_tokens * len(choices)
     # The prompt tokens each prompt's first sample will compute (a prompt's later samples prefill from its cache).
-    uncached = [len(ids) - max((router.orchestrator.predictor.predicted_hit_tokens(w.url, hashes, len(ids))
-                                for w in workers), default=0) for ids, (hashes, _) in zip(prompts, plans, strict=True)]
+    predictor = router.orchestrator.predictor
+    uncached = [len(ids) - predictor.best_hit_tokens(workers, hashes, len(ids))
+                for ids, (hashes, _) in zip(prompts, plans, strict=True)]
     tickets = {}
     try:
         for choice in choices:
@@ -320,7 +320,9 @@ class Bill:
         self.started: set[str] = set()  # dispatched choices: they settle themselves when their dispatch ends
         self.failed = False  # a choice failed or was refused
         self.prompt_owed: dict[int, bool] = {}  # prompt -> served to one of its samples, or left being computed
-        self.samples_open = Counter(c.prompt for c in choices)
+        self.samples_open: dict[int, int] = {}  # prompt -> its samples not settled yet
+        for choice in choices:
+            self.samples_open[choice.prompt] = self.samples_open.get(choice.prompt, 0) + 1
 
     def settle(self, request_id: str, first_token: bool, produced: int, failed: bool) -> None:
         choice = self.open.pop(request_id, None)

@@ -196,22 +196,30 @@ class Orchestrator:
             mark = worker.prefill_started(loop.time()) if prefilling else 0.0
             finished = False
             try:
-                async for delta in self._stream(url, body):
-                    if finished:  # only the stream's end follows a finish; reading it frees the connection
-                        continue
-                    if prefilling:  # its first delta: the prefill is done
-                        charged, prefilling = worker.prefill_done(loop.time(), mark), False
-                        if not attempt:
-                            trace.prefill_charged_seconds = charged
-                    if colocated_weight:
-                        worker.prefill_tokens_in_flight -= colocated_weight
-                        colocated_weight = 0
-                    generated.extend(delta.new_token_ids)
-                    # A resumed attempt's worker counts its cache over prompt + output so far: the client's
-                    # usage counts the prompt's tokens only.
-                    delta.num_cached_tokens = last_cached = min(delta.num_cached_tokens, len(prompt))
-                    yield delta
-                    finished = delta.finished
+                try:
+                    # The events of one batch (what had arrived together) are relayed as one delta: a router that
+                    # falls behind relays several tokens for the cost of one (the client gets a chunk of several
+                    # tokens, as from an engine step that made several).
+                    async for batch in self.http.event_batches(url, "/internal/decode", body):
+                        delta, error = _batch_delta(batch)
+                        if delta is not None and not finished:  # after a finish only the stream's end follows
+                            if prefilling:  # its first delta: the prefill is done
+                                charged, prefilling = worker.prefill_done(loop.time(), mark), False
+                                if not attempt:
+                                    trace.prefill_charged_seconds = charged
+                            if colocated_weight:
+                                worker.prefill_tokens_in_flight -= colocated_weight
+                                colocated_weight = 0
+                            generated.extend(delta.new_token_ids)
+                            # A resumed attempt's worker counts its cache over prompt + output so far: the client's
+                            # usage counts the prompt's tokens only.
+                            delta.num_cached_tokens = last_cached = min(delta.num_cached_tokens, len(prompt))
+                            yield delta
+                            finished = delta.finished
+                        if error is not None:
+                            raise error
+                except WorkerStatusError as exc:
+                    raise _refusal(url, exc) from None
                 if finished:
                     self.decode.record_success(url)
                     return
@@ -245,25 +253,6 @@ class Orchestrator:
                 worker.prefill_tokens_in_flight -= colocated_weight
                 worker.in_flight -= 1
         raise APIError(503, "the request failed on every decode worker tried", code="decode_failed")
-
-    async def _stream(self, url: str, body: dict) -> AsyncIterator[Delta]:
-        """The worker's decode events as deltas; the token events of one batch (what had arrived together) as
-        one delta, so a router that falls behind relays several tokens for the cost of one (the client gets a
-        chunk of several tokens, as from an engine step that made several)."""
-        try:
-            async for batch in self.http.event_batches(url, "/internal/decode", body):
-                tokens = []
-                for chunk in batch:
-                    if "error" in chunk:
-                        if tokens:  # what came before the failure is the client's: a resume continues after it
-                            yield _delta(tokens)
-                        raise _worker_error(chunk["error"])
-                    tokens.append(chunk)
-                yield _delta(tokens)
-        except WorkerStatusError as exc:
-            if 400 <= exc.status < 500:
-                raise APIError(exc.status, exc.message) from None
-            raise WorkerFailure(f"{url} answered {exc.status}") from None
 
     # -- helpers --------------------------------------------------------------------------
     def _place(self, pool: WorkerPool, key: int, hashes: list[int], prompt_len: int, exclude: set[str],
@@ -359,6 +348,22 @@ def _delta(chunks: list[dict]) -> Delta:
     return Delta(event["token_ids"], event.get("text", ""), [_entry(e) for e in logprobs] if logprobs else None,
                  event.get("finish_reason") is not None, event.get("finish_reason"), event.get("num_cached_tokens", 0),
                  None if prompt_logprobs is None else [e and _entry(e) for e in prompt_logprobs])
+
+
+def _batch_delta(batch: list[dict]) -> tuple[Delta | None, Exception | None]:
+    """A batch of decode events as one delta (None when an error comes first), and the error event that ends the
+    stream, if one does: what came before the failure is the client's, and a resume continues after it."""
+    for i, event in enumerate(batch):
+        if "error" in event:
+            return (_delta(batch[:i]) if i else None), _worker_error(event["error"])
+    return _delta(batch), None
+
+
+def _refusal(url: str, exc: WorkerStatusError) -> Exception:
+    """A worker's non-200 answer to a decode: the request's own fault (4xx, for the client) or the worker's."""
+    if 400 <= exc.status < 500:
+        return APIError(exc.status, exc.message)
+    return WorkerFailure(f"{url} answered {exc.status}")
 
 
 def _worker_error(error: dict) -> Exception:

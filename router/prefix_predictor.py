@@ -17,15 +17,24 @@ class PrefixPredictor:
         self._seen: dict[str, OrderedDict[int, None]] = {}
 
     def predicted_hit_tokens(self, worker: str, hashes: list[int], prompt_len: int) -> int:
-        seen = self._seen.get(worker)
-        hits = 0
-        if seen:
-            for h in hashes:
-                if h not in seen:
-                    break
-                hits += 1
+        return self.best_hit_tokens((worker,), hashes, prompt_len)
+
+    def best_hit_tokens(self, workers, hashes: list[int], prompt_len: int) -> int:
+        """The most prompt tokens any of `workers` is expected to have cached (one pass, not a call per worker:
+        the router asks this of every request)."""
+        best = 0
+        for worker in workers:
+            seen = self._seen.get(worker)
+            if seen:
+                hits = 0
+                for h in hashes:
+                    if h not in seen:
+                        break
+                    hits += 1
+                if hits > best:
+                    best = hits
         # Engines always compute at least the last prompt token.
-        return min(hits * self.block_size, max(prompt_len - 1, 0))
+        return min(best * self.block_size, max(prompt_len - 1, 0))
 
     def record(self, worker: str, hashes: list[int]) -> None:
         seen = self._seen.setdefault(worker, OrderedDict())

@@ -57,7 +57,9 @@ class RejectReason(str, Enum):
     DISPATCH_SLOTS = "dispatch_slots"
 
 
-@dataclass(frozen=True)
+# Not frozen: a frozen dataclass's __init__ sets every field through object.__setattr__, and admission builds an
+# AdmissionRequest and an Admit for every request the router serves.
+@dataclass(slots=True)
 class AdmissionRequest:
     """What admission needs to know about a request, after tokenization.
 
@@ -99,7 +101,7 @@ class AdmissionRequest:
         return self.prompt_tokens + self.max_tokens if self.charge_tokens is None else self.charge_tokens
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Admit:
     """An admitted request, waiting in the queue until pop() hands it out."""
 
@@ -177,7 +179,7 @@ class AdmissionController:
     def _waits(self, deadline_s: float, priority: int, rate: float | None) -> tuple[float | None, float]:
         """For a request with this deadline and priority: (seconds until the pool has served everything in flight
         and queued ahead of it, None without a prefill rate; seconds until a dispatch slot frees for it)."""
-        ahead = list(self.queue.ahead_of(deadline_s, priority))
+        ahead = list(self.queue.ahead_of(deadline_s, priority)) if len(self.queue) else []
         slot_wait = self.slot_wait_s(len(ahead))
         if rate is None:
             return None, slot_wait
