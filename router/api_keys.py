@@ -22,13 +22,22 @@ def _digest(key: str) -> bytes:
     return hashlib.sha256(key.encode()).digest()
 
 
+def header_value(headers: Iterable[tuple[bytes, bytes]], name: bytes) -> str | None:
+    """The first value of header `name` (lower case, as ASGI gives names) among raw ASGI headers, read without
+    building starlette's Headers."""
+    for key, value in headers:
+        if key == name:
+            return value.decode("latin-1")
+    return None
+
+
 def bearer_token(headers: Iterable[tuple[bytes, bytes]]) -> str | None:
     """The token of an `Authorization: Bearer <token>` header among raw ASGI headers."""
-    for name, value in headers:
-        if name == b"authorization":
-            scheme, _, token = value.decode("latin-1").partition(" ")
-            return token.strip() or None if scheme.lower() == "bearer" else None
-    return None
+    value = header_value(headers, b"authorization")
+    if value is None:
+        return None
+    scheme, _, token = value.partition(" ")
+    return token.strip() or None if scheme.lower() == "bearer" else None
 
 
 class ApiKeyGate:

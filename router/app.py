@@ -16,7 +16,6 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from starlette.background import BackgroundTask
 
 from tandem.background import spawn
 from tandem.body_limit import BodySizeLimit
@@ -34,7 +33,7 @@ from tandem.openai_protocol import (
 )
 from tandem.protocol import SamplingParams
 from tandem.router.admission import AdmissionRequest, Reject, RejectReason
-from tandem.router.api_keys import ApiKeyGate, bearer_token
+from tandem.router.api_keys import ApiKeyGate, bearer_token, header_value
 from tandem.router.fast_lane import FastLane, validation_error_response
 from tandem.router.orchestrator import Trace, no_workers
 from tandem.sse import CancelOnDisconnect, ClientDisconnected, EventStreamResponse, openai_stream
@@ -42,6 +41,7 @@ from tandem.sse import CancelOnDisconnect, ClientDisconnected, EventStreamRespon
 log = logging.getLogger(__name__)
 
 SLO_HEADER = "x-tandem-slo-class"
+SLO_HEADER_RAW = SLO_HEADER.encode()  # as ASGI gives header names: lower-case bytes
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left before its answer
 
 
@@ -145,10 +145,11 @@ async def serve(router, request: Request, body: CompletionRequest | ChatCompleti
     if len(choices) > queue_size:  # they could never all be queued at once
         raise APIError(400, f"{len(choices)} completions in one request exceed this router's admission queue "
                             f"({queue_size}, --max-queue)", param="n")
-    key = bearer_token(request.scope["headers"])
+    headers = request.scope["headers"]
+    key = bearer_token(headers)
     # A key's class is the operator's decision for that tenant: the header is ignored for it (it chooses for the
     # callers without one).
-    slo_name = router.slo_for_key.get(key or "") or request.headers.get(SLO_HEADER) or "interactive"
+    slo_name = router.slo_for_key.get(key or "") or header_value(headers, SLO_HEADER_RAW) or "interactive"
     if slo_name not in router.admission.slo_classes:
         raise APIError(400, f"unknown SLO class {slo_name!r}; known: {sorted(router.admission.slo_classes)}",
                        param=SLO_HEADER)
@@ -220,8 +221,9 @@ async def serve(router, request: Request, body: CompletionRequest | ChatCompleti
             await deltas.aclose()
             forget()
 
-    # Already plain JSON types: a response object skips FastAPI's recursive jsonable_encoder pass.
-    return FastJSONResponse(fmt.final(), background=BackgroundTask(finish))
+    # Already plain JSON types: a response object skips FastAPI's recursive jsonable_encoder pass. Its `background`
+    # is awaited once the body is sent: `finish` itself, without a starlette BackgroundTask around it.
+    return FastJSONResponse(fmt.final(), background=finish)
 
 
 def admit(router, choice: Choice, uncached: int, request_prefill: int | None, slo_name: str, key: str | None,
