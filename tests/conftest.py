@@ -23,6 +23,21 @@ TINY_VOCAB = 49152  # SmolLM2's tokenizer, so the tiny models are servable end t
 
 
 @pytest.fixture(scope="session", autouse=True)
+def process_logs_under_pytest_tmp(tmp_path_factory):
+    """The logs of the processes tests start go under pytest's temporary directory, which keeps the last three
+    runs' and removes older ones, instead of piling up in /tmp: a process that stops cleanly removes its log, but
+    one a test kills keeps it. tandem.launcher.ServiceProcess puts them where `tempfile` says; a `tandem serve`
+    under test, where its TMPDIR says."""
+    import tempfile
+
+    logs = str(tmp_path_factory.mktemp("process-logs"))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(tempfile, "tempdir", logs)
+        patch.setenv("TMPDIR", logs)
+        yield
+
+
+@pytest.fixture(scope="session", autouse=True)
 def cpu_kernels():
     """Workers that tests start serve with the native CPU kernels (paged attention, GGUF GEMV: "auto").
     Building them here, once, before any worker starts (about half a minute on a fresh machine, then cached)
