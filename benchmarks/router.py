@@ -14,6 +14,10 @@ where each request landed.
   (benchmarks/proxy_floor.py: uvicorn + aiohttp passing each request through to b0-b3 in turn, with none of
   a router's work: what this stack alone adds), the python floor, channel (the same, calling b0-b3 on our
   router's worker channel as ours does: the gap between it and ours colocated is our own per-request work),
+  the python floor, essential (the channel floor doing, with tandem's code, only the work the issue requires
+  per request: validate, tokenize, sampling parameters, block hashes, sticky placement, format; the gap between
+  it and ours colocated is what the rest of our per-request path costs: admission, metrics, failure handling,
+  accounting, disconnect handling and the layers between them),
   sglang-router cache_aware and round_robin (-> b0-b3).
   latency: concurrency 1, 16, 64, non-streaming (end-to-end) and streaming (TTFT); "added" is the router's
   quantile minus direct's at the same concurrency; req/s is the best throughput over the three concurrencies.
@@ -73,7 +77,10 @@ CONCURRENCY = (1, 16, 64)
 LONG_CONCURRENCY = (1, 16)
 FLOOR_NAME = "python floor"  # benchmarks/proxy_floor.py: uvicorn + an HTTP request per call (aiohttp)
 FLOOR_CHANNEL_NAME = "python floor, channel"  # the same with --transport channel: our router's worker channel
-FLOORS = (FLOOR_NAME, FLOOR_CHANNEL_NAME)
+FLOOR_ESSENTIAL_NAME = "python floor, essential"  # channel + the work issue 5 requires per request (--work essential)
+FLOORS = (FLOOR_NAME, FLOOR_CHANNEL_NAME, FLOOR_ESSENTIAL_NAME)
+FLOOR_ARGS = {FLOOR_NAME: ("http", "none"), FLOOR_CHANNEL_NAME: ("channel", "none"),
+              FLOOR_ESSENTIAL_NAME: ("channel", "essential")}
 HTTP_NAME = "ours colocated, HTTP"  # --worker-transport http
 GC_700_NAME = "ours colocated, gc 700"  # --gc-young-threshold 700 (CPython's default)
 VARIANTS = (HTTP_NAME, GC_700_NAME)  # our colocated router with one setting changed: latency cells only
@@ -114,10 +121,12 @@ class Mock(ScriptProcess):
 
 
 class ProxyFloor(ScriptProcess):
-    """benchmarks/proxy_floor.py: uvicorn passing requests through round robin over `transport`, nothing else."""
+    """benchmarks/proxy_floor.py: uvicorn passing requests through round robin over `transport`, nothing else; or
+    (work "essential") doing the work issue 5 requires per request and nothing else."""
 
-    def __init__(self, backend_urls: list[str], transport: str = "http"):
-        super().__init__(FLOOR_SCRIPT, "--transport", transport, *(a for url in backend_urls for a in ("--backend", url)))
+    def __init__(self, backend_urls: list[str], transport: str = "http", work: str = "none"):
+        super().__init__(FLOOR_SCRIPT, "--transport", transport, "--work", work, "--model", MODEL,
+                         *(a for url in backend_urls for a in ("--backend", url)))
 
 
 class SglangRouter:
@@ -499,8 +508,8 @@ async def mock_section(args) -> None:
                     Target("ours disagg (P/D)", ours_pd.url, "p", pid=ours_pd.proc.pid, ours=True),
                     Target(HTTP_NAME, ours_http.url, pid=ours_http.proc.pid, ours=True),
                     Target(GC_700_NAME, ours_gc.url, pid=ours_gc.proc.pid, ours=True)]
-        for name, transport in zip(FLOORS, ("http", "channel"), strict=True):
-            floor = ProxyFloor([m.url for m in decode], transport)
+        for name in FLOORS:
+            floor = ProxyFloor([m.url for m in decode], *FLOOR_ARGS[name])
             routers.append(floor)
             await wait_serving(floor.url, 30, floor.proc)
             targets.append(Target(name, floor.url, pid=floor.proc.pid))
@@ -565,8 +574,8 @@ async def mock_section(args) -> None:
         work = {c: group_prompts(32, per_group[c], seed=c, tokenizer=tokenizer) for c in (16, 1)}
         locality: dict[str, dict] = {}
         for t in targets:
-            if t.name in ("direct", *FLOORS, *VARIANTS):  # the floors take turns; the others route
-                # as ours does
+            if t.name in ("direct", *FLOORS, *VARIANTS):  # two floors take turns, the essential one places keys
+                # as ours does; the variants route as ours does
                 continue
             locality[t.name] = await locality_suite(t, work, mocks)
         print(f"\nLocality: 32 prefix groups x {per_group[16]} requests at c=16, x {per_group[1]} at c=1; "
@@ -598,8 +607,23 @@ async def mock_section(args) -> None:
             print("  (not a target) ours colocated minus the python floor, channel, non-streaming p50 at c=1/16/64, what "
                   "our own per-request work costs (at c=16/64 mostly as queueing on its CPU): "
                   + " / ".join(f"{o[(False, c)].pct(50) - fl[(False, c)].pct(50):+.2f}" for c in CONCURRENCY) + " ms")
+            ess = latency[FLOOR_ESSENTIAL_NAME]
+            print("  (not a target) ours colocated minus the python floor, essential, non-streaming p50 at c=1/16/64, "
+                  "what the rest of our path costs (admission, metrics, failure handling, accounting...): "
+                  + " / ".join(f"{o[(False, c)].pct(50) - ess[(False, c)].pct(50):+.2f}" for c in CONCURRENCY) + " ms")
+            print(f"  (not a target) the python floor, essential, against the same targets: p99 added at c=16 "
+                  f"{ess[(False, 16)].pct(99) - d[(False, 16)].pct(99):.2f} ms; streaming TTFT added "
+                  f"{ess[(True, 1)].pct(50) - d[(True, 1)].pct(50):.2f} ms at c=1, "
+                  f"{ess[(True, 16)].pct(50) - d[(True, 16)].pct(50):.2f} ms at c=16")
             sg = latency.get("sglang-router cache_aware")
             if sg is not None:
+                ratios = []
+                for c in CONCURRENCY:
+                    sg_add = sg[(False, c)].pct(50) - d[(False, c)].pct(50)
+                    ess_add = ess[(False, c)].pct(50) - d[(False, c)].pct(50)
+                    ratios.append(f"{ess_add / sg_add if sg_add > 0 else float('inf'):.2f}")
+                print("  (not a target) the python floor, essential, non-streaming p50 added over sglang-router's at "
+                      "c=1/16/64: " + " / ".join(ratios))
                 for c in CONCURRENCY:
                     ours_add = o[(False, c)].pct(50) - d[(False, c)].pct(50)
                     sg_add = sg[(False, c)].pct(50) - d[(False, c)].pct(50)

@@ -119,8 +119,9 @@ class ServiceProcess:
             text = f.read().decode(errors="replace")
         cut = start > self._log_start or len(text) > chars
         text = text[-chars:]
-        if cut and "\n" in text:  # from the first whole line, not from the middle of one
-            text = text[text.index("\n") + 1:]
+        newline = text.find("\n")
+        if cut and 0 <= newline < len(text) - 1:  # from the first whole line, unless the last line is all there is
+            text = text[newline + 1:]
         return text
 
     def wait_ready(self, timeout: float = 180.0, path: str = "/ready",

@@ -74,7 +74,9 @@ def start_failure(exc: Exception, process: ServiceProcess) -> str:
 
 
 def slow_start_notice(workers: list[ServiceProcess], everything: list[ServiceProcess]) -> str:
-    """What `tandem serve` says when the stack takes long to start: why, as the workers' logs tell it so far."""
+    """What `tandem serve` says when the stack takes long to start (once, at 15 s): why, as the workers' logs tell
+    it so far. The compile line stays in a log's tail after the build: at 15 s, a build just done still explains
+    the wait."""
     logs = ", ".join(p.log.name for p in everything)
     if any(COMPILING in w.log_tail() for w in workers):
         return f"  still starting: the workers are {COMPILING}; logs: {logs}"
@@ -100,7 +102,7 @@ def stop_all(router: ServiceProcess, workers: list[ServiceProcess]) -> None:
 def run_local_stack(engine: EngineConfig, *, prefill: int, decode: int, colocated: bool, disagg_min_tokens: int,
                     host: str, port: int, api_key: str | None = None) -> int:
     try:  # a model that is not there is said now, not in a worker's traceback after the others have loaded it
-        served_name = engine.served_model_name or default_served_name(engine.model)
+        served_name = default_served_name(engine.model)
     except ValueError as exc:
         print(f"tandem serve: {exc}", file=sys.stderr)
         return 2
@@ -150,7 +152,7 @@ def run_local_stack(engine: EngineConfig, *, prefill: int, decode: int, colocate
             f"{len(prefill_urls)} prefill + {len(decode_urls)} decode worker(s)"
         print(f"\ntandem serve: {shape}, router on {url}")
         print(f"  curl -s {url}/v1/chat/completions -H 'content-type: application/json'{auth} \\\n"
-              f"    -d '{{\"model\": \"{served_name}\", \"messages\": "
+              f"    -d '{{\"model\": \"{engine.served_model_name or served_name}\", \"messages\": "
               f"[{{\"role\": \"user\", \"content\": \"Hello!\"}}], \"max_tokens\": 32}}'")
         print("Ctrl-C stops everything.", flush=True)
         return supervise(everything)

@@ -60,11 +60,12 @@ def test_a_worker_on_a_port_in_use_says_so_before_loading_its_model():
 
 
 def test_serve_with_a_model_that_does_not_exist_says_why_before_starting_anything():
-    done = _serve("--model", "smollm3", "--port", str(free_port()), timeout=30)
-    assert done.returncode == 2
-    assert done.stderr.startswith("tandem serve: model 'smollm3' is neither 'smollm2'")
-    assert "Traceback" not in done.stderr and "starting" not in done.stdout
-    assert len(done.stderr.splitlines()) == 1
+    for named in ([], ["--served-model-name", "mine"]):  # named or not, the model itself is checked
+        done = _serve("--model", "smollm3", *named, "--port", str(free_port()), timeout=30)
+        assert done.returncode == 2
+        assert done.stderr.startswith("tandem serve: model 'smollm3' is neither 'smollm2'")
+        assert "Traceback" not in done.stderr and "starting" not in done.stdout
+        assert len(done.stderr.splitlines()) == 1
 
 
 def test_a_misspelt_option_is_said_by_its_command(capsys):

@@ -151,6 +151,9 @@ def test_a_log_tail_begins_at_a_whole_line():
         assert all(line.startswith("line ") and len(line) == 50 for line in tail.splitlines())
         assert tail.endswith("line 0199 " + "x" * 40 + "\n")
         assert process.log_tail(100_000).startswith("line 0000 ")  # the whole log: nothing is cut
+        process.log.write(b"E" * 5000 + b"\n")  # a last line longer than the tail: its end, rather than nothing
+        process.log.flush()
+        assert process.log_tail(4000) == "E" * 3999 + "\n"
     finally:
         process.log.close()
         os.remove(process.log.name)

@@ -424,11 +424,13 @@ def test_a_callers_own_cancel_landing_with_a_drop_stays_a_cancel():
 
 
 async def serve_stand_in_prefill_worker(port: int, released: list[str], agent_asked: asyncio.Event,
-                                        agent_delay_s: float) -> web.AppRunner:
-    """A prefill worker reduced to what a decode worker calls on it: its KV agent (answered after `agent_delay_s`)
-    and lease release (recorded)."""
+                                        agent_delay_s: float, agent_asks: list | None = None) -> web.AppRunner:
+    """A prefill worker reduced to what a decode worker calls on it: its KV agent (answered after `agent_delay_s`;
+    each request counted in `agent_asks`) and lease release (recorded)."""
     async def agent(request: web.Request) -> web.Response:
         agent_asked.set()
+        if agent_asks is not None:
+            agent_asks.append(request.path)
         await asyncio.sleep(agent_delay_s)
         return web.json_response({"agent": {"agent_name": "stand-in"}})
 
@@ -486,3 +488,36 @@ def test_a_decode_given_up_on_while_it_waits_for_the_prefill_worker_frees_the_pr
     assert left == ["lease-left"]  # well before the 30 s the agent takes
     assert refused.status == 400 and "kv_handle covers 99 tokens" in refused.message
     assert released == ["lease-left", "lease-bad"]
+
+
+def test_an_agent_fetch_cut_short_by_a_cancel_still_fills_the_cache(worker):
+    """The fetch of a prefill worker's KV agent goes on when the request waiting for it is cancelled: the next
+    request with a handle from that worker finds the agent known, instead of waiting for it again."""
+    layout = httpx.get(f"{worker.url}/internal/kv/agent").json()["layout"]
+
+    async def run():
+        port, released, agent_asked, asks = free_port(), [], asyncio.Event(), []
+        prefill_url = f"http://127.0.0.1:{port}"
+        runner = await serve_stand_in_prefill_worker(port, released, agent_asked, agent_delay_s=0.5, agent_asks=asks)
+        client = WorkerClient()
+        try:
+            batches = client.event_batches(worker.url, "/internal/decode",
+                                           pulled_decode_body("agent-1", prefill_url, layout, "lease-1"))
+            first = asyncio.get_running_loop().create_task(anext(batches))
+            await asyncio.wait_for(agent_asked.wait(), 20)
+            first.cancel()
+            await asyncio.gather(first, return_exceptions=True)
+            await batches.aclose()
+            await asyncio.sleep(1.0)  # the fetch's answer comes meanwhile
+            # The stand-in's agent cannot serve a pull: the decode computes the prompt itself, as on any failed pull.
+            events = await collect(client, worker.url, pulled_decode_body("agent-2", prefill_url, layout, "lease-2"))
+            return asks, events, released
+        finally:
+            await client.close()
+            await runner.cleanup()
+
+    asks, events, released = asyncio.run(run())
+    assert asks == ["/internal/kv/agent"]  # asked once, for both requests
+    # The prefill's first token counts as made: the decode makes the other 7 of max_tokens 8.
+    assert sum(len(e["token_ids"]) for e in events) == 7 and events[-1]["finish_reason"] == "length"
+    assert "lease-1" in released

@@ -116,7 +116,8 @@ def add_internal_routes(app: FastAPI, ctx) -> None:
     @app.post("/internal/decode")
     async def decode(request: Request):
         events = await serve_decode(ctx, await parse_body(request, DecodeRequest))
-        # A client that leaves while the headers go out ends the answer before its body begins.
+        # For an answer whose body never began (its headers' send failed, or its streamer was cancelled first):
+        # a body that began releases the lease itself (decode_events).
         return EventStreamResponse(sse_stream(events), on_close=events.close_unstarted)
 
     add_channel_route(app, {
@@ -202,7 +203,8 @@ async def serve_decode(ctx, body: DecodeRequest) -> DecodeStream:
 class DecodeStream:
     """decode_events' (event, last) pairs. Once they have begun, decode_events releases the lease however they end;
     closing them before they began (close_unstarted, or aclose) releases it here: an async generator's cleanup
-    runs only once it has started."""
+    runs only once it has started. They count as begun from the first __anext__ call, so read them with
+    `async for` (as the channel and the SSE body do), which runs each awaitable it asks for."""
 
     def __init__(self, events: AsyncIterator[tuple[dict, bool]], ctx, handle: KVHandle | None):
         self._events = events

@@ -74,6 +74,27 @@ def test_a_refused_request_is_the_clients_error_and_no_worker_failure():
     assert all(w.failures == 0 and w.healthy for w in pool.workers.values())
 
 
+def test_a_worker_that_answers_a_status_refuses_the_request_on_4xx_and_fails_on_5xx():
+    """A worker that answers the decode itself with an error status (not an event in its stream): a 4xx is the
+    client's error, not retried and not counted against the worker; a 5xx moves the request to another worker."""
+    from tandem.router.worker_client import WorkerStatusError
+
+    orchestrator, pool, http = orchestrator_over({"http://a": [WorkerStatusError(400, "bad kv_handle")],
+                                                  "http://b": [WorkerStatusError(400, "bad kv_handle")]})
+    with pytest.raises(APIError) as caught:
+        asyncio.run(collect(orchestrator))
+    assert caught.value.status == 400 and caught.value.message == "bad kv_handle"
+    assert len(http.calls) == 1 and all(w.failures == 0 and w.healthy for w in pool.workers.values())
+
+    orchestrator, pool, http = orchestrator_over({"http://a": [], "http://b": []})
+    first = orchestrator._place(pool, orchestrator.plan([1, 2, 3])[1], [], 3, set(), Trace())
+    other = next(u for u in pool.workers if u != first)
+    http.script[first], http.script[other] = [WorkerStatusError(503, "overloaded")], [GOOD]
+    deltas = asyncio.run(collect(orchestrator))
+    assert [d.new_token_ids for d in deltas] == [[7]] and http.calls == [first, other]
+    assert pool.workers[first].failures == 1 and pool.workers[other].failures == 0
+
+
 def test_a_worker_error_moves_the_request_and_counts_against_the_worker():
     broken = error_body(503, "engine died")
     orchestrator, pool, http = orchestrator_over({"http://a": [broken], "http://b": [broken]})
