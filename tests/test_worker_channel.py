@@ -448,6 +448,18 @@ def pulled_decode_body(request_id: str, prefill_url: str, layout: dict, lease_id
     return {**decode_body(request_id, prompt), "kv_handle": handle, "first_token_id": 5}
 
 
+async def give_up_while_the_agent_is_asked(client: WorkerClient, worker_url: str, agent_asked: asyncio.Event,
+                                           body: dict) -> None:
+    """Sends a decode with a KV handle and gives up on it (its client left) while the decode worker is asking the
+    prefill worker for its agent: the channel tells the worker to stop the request."""
+    batches = client.event_batches(worker_url, "/internal/decode", body)
+    first = asyncio.get_running_loop().create_task(anext(batches))
+    await asyncio.wait_for(agent_asked.wait(), 20)
+    first.cancel()
+    await asyncio.gather(first, return_exceptions=True)
+    await batches.aclose()
+
+
 def test_a_decode_given_up_on_while_it_waits_for_the_prefill_worker_frees_the_prompt_blocks_at_once(worker):
     """The router gives up on a disaggregated request (its client left) while the decode worker is still asking
     the prefill worker for its KV agent: nothing will read the prompt's blocks, which must be freed now, not
@@ -460,13 +472,8 @@ def test_a_decode_given_up_on_while_it_waits_for_the_prefill_worker_frees_the_pr
         runner = await serve_stand_in_prefill_worker(port, released, agent_asked, agent_delay_s=30)
         client = WorkerClient()
         try:
-            batches = client.event_batches(worker.url, "/internal/decode",
-                                           pulled_decode_body("pd-left", prefill_url, layout, "lease-left"))
-            first = asyncio.get_running_loop().create_task(anext(batches))
-            await asyncio.wait_for(agent_asked.wait(), 20)
-            first.cancel()  # the caller gives up: the channel tells the worker to stop the request
-            await asyncio.gather(first, return_exceptions=True)
-            await batches.aclose()
+            await give_up_while_the_agent_is_asked(client, worker.url, agent_asked,
+                                                   pulled_decode_body("pd-left", prefill_url, layout, "lease-left"))
             for _ in range(100):
                 if released:
                     break
@@ -501,13 +508,8 @@ def test_an_agent_fetch_cut_short_by_a_cancel_still_fills_the_cache(worker):
         runner = await serve_stand_in_prefill_worker(port, released, agent_asked, agent_delay_s=0.5, agent_asks=asks)
         client = WorkerClient()
         try:
-            batches = client.event_batches(worker.url, "/internal/decode",
-                                           pulled_decode_body("agent-1", prefill_url, layout, "lease-1"))
-            first = asyncio.get_running_loop().create_task(anext(batches))
-            await asyncio.wait_for(agent_asked.wait(), 20)
-            first.cancel()
-            await asyncio.gather(first, return_exceptions=True)
-            await batches.aclose()
+            await give_up_while_the_agent_is_asked(client, worker.url, agent_asked,
+                                                   pulled_decode_body("agent-1", prefill_url, layout, "lease-1"))
             await asyncio.sleep(1.0)  # the fetch's answer comes meanwhile
             # The stand-in's agent cannot serve a pull: the decode computes the prompt itself, as on any failed pull.
             events = await collect(client, worker.url, pulled_decode_body("agent-2", prefill_url, layout, "lease-2"))
