@@ -103,11 +103,16 @@ class Orchestrator:
                     if first.finished:
                         finished = True
                         return
-                    # The handle goes to a decode worker, which releases the lease itself: the prefill worker
-                    # must no longer be told to abort (which would free blocks that worker may be reading).
-                    touched.discard((trace.prefill_worker, rid))
+                    handed_over = False
                     async for delta in self._decode(rid, prompt, params, [pre["first_token_id"]], pre["kv_handle"],
                                                     hashes, key, trace, touched, coalesce):
+                        if not handed_over:
+                            # A decode worker answered: it has the handle and releases the lease itself, and the
+                            # prefill worker is no longer told to abort (that would free blocks being pulled, a pull
+                            # then wasted). Until then it is: a request given up while its decode call is still on
+                            # its way (a connection being opened) would leave the blocks pinned to the lease's end.
+                            touched.discard((trace.prefill_worker, rid))
+                            handed_over = True
                         yield delta
                     finished = True
                     return

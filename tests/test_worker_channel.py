@@ -523,3 +523,27 @@ def test_an_agent_fetch_cut_short_by_a_cancel_still_fills_the_cache(worker):
     # The prefill's first token counts as made: the decode makes the other 7 of max_tokens 8.
     assert sum(len(e["token_ids"]) for e in events) == 7 and events[-1]["finish_reason"] == "length"
     assert "lease-1" in released
+
+
+def test_a_request_cancelled_before_its_task_ran_still_runs_its_own_cleanup():
+    """A call and its cancel read together (the router corks its writes): the task answering the call has not run
+    yet when the cancel comes. Cancelled outright, its coroutine would never start, and a decode would never
+    release its prefill lease; cancelled once started, its cleanup runs."""
+    from tandem.workers.channel import cancel_once_started
+
+    async def run(cancel) -> tuple[list[str], bool]:
+        cleaned: list[str] = []
+
+        async def handler():
+            try:
+                await asyncio.sleep(30)
+            finally:
+                cleaned.append("released")
+
+        task = asyncio.get_running_loop().create_task(handler())
+        cancel(task)
+        await asyncio.gather(task, return_exceptions=True)
+        return cleaned, task.cancelled()
+
+    assert asyncio.run(run(cancel_once_started)) == (["released"], True)
+    assert asyncio.run(run(asyncio.Task.cancel)) == ([], True)  # what an outright cancel does

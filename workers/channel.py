@@ -53,7 +53,7 @@ def add_channel_route(app: FastAPI, routes: ChannelRoutes) -> None:
                 elif message.get("cancel"):
                     task = serving.get(message["id"])
                     if task is not None:
-                        task.cancel()
+                        cancel_once_started(task)
                 else:
                     request_id = message["id"]
                     task = serving[request_id] = asyncio.get_running_loop().create_task(
@@ -63,7 +63,15 @@ def add_channel_route(app: FastAPI, routes: ChannelRoutes) -> None:
             pass
         finally:
             for task in list(serving.values()):  # the router is gone: nobody reads these answers
-                task.cancel()
+                cancel_once_started(task)
+
+
+def cancel_once_started(task: asyncio.Task) -> None:
+    """Cancel a request's task after its first step. A task cancelled before it ran never runs its coroutine at all,
+    so nothing of the handler's own cleanup would run: a decode's release of its prefill lease, for one (a call and
+    its cancel can arrive in one read, as the router's corked writes send them). Its first step was scheduled when
+    the task was made, so this cancel, scheduled now, lands after it."""
+    asyncio.get_running_loop().call_soon(task.cancel)
 
 
 MALFORMED = "a channel message is a JSON object with an id (an int or a string), a path and a body"

@@ -18,6 +18,7 @@ from tandem.router.orchestrator import Orchestrator, Trace
 from tandem.router.pool import Worker, WorkerPool
 
 GOOD = {"token_ids": [7], "text": "x", "finish_reason": "length"}
+HANG = "hang"  # in a script: the worker's answer never comes
 
 
 class ScriptedWorkers:
@@ -37,6 +38,8 @@ class ScriptedWorkers:
         for chunk in self.script[worker]:
             if isinstance(chunk, BaseException):  # the connection failing here
                 raise chunk
+            if chunk is HANG:  # the call not sent yet (a connection being opened), for as long as it takes
+                await asyncio.Event().wait()
             await asyncio.sleep(0)
             yield chunk if isinstance(chunk, list) else [chunk]
 
@@ -228,6 +231,31 @@ def test_once_a_decode_worker_has_the_handle_the_prefill_worker_is_not_aborted()
     assert [d.new_token_ids for d in asyncio.run(leave_after_the_first_decoded_token())] == [[6], [7]]
     assert http.bodies[0]["kv_handle"] == {"lease_id": "lease-1"}
     assert http.aborts == [("http://d", "r1")]
+
+
+def test_a_request_given_up_before_its_decode_call_went_out_frees_the_prefill_workers_blocks():
+    """The client leaves after the prefill's first token, while the decode call is still on its way (the channel
+    to the decode worker being opened): no decode worker has the handle, so the prefill worker is told to abort,
+    which frees the prompt's blocks now rather than when the lease runs out."""
+    orchestrator, pool, http = orchestrator_over({"http://d": [HANG]})
+    orchestrator.prefill.workers["http://p"] = Worker("http://p", healthy=True)
+    orchestrator.prefill.ring.add("http://p")
+    orchestrator.config.disagg_min_tokens = 1
+
+    async def leave_while_the_decode_call_waits():
+        deltas = orchestrator.run("r1", [1, 2, 3], SamplingParams(temperature=0, max_tokens=8), Trace())
+        first = await deltas.__anext__()  # the prefill's token
+        waiting = asyncio.get_running_loop().create_task(deltas.__anext__())
+        await asyncio.sleep(0.01)
+        waiting.cancel()  # the client left
+        await asyncio.gather(waiting, return_exceptions=True)
+        await deltas.aclose()
+        await asyncio.sleep(0.01)
+        return first
+
+    assert asyncio.run(leave_while_the_decode_call_waits()).new_token_ids == [6]
+    assert http.calls == ["http://d"]
+    assert sorted(http.aborts) == [("http://d", "r1"), ("http://p", "r1")]
 
 
 def test_a_decode_worker_lost_with_the_handle_frees_the_prefill_workers_blocks_at_once():
