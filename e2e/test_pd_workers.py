@@ -109,12 +109,17 @@ def test_pd_equals_colocated_token_for_token(pd, reference):
     assert metric(d.url, "tandem_computed_prompt_tokens_total") == computed_before
     assert metric(d.url, "tandem_kv_transfer_blocks_total") >= sum(-(-n // 16) for n in PROMPT_LENGTHS)
     # Releases are asynchronous: give them a moment, then nothing may stay pinned or used.
-    deadline = time.monotonic() + 10
-    while metric(p.url, "tandem_kv_pinned_blocks") and time.monotonic() < deadline:
-        time.sleep(0.1)
+    wait_unpinned(p.url)
     for url in (p.url, d.url):
         assert metric(url, "tandem_kv_pinned_blocks") == 0
         assert metric(url, "tandem_kv_blocks_used") == 0
+
+
+def wait_unpinned(url: str, timeout_s: float = 10) -> None:
+    """Until the worker pins no KV blocks, or `timeout_s`: lease releases are asynchronous."""
+    deadline = time.monotonic() + timeout_s
+    while metric(url, "tandem_kv_pinned_blocks") and time.monotonic() < deadline:
+        time.sleep(0.1)
 
 
 def test_wrong_fingerprint_is_refused_with_the_mismatch_named(pd):
@@ -127,8 +132,10 @@ def test_wrong_fingerprint_is_refused_with_the_mismatch_named(pd):
     assert r.status_code == 400
     err = r.json()["error"]
     assert err["code"] == "kv_layout_mismatch" and "block_size: handle 32, this worker 16" in err["message"]
-    # The refused handle's lease is still the prefill worker's to free: release it explicitly.
-    assert httpx.post(p.url + "/internal/kv/release", json={"lease_id": handle["lease_id"]}).status_code == 200
+    # Nobody will read the refused handle's blocks: the decode worker released its lease (asynchronously).
+    wait_unpinned(p.url)
+    assert metric(p.url, "tandem_kv_pinned_blocks") == 0
+    assert httpx.post(p.url + "/internal/kv/release", json={"lease_id": handle["lease_id"]}).status_code == 404
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
