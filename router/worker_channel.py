@@ -130,12 +130,18 @@ class WorkerChannel:
             if not self._aborted:
                 raise
         finally:
-            self.closed = True
-            self._watchdog.cancel()
-            for inbox in self._inboxes.values():
-                inbox.put(CLOSED)
-            if not self.ws.closed:  # nobody reads it any more: end it, and the worker's work for it
-                spawn(self.ws.close())
+            self._close_out()
+
+    def _close_out(self) -> None:
+        """The channel's end, once: every request on it fails, the watchdog stops, the connection is closed."""
+        if self.closed:
+            return
+        self.closed = True
+        self._watchdog.cancel()
+        for inbox in self._inboxes.values():
+            inbox.put(CLOSED)
+        if not self.ws.closed:  # nobody reads it any more: end it, and the worker's work for it
+            spawn(self.ws.close())
 
     async def _watch(self) -> None:
         loop = asyncio.get_running_loop()
@@ -149,13 +155,15 @@ class WorkerChannel:
 
     def abort(self) -> None:
         """Fail every request on the channel now and close it, without waiting for the worker (which may not
-        answer): what the connection breaking would do."""
+        answer): what the connection breaking would do. Closed out here, not only by the reader's end: a reader
+        cancelled before its first step (the channel made in this same pass of the loop) never runs its cleanup."""
         self._aborted = True
-        self._reader.cancel()  # its end fails the requests and closes the connection in the background
+        self._close_out()
+        self._reader.cancel()
 
     async def close(self) -> None:
         await self.ws.close()
-        await self._reader
+        await asyncio.wait([self._reader])  # its end, however it came (an aborted reader ends cancelled)
 
 
 def cork(ws: aiohttp.ClientWebSocketResponse, busy: Callable[[], bool]) -> None:

@@ -547,3 +547,40 @@ def test_a_request_cancelled_before_its_task_ran_still_runs_its_own_cleanup():
 
     assert asyncio.run(run(cancel_once_started)) == (["released"], True)
     assert asyncio.run(run(asyncio.Task.cancel)) == ([], True)  # what an outright cancel does
+
+
+def test_a_channel_dropped_before_its_reader_ran_is_closed_and_replaced(monkeypatch):
+    """drop() can come in the same pass of the loop as the connect that made the channel (a probe's step already
+    queued), before the channel's reader has run: a task cancelled before its first step never runs its cleanup,
+    so the channel must close itself out. Otherwise it stays 'open' and unread, and every later request to that
+    worker waits for the read timeout, until the router restarts."""
+    from tandem.router import worker_channel
+
+    async def run():
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        runner = await serve_channel_only_worker(port, "answered")
+        client = WorkerClient(read_timeout_s=3.0)
+        real_init = worker_channel.WorkerChannel.__init__
+
+        def init(self, ws, read_timeout_s):
+            asyncio.get_running_loop().call_soon(client.drop, url)  # queued ahead of the reader's first step
+            real_init(self, ws, read_timeout_s)
+
+        try:
+            monkeypatch.setattr(worker_channel.WorkerChannel, "__init__", init)
+            dropped = await client._channel(url)
+            monkeypatch.setattr(worker_channel.WorkerChannel, "__init__", real_init)
+            await asyncio.sleep(0.05)
+            started = asyncio.get_running_loop().time()
+            events = await collect(client, url, decode_body("after-drop", [1, 2]))
+            waited = asyncio.get_running_loop().time() - started
+            return dropped, events, waited, client._channels[url]
+        finally:
+            await asyncio.wait_for(client.close(), 5)  # an aborted reader does not fail the close
+            await runner.cleanup()
+
+    dropped, events, waited, current = asyncio.run(run())
+    assert dropped.closed and dropped.ws.closed and dropped._watchdog.cancelled()
+    assert current is not dropped  # a new channel was opened for the next request
+    assert [e["text"] for e in events] == ["answered"] and waited < 2
