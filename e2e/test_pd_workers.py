@@ -138,6 +138,24 @@ def test_wrong_fingerprint_is_refused_with_the_mismatch_named(pd):
     assert httpx.post(p.url + "/internal/kv/release", json={"lease_id": handle["lease_id"]}).status_code == 404
 
 
+def test_a_prefill_whose_caller_left_over_http_frees_its_blocks(pd):
+    """A router that gives up on a prefill over HTTP closes its connection; its abort, on another connection, can
+    reach the worker before the prefill does and find nothing to abort. The worker frees the prompt's blocks
+    itself once it sees nobody is left to take the handle, instead of holding them to the lease's end."""
+    backend, p, d = pd
+    # A prompt no other test sends: no prefix-cache hit makes it quick enough to answer before the caller leaves.
+    body = {"request_id": f"left-{backend}", "prompt_token_ids": prompt_of(1500), "sampling": SAMPLING}
+    finished, expired = metric(p.url, "tandem_requests_finished_total"), metric(p.url, "tandem_kv_lease_expirations_total")
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(p.url + "/internal/prefill", json=body, timeout=0.05)  # gone before the prefill is done
+    deadline = time.monotonic() + 20
+    while metric(p.url, "tandem_requests_finished_total") == finished and time.monotonic() < deadline:
+        time.sleep(0.1)  # the prefill runs to its end meanwhile
+    wait_unpinned(p.url)
+    assert metric(p.url, "tandem_kv_pinned_blocks") == 0
+    assert metric(p.url, "tandem_kv_lease_expirations_total") == expired  # freed, not expired
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_expired_lease_and_dead_prefill_fall_back_with_identical_tokens(backend, reference):
     p = worker("prefill", backend, "--kv-lease-ttl-s", "1")

@@ -111,7 +111,14 @@ def add_internal_routes(app: FastAPI, ctx) -> None:
 
     @app.post("/internal/prefill")
     async def prefill(request: Request):
-        return FastJSONResponse(await serve_prefill(ctx, await parse_body(request, PrefillRequest)))
+        answer = await serve_prefill(ctx, await parse_body(request, PrefillRequest))
+        handle = answer["kv_handle"]
+        if handle is not None and await request.is_disconnected():
+            # Its caller gave up while it ran, and nobody will read the handle. (Over HTTP the router's abort travels
+            # on another connection, and can come before the prefill reaches the engine, where it finds nothing.)
+            lease_id = handle["lease_id"]
+            await ctx.engine.call(lambda engine: engine.release_lease(lease_id))
+        return FastJSONResponse(answer)
 
     @app.post("/internal/decode")
     async def decode(request: Request):
