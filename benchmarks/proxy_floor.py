@@ -36,9 +36,9 @@ import uvicorn
 
 from tandem.config import RouterConfig
 from tandem.hashing import block_hashes, model_seed
-from tandem.openai_format import CompletionFormatter, Delta
+from tandem.openai_format import CompletionFormatter
 from tandem.openai_protocol import CompletionRequest, new_id, now
-from tandem.protocol import join_decode_events
+from tandem.router.orchestrator import decode_delta
 from tandem.router.policies.key_table import KeyAssignments
 from tandem.router.policies.ring import HashRing, routing_key
 from tandem.router.worker_client import WorkerClient
@@ -154,7 +154,7 @@ def essential_app(backends: list[str], model: str):
                 "kv_handle": None, "first_token_id": None, "coalesce_after_first": not request.stream}
         fmt = CompletionFormatter(call["request_id"], request.model, now(), tokenizer, len(ids))
         batches = client.event_batches(url, "/internal/decode", call)
-        deltas = (_delta(join_decode_events(batch)) async for batch in batches)
+        deltas = (decode_delta(batch) async for batch in batches)
         if not request.stream:
             async for delta in deltas:
                 fmt.add(delta)
@@ -168,11 +168,6 @@ def essential_app(backends: list[str], model: str):
         await send({"type": "http.response.body", "body": DONE.encode(), "more_body": False})
 
     return floor_app(WorkerClient, forward)
-
-
-def _delta(event: dict) -> Delta:
-    return Delta(event["token_ids"], event.get("text", ""), None, event.get("finish_reason") is not None,
-                 event.get("finish_reason"), event.get("num_cached_tokens", 0))
 
 
 def main() -> None:

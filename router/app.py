@@ -21,12 +21,11 @@ from tandem.background import spawn
 from tandem.body_limit import BodySizeLimit
 from tandem.errors import APIError, add_openai_error_handlers, error_body, retry_after
 from tandem.json_response import FastJSONResponse
+from tandem.model_routes import add_model_routes
 from tandem.openai_choices import Choice, combined, request_choices, staggered
 from tandem.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
-    ModelCard,
-    ModelList,
     check_model,
     check_request,
     check_token_ids,
@@ -73,17 +72,7 @@ def build_app(router) -> FastLane | ApiKeyGate:
     async def metrics():
         return Response(generate_latest(router.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    def card() -> ModelCard:  # per request: its `created` is the time of asking
-        return ModelCard(id=router.served_name, max_model_len=router.max_model_len)
-
-    @app.get("/v1/models")
-    async def models():
-        return ModelList(data=[card()]).model_dump()
-
-    @app.get("/v1/models/{model_id:path}")  # OpenAI's "retrieve model" (the SDK's models.retrieve); ids may hold "/"
-    async def model(model_id: str):
-        check_model(router.served_name, model_id)
-        return card().model_dump()
+    add_model_routes(app, router.served_name, lambda: router.max_model_len)
 
     async def completions_handler(body: CompletionRequest, request: Request) -> Response:
         check_model(router.served_name, body.model)
@@ -247,7 +236,7 @@ def admit(router, choice: Choice, uncached: int, request_prefill: int | None, sl
 
 
 async def dispatch(router, rid: str, ids: list[int], params: SamplingParams, ticket, slo_name: str, plan=None,
-                   coalesce: bool = False, after: asyncio.Event | None = None, bill: Bill | None = None):
+                   coalesce: bool = False, after: asyncio.Event | None = None, *, bill: Bill):
     """Waits for the request's turn (EDF), runs it through the pools and records its SLO outcome. Inter-token
     latency is per token: a delta of k tokens after a gap g (coalesced, or from a worker that fell behind)
     is observed as g / k. `after`: a later sample of a prompt waits for it once its turn came (holding its slot,
@@ -255,8 +244,7 @@ async def dispatch(router, rid: str, ids: list[int], params: SamplingParams, tic
     metrics, slo = router.metrics, ticket.slo
     ttft, itl = metrics.by_class(metrics.ttft, slo_name), metrics.by_class(metrics.itl, slo_name)
     await router.dispatcher.acquire(rid)  # cancelled here (its client left, or a sibling failed): settled unstarted
-    if bill is not None:
-        bill.started.add(rid)
+    bill.started.add(rid)
     held_from = time.monotonic()
     trace = Trace()
     arrival = ticket.arrival_s
@@ -292,8 +280,7 @@ async def dispatch(router, rid: str, ids: list[int], params: SamplingParams, tic
         if not released:
             router.admission.release(rid)
         router.dispatcher.release(time.monotonic() - held_from)
-        if bill is not None:
-            bill.settle(rid, first_at is not None, produced, failed=failed or refused)
+        bill.settle(rid, first_at is not None, produced, failed=failed or refused)
         if failed:
             metrics.by_class(metrics.failed, slo_name).inc()
         elif not finished and not refused:  # its client left (or the server stopped) before the end

@@ -346,7 +346,7 @@ def _entry(d: dict) -> _Entry:
     return _Entry(d)
 
 
-def _delta(chunks: list[dict]) -> Delta:
+def decode_delta(chunks: list[dict]) -> Delta:
     """Consecutive decode events (tandem.protocol.DecodeChunk as JSON) as one delta."""
     event = join_decode_events(chunks)
     logprobs, prompt_logprobs = event.get("logprobs"), event.get("prompt_logprobs")
@@ -360,8 +360,8 @@ def _batch_delta(batch: list[dict]) -> tuple[Delta | None, Exception | None]:
     stream, if one does: what came before the failure is the client's, and a resume continues after it."""
     for i, event in enumerate(batch):
         if "error" in event:
-            return (_delta(batch[:i]) if i else None), _worker_error(event["error"])
-    return _delta(batch), None
+            return (decode_delta(batch[:i]) if i else None), _worker_error(event["error"])
+    return decode_delta(batch), None
 
 
 def _refusal(url: str, exc: WorkerStatusError) -> Exception:

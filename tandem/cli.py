@@ -29,7 +29,8 @@ def _worker_parser(sub, name: str, help_text: str, default_port: int) -> argpars
 def _serve_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="run the local stack: a router before prefill and decode workers",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--host", default="127.0.0.1", help="the address the router listens on (the workers stay on 127.0.0.1)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="the address the router listens on (the workers stay on 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="the router's port")
     p.add_argument("--prefill", type=int, default=1, help="prefill workers")
     p.add_argument("--decode", type=int, default=1, help="decode workers")
@@ -101,8 +102,9 @@ def _plan_parser(sub) -> argparse.ArgumentParser:
                        epilog="Formulas: see tandem/planning/sizing.py. Disaggregation threshold = (ITL SLO - "
                               "decode step time) x prefill tokens/s: the longest prompt a decode worker can "
                               "prefill without breaking its batch's ITL.")
-    p.add_argument("--profile", metavar="FILE.yaml", help="workload profile: the flags' names in snake_case, e.g. `peak_rps: 120` and "
-                   "`input_tokens: uniform:256:1024`; flags override its fields")
+    p.add_argument("--profile", metavar="FILE.yaml",
+                   help="workload profile: the flags' names in snake_case, e.g. `peak_rps: 120` and "
+                        "`input_tokens: uniform:256:1024`; flags override its fields")
     p.add_argument("--curve", metavar="FILE", help="measured curve: the bench.json `tandem bench` writes, or "
                                                    "a YAML/JSON file with `points:`")
     add_model_options(p, WorkloadProfile)

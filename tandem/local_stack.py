@@ -102,7 +102,7 @@ def stop_all(router: ServiceProcess, workers: list[ServiceProcess]) -> None:
 def run_local_stack(engine: EngineConfig, *, prefill: int, decode: int, colocated: bool, disagg_min_tokens: int,
                     host: str, port: int, api_key: str | None = None) -> int:
     try:  # a model that is not there is said now, not in a worker's traceback after the others have loaded it
-        served_name = default_served_name(engine.model)
+        default_name = default_served_name(engine.model)
     except ValueError as exc:
         print(f"tandem serve: {exc}", file=sys.stderr)
         return 2
@@ -132,7 +132,6 @@ def run_local_stack(engine: EngineConfig, *, prefill: int, decode: int, colocate
         return 2
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per readiness poll is noise
     signal.signal(signal.SIGTERM, stop)
-
     slow = (15.0, lambda: slow_start_notice(workers, everything))
     try:
         print(f"starting {len(workers)} worker(s): {', '.join(roles)}", flush=True)
@@ -152,7 +151,7 @@ def run_local_stack(engine: EngineConfig, *, prefill: int, decode: int, colocate
             f"{len(prefill_urls)} prefill + {len(decode_urls)} decode worker(s)"
         print(f"\ntandem serve: {shape}, router on {url}")
         print(f"  curl -s {url}/v1/chat/completions -H 'content-type: application/json'{auth} \\\n"
-              f"    -d '{{\"model\": \"{engine.served_model_name or served_name}\", \"messages\": "
+              f"    -d '{{\"model\": \"{engine.served_model_name or default_name}\", \"messages\": "
               f"[{{\"role\": \"user\", \"content\": \"Hello!\"}}], \"max_tokens\": 32}}'")
         print("Ctrl-C stops everything.", flush=True)
         return supervise(everything)

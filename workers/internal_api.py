@@ -104,7 +104,7 @@ def add_internal_routes(app: FastAPI, ctx) -> None:
     @app.post("/internal/kv/release")
     async def kv_release(request: Request):
         body: ReleaseRequest = await parse_body(request, ReleaseRequest)
-        if not await ctx.engine.call(lambda engine: engine.release_lease(body.lease_id)):
+        if not await release_own_lease(ctx, body.lease_id):
             raise APIError(404, f"lease {body.lease_id} is unknown, already released or expired",
                            param="lease_id", code="lease_not_found")
         return {"released": True}
@@ -116,8 +116,7 @@ def add_internal_routes(app: FastAPI, ctx) -> None:
         if handle is not None and await request.is_disconnected():
             # Its caller gave up while it ran, and nobody will read the handle. (Over HTTP the router's abort travels
             # on another connection, and can come before the prefill reaches the engine, where it finds nothing.)
-            lease_id = handle["lease_id"]
-            await ctx.engine.call(lambda engine: engine.release_lease(lease_id))
+            await release_own_lease(ctx, handle["lease_id"])
         return FastJSONResponse(answer)
 
     @app.post("/internal/decode")
@@ -265,6 +264,11 @@ def check_handle(ctx, body: DecodeRequest, handle: KVHandle) -> None:
 
 
 RELEASE_ATTEMPTS = 3
+
+
+async def release_own_lease(ctx, lease_id: str) -> bool:
+    """Free the blocks of a lease this worker holds; False when it is unknown, already released or expired."""
+    return await ctx.engine.call(lambda engine: engine.release_lease(lease_id))
 
 
 async def release_lease(ctx, handle: KVHandle) -> bool:

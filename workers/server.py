@@ -18,12 +18,11 @@ from tandem.config import WorkerConfig
 from tandem.errors import APIError, add_openai_error_handlers, error_body
 from tandem.json_response import FastJSONResponse
 from tandem.metrics import EngineMetrics
+from tandem.model_routes import add_model_routes
 from tandem.openai_choices import combined, held_until, request_choices, staggered
 from tandem.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
-    ModelCard,
-    ModelList,
     check_model,
     check_request,
     check_token_ids,
@@ -88,17 +87,7 @@ def build_app(ctx: ServingContext) -> FastAPI:
     async def metrics():
         return Response(generate_latest(ctx.registry), media_type=CONTENT_TYPE_LATEST)
 
-    def card() -> ModelCard:  # per request: its `created` is the time of asking
-        return ModelCard(id=ctx.served_name, max_model_len=ctx.max_model_len)
-
-    @app.get("/v1/models")
-    async def models():
-        return ModelList(data=[card()]).model_dump()
-
-    @app.get("/v1/models/{model_id:path}")  # OpenAI's "retrieve model" (the SDK's models.retrieve); ids may hold "/"
-    async def model(model_id: str):
-        check_model(ctx.served_name, model_id)
-        return card().model_dump()
+    add_model_routes(app, ctx.served_name, lambda: ctx.max_model_len)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
