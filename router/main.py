@@ -120,10 +120,11 @@ class Router:
         self.decode.set_members(decode_urls)
         await probe_pools([self.prefill, self.decode])
         self.admission.prefill_workers = max(1, len(self.prefill.healthy()) or len(self.decode.healthy()))
-        for worker in self.decode.healthy() + self.prefill.healthy():
-            if worker.max_model_len:
-                self.max_model_len = worker.max_model_len
-                break
+        # The least context a worker in rotation serves: a request may meet any of them (its prefill one, its
+        # decode one, or another after a failure), and a worker's limit is what its KV cache holds when that is less.
+        limits = [w.max_model_len for w in self.decode.healthy() + self.prefill.healthy() if w.max_model_len]
+        if limits:
+            self.max_model_len = min(limits)
 
     async def run_probes(self) -> None:
         while True:

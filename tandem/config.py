@@ -23,7 +23,8 @@ class EngineConfig(BaseModel):
     served_model_name: str | None = Field(None, description="name clients use; defaults to the model's")
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
     device: str = Field("auto", description="'auto' picks cuda when present, else cpu")
-    max_model_len: int | None = Field(None, ge=1, description="defaults to the model's context length")
+    max_model_len: int | None = Field(None, ge=1, description="defaults to the model's context length, or to what "
+                                        "the KV cache holds when that is less")
     block_size: int = Field(DEFAULT_BLOCK_SIZE, ge=1)
     num_kv_blocks: int | None = Field(None, ge=1, description="KV cache size in blocks; overrides kv_cache_memory_gb")
     kv_cache_memory_gb: float = Field(1.0, gt=0, description="KV cache size when num_kv_blocks is not given")

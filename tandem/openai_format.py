@@ -112,7 +112,9 @@ class CompletionFormatter(Formatter):
         """What of `out` the answer shows: with echo_only, none of its tokens, only whether it ended."""
         if not self.echo_only:
             return out
-        return Delta([], "", None, out.finished, out.finish_reason, out.num_cached_tokens)
+        # Its end is max_tokens 0's: "length", whatever ended the one token made (vLLM's answer too).
+        reason = "length" if out.finish_reason == "stop" else out.finish_reason
+        return Delta([], "", None, out.finished, reason, out.num_cached_tokens)
 
     def _logprobs_block(self, entries: list, with_prompt: bool = False, offset: int = 0) -> dict | None:
         """OpenAI's legacy logprobs of `entries` (and of the echoed prompt before them). `offset`: where the first

@@ -296,6 +296,10 @@ def check_echo(client, prompt: str) -> None:
     # max_tokens 0 with echo (vLLM's): the prompt alone, scored.
     alone = client.completions.create(**{**kwargs, "max_tokens": 0}, echo=True)
     assert alone.choices[0].text == prompt and alone.usage.completion_tokens == 0
+    assert alone.choices[0].finish_reason == "length"
+    # Its end is "length" even when the one token the engine made (which the answer leaves out) hit a stop.
+    stopped = client.completions.create(**{**kwargs, "max_tokens": 0}, echo=True, stop=[plain.text])
+    assert stopped.choices[0].text == prompt and stopped.choices[0].finish_reason == "length"
     assert alone.choices[0].logprobs.token_logprobs == pytest.approx(lp.token_logprobs[:num_prompt], abs=1e-4)
     # Several samples: the prompt's logprobs, computed by the first, in every one.
     for sample in client.completions.create(**kwargs, echo=True, n=2).choices:

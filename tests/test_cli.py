@@ -59,6 +59,17 @@ def test_a_worker_on_a_port_in_use_says_so_before_loading_its_model():
     assert "Traceback" not in done.stderr
 
 
+def test_a_worker_whose_kv_cache_cannot_hold_its_context_says_so(tiny_llama_dir):
+    done = subprocess.run([sys.executable, "-m", "tandem.cli", "worker", "--model", tiny_llama_dir, "--port",
+                           str(free_port()), "--num-kv-blocks", "4", "--max-model-len", "256"], capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "PYTHONSAFEPATH": "1"})
+    assert done.returncode == 1
+    assert done.stderr.strip().endswith("tandem worker: max_model_len=256 does not fit: the KV cache holds 64 tokens "
+                                        "(4 blocks of 16); give it more with --kv-cache-memory-gb or --num-kv-blocks, "
+                                        "or lower --max-model-len")
+    assert "Traceback" not in done.stderr
+
+
 def test_serve_with_a_model_that_does_not_exist_says_why_before_starting_anything():
     for named in ([], ["--served-model-name", "mine"]):  # named or not, the model itself is checked
         done = _serve("--model", "smollm3", *named, "--port", str(free_port()), timeout=30)

@@ -101,7 +101,7 @@ def tiny_llama(tiny_llama_dir):
 
 
 def make_engine(loaded, **overrides) -> LLMEngine:
-    settings = dict(num_kv_blocks=512, max_model_len=512, max_num_batched_tokens=256, max_num_seqs=16)
+    settings = dict(num_kv_blocks=512, max_num_batched_tokens=256, max_num_seqs=16)
     settings.update(overrides)
     return LLMEngine(loaded, EngineConfig(**settings), EngineMetrics(loaded.config.name, "both"))
 
@@ -320,11 +320,25 @@ def test_add_request_validation(tiny_llama):
         engine.add_request("c", [], greedy(4))
     with pytest.raises(ValueError, match="token ids must lie"):
         engine.add_request("d", [tiny_llama.config.vocab_size], greedy(4))
-    small = make_engine(tiny_llama, max_model_len=256, num_kv_blocks=2)
-    with pytest.raises(ValueError, match="KV blocks"):
-        small.add_request("e", list(range(10, 40)), greedy(8))
     with pytest.raises(ValueError, match="exceeds the model's context length"):
         make_engine(tiny_llama, max_model_len=tiny_llama.config.max_position_embeddings + 1)
+
+
+def test_the_context_is_what_the_kv_cache_holds(tiny_llama, caplog):
+    """One sequence must fit the cache whole, or a request within the context would be refused for want of blocks
+    (a chat request's default max_tokens fills the context). A limit the user set past the cache is refused at
+    start; the model's own is lowered to the cache, and the worker says so."""
+    with pytest.raises(ValueError, match="max_model_len=256 does not fit: the KV cache holds 32 tokens"):
+        make_engine(tiny_llama, max_model_len=256, num_kv_blocks=2)
+    with caplog.at_level("WARNING"):
+        small = make_engine(tiny_llama, num_kv_blocks=2)
+    assert small.max_model_len == 32 < tiny_llama.config.max_position_embeddings
+    assert "serving a context of 32 tokens, not the model's 512" in caplog.text
+    with pytest.raises(ValueError, match="exceeds max_model_len 32"):
+        small.add_request("long", list(range(10, 40)), greedy(8))
+    [whole] = small.generate([list(range(10, 26))], greedy(16))  # exactly the cache
+    assert len(whole.token_ids) == 16 and small.num_kv_blocks_used == 0
+    assert make_engine(tiny_llama, max_model_len=32, num_kv_blocks=2).max_model_len == 32
 
 
 def test_seeded_sampling_is_reproducible_whatever_the_batch(tiny_llama):

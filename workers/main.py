@@ -41,7 +41,10 @@ def build_worker(config: WorkerConfig) -> tuple[ServingContext, AsyncEngine]:
         raise SystemExit(f"{ec.model} has no tokenizer (tokenizer.json or GGUF metadata); cannot serve it")
     served = ec.served_model_name or loaded.config.name
     metrics = EngineMetrics(model=served, pool=config.role)
-    engine = LLMEngine(loaded, ec, metrics)
+    try:
+        engine = LLMEngine(loaded, ec, metrics)
+    except ValueError as exc:  # settings that cannot serve this model (a context past it or past the KV cache)
+        raise SystemExit(f"tandem worker: {exc}") from None
     # Every role gets a transfer agent: prefill workers are read from, decode workers read, and a
     # "both" worker can be either. Its name is unique per process, so a restarted peer is noticed.
     engine.kv_transfer = create_kv_transfer(ec.kv_transfer, engine.runner.kv_cache,

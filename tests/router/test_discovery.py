@@ -134,11 +134,11 @@ async def test_no_slices_means_empty_pools(emulator, discovery):
 
 
 @contextlib.asynccontextmanager
-async def fake_workers(hosts: list[str], port: int):
+async def fake_workers(hosts: list[str], port: int, max_model_len: int = 2048):
     """Workers that pass the pool's probes (/internal/load and /ready) on host:port each."""
     async def load(_):
         return web.json_response({"role": "decode", "free_blocks": 100, "total_blocks": 100, "running": 0,
-                                  "waiting": 0, "in_flight": 0, "max_model_len": 2048})
+                                  "waiting": 0, "in_flight": 0, "max_model_len": max_model_len})
 
     async def ready(_):
         return web.json_response({"status": "ready"})
@@ -190,3 +190,22 @@ async def test_a_worker_that_leaves_discovery_leaves_the_ring(emulator, discover
         await create(emulator, endpoint_slice("decode-b", "decode", port, [(b, True)]))
         await refresh()
         assert pool.ring.workers == (url_b,)
+
+
+async def test_the_router_serves_the_least_context_of_its_workers():
+    """A request may meet any worker in rotation (its prefill one, its decode one, another after a failure): the
+    router's context limit is the least they report (a worker's is less than its model's when its KV cache holds
+    less)."""
+    from tandem.config import RouterConfig
+    from tandem.router.main import Router
+
+    prefill_port, decode_port = free_port(), free_port()
+    async with fake_workers(["127.0.0.1"], prefill_port, 1024), fake_workers(["127.0.0.1"], decode_port, 4096):
+        router = Router(RouterConfig(prefill=[f"http://127.0.0.1:{prefill_port}"],
+                                     decode=[f"http://127.0.0.1:{decode_port}"]))
+        try:
+            await router.refresh()
+            assert router.max_model_len == 1024
+        finally:
+            await router.http.aclose()
+            await router.worker_client.close()

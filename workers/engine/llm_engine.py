@@ -156,6 +156,7 @@ class LLMEngine:
         self.max_model_len = config.max_model_len or model_max_len
         self.model_name = config.served_model_name or loaded.config.name
         self.runner = ModelRunner(loaded, config, self.max_model_len)
+        self.max_model_len = self._fit_to_cache(self.max_model_len, config)
         # Keyed by the served name, as the router keys its routing hashes.
         self.hash_seed = model_seed(self.model_name)
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, self.hash_seed,
@@ -199,6 +200,21 @@ class LLMEngine:
 
     # ----------------------------------------------------------------- requests
 
+    def _fit_to_cache(self, max_model_len: int, config: EngineConfig) -> int:
+        """The context limit one sequence can have whole in the KV cache. Past it a request would be accepted as
+        within the context and then refused (or never scheduled) for want of blocks, the default max_tokens of a
+        chat request included. A limit the user set is refused at start, as vLLM does; the model's own is lowered
+        to what the cache holds, and said."""
+        capacity = self.runner.num_blocks * config.block_size
+        if max_model_len <= capacity:
+            return max_model_len
+        room = (f"the KV cache holds {capacity} tokens ({self.runner.num_blocks} blocks of {config.block_size}); "
+                "give it more with --kv-cache-memory-gb or --num-kv-blocks")
+        if config.max_model_len is not None:
+            raise ValueError(f"max_model_len={max_model_len} does not fit: {room}, or lower --max-model-len")
+        log.warning("serving a context of %d tokens, not the model's %d: %s", capacity, max_model_len, room)
+        return capacity
+
     def add_request(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams,
                     arrival_time: float | None = None, *, prefill_only: bool = False,
                     first_token_id: int | None = None, kv_source: RemoteKV | None = None,
@@ -225,9 +241,6 @@ class LLMEngine:
         if total > self.max_model_len:
             raise ValueError(f"request {request_id!r}: prompt ({len(prompt_token_ids)} tokens) + max_tokens "
                              f"({params.max_tokens}) = {total} exceeds max_model_len {self.max_model_len}")
-        if self.block_manager.blocks_for(total) > self.block_manager.num_total_blocks:
-            raise ValueError(f"request {request_id!r}: {total} tokens need more KV blocks than the cache holds "
-                             f"({self.block_manager.num_total_blocks} blocks of {self.config.block_size})")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer, and this model was loaded without one")
         if first_token_id is not None:

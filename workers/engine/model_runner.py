@@ -72,8 +72,9 @@ class ModelRunner:
         if self.device.type == "cuda" and getattr(self.model.ops, "backend", None) == "triton" \
                 and not config.enforce_eager:
             try:
-                self.decode_graphs = DecodeGraphs(self.model, self.kv_cache, self.block_size,
-                                                  max_model_len or mc.max_position_embeddings,
+                # No sequence outgrows the cache: the graphs' block tables need no more than it holds.
+                longest = min(max_model_len or mc.max_position_embeddings, self.num_blocks * self.block_size)
+                self.decode_graphs = DecodeGraphs(self.model, self.kv_cache, self.block_size, longest,
                                                   default_batch_sizes(config.max_num_seqs))
             except RuntimeError as exc:  # a capture CUDA refuses costs speed, not service
                 log.warning("CUDA graph capture failed, decode steps run eagerly: %s", exc)
