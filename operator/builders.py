@@ -196,10 +196,10 @@ def worker_deployment(owner: Owner, spec: LLMDeploymentSpec, pool: str, replicas
     volumes = [*volumes, {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": "2Gi"}}]
     mounts = [*mounts, {"name": "shm", "mountPath": "/dev/shm"}]
     # Scale-down drain: the worker leaves every router's rotation (its /ready turns 503) and finishes
-    # what it has before SIGTERM; a few seconds of the grace period are kept for the server's own exit.
-    grace = settings.termination_grace_period_seconds or 30
+    # what it has before SIGTERM. The preStop hook's time counts in the grace period: a few seconds of it are kept
+    # for the server's own exit (its shutdown gives the requests left 5 s).
     drain = ["tandem", "drain", "--url", f"http://127.0.0.1:{HTTP_PORT}",
-             "--timeout", str(max(grace - 5, DRAIN_SECONDS))]
+             "--timeout", str(max(settings.termination_grace_period_seconds - 5, 0))]
     container = _container("worker", spec.image, args, env, settings, mounts, spec.image_pull_policy, drain)
     pod = _pod_spec(owner, pool, container, settings, volumes, settings.termination_grace_period_seconds, None)
     # GPUs are rarely spare: replace workers one at a time instead of surging an extra one.

@@ -21,6 +21,7 @@ OWNED = {"app.kubernetes.io/managed-by": names.MANAGER, names.OWNER_LABEL: kopf.
 EVENT_REASONS: dict[Outcome, str] = {"created": "Created", "updated": "Updated"}
 RETRY_SECONDS = 10  # API hiccups (409/429/5xx)
 SLOW_RETRY_SECONDS = 120  # other API refusals (RBAC, admission): retried, but never in a storm
+RETRY_CHECK_SECONDS = 2  # how often the retry timer looks whether a failed apply is due (a retry is that much late)
 
 
 def connection_info(config: kubernetes.client.Configuration) -> kopf.ConnectionInfo:
@@ -41,12 +42,17 @@ def _report(body: Mapping[str, Any], outcomes: list[tuple[Outcome, dict]], reaso
                        message=f"{obj['kind']} {obj['metadata']['name']}")
 
 
-def _failed(keeper: StatusKeeper, body: Mapping[str, Any], exc: Exception, refused: bool, reason: str) -> None:
-    """A reconcile that could not be carried out: noted for the status, the status written, a warning event."""
+def _failed(keeper: StatusKeeper, body: Mapping[str, Any], exc: Exception, refused: bool, reason: str,
+            retry_in_s: float | None = None) -> None:
+    """A reconcile that could not be carried out: noted for the status (and for the retry timer, with
+    `retry_in_s`), the status written, and a warning event, once per problem rather than at every retry."""
     namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
-    keeper.note(namespace, name, Problem(refused=refused, message=str(exc)))
+    problem = Problem(refused=refused, message=str(exc))
+    known = keeper.problem(namespace, name)
+    keeper.note(namespace, name, problem, retry_in_s)
     keeper.refresh(namespace, name)
-    kopf.warn(dict(body), reason=reason, message=str(exc))
+    if problem != known:
+        kopf.warn(dict(body), reason=reason, message=str(exc))
 
 
 def _apply(kube: Kube, keeper: StatusKeeper, body: Mapping[str, Any],
@@ -68,8 +74,9 @@ def _apply(kube: Kube, keeper: StatusKeeper, body: Mapping[str, Any],
         keeper.note(namespace, name, None)  # the status finds this one in the spec itself
         raise
     except (KubeError, ForeignObjectError) as exc:
-        _failed(keeper, body, exc, refused=False, reason="ApplyFailed")
-        raise kopf.TemporaryError(str(exc), delay=RETRY_SECONDS if exc.retriable else SLOW_RETRY_SECONDS) from None
+        delay = RETRY_SECONDS if exc.retriable else SLOW_RETRY_SECONDS
+        _failed(keeper, body, exc, refused=False, reason="ApplyFailed", retry_in_s=delay)
+        raise kopf.TemporaryError(str(exc), delay=delay) from None
     keeper.note(namespace, name, None)
     return outcomes
 
@@ -111,6 +118,19 @@ def build_registry(kube: Kube, keeper: StatusKeeper, resync_seconds: float | Non
     kopf.on.event("apps", "v1", "deployments", labels=OWNED, registry=registry)(owned_object_changed)
     kopf.on.event("", "v1", "services", labels=OWNED, registry=registry)(owned_object_changed)
 
+    @kopf.timer(*RESOURCE, interval=RETRY_CHECK_SECONDS, registry=registry)
+    def retry_failed_apply(body, name, namespace, **_):
+        """An apply that failed for the API's sake (a conflict, an outage, a name taken by another object) is tried
+        again whichever handler met it. kopf retries its spec handlers itself, but not the watch that puts back a
+        deleted object, nor the planner's resize (whose sizes status.planner already holds)."""
+        if not keeper.retry_due(namespace, name):
+            return
+        try:
+            _report(body, _apply(kube, keeper, body))
+        except (kopf.TemporaryError, SpecError):
+            return  # noted again, and due again later; or the status says why
+        keeper.refresh(namespace, name)
+
     if resync_seconds:
         @kopf.timer(*RESOURCE, interval=resync_seconds, initial_delay=resync_seconds, registry=registry)
         def resync(body, name, namespace, **_):
@@ -132,9 +152,10 @@ def build_registry(kube: Kube, keeper: StatusKeeper, resync_seconds: float | Non
             except SpecError as exc:  # the API server refuses the objects at the new sizes: said, not retried
                 _failed(keeper, body, exc, refused=True, reason="PlannerFailed")
                 return
-            except (KubeError, ForeignObjectError) as exc:
-                _failed(keeper, body, exc, refused=False, reason="PlannerFailed")
-                raise kopf.TemporaryError(str(exc), delay=RETRY_SECONDS) from None
+            except (KubeError, ForeignObjectError) as exc:  # applied by retry_failed_apply once it goes through
+                _failed(keeper, body, exc, refused=False, reason="PlannerFailed",
+                        retry_in_s=RETRY_SECONDS if exc.retriable else SLOW_RETRY_SECONDS)
+                return
             if decision is not None and decision.changed:
                 kopf.event(dict(body), type="Normal", reason="Scaled", message=decision.message())
                 keeper.refresh(namespace, name)

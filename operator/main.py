@@ -26,6 +26,21 @@ from tandem.operator.reconcile import StatusKeeper
 log = logging.getLogger("tandem.operator")
 
 
+class QuietTimers(logging.Filter):
+    """Drops kopf's line for every timer run that went through: the planner's and the retry's timers run every few
+    seconds for every LLMDeployment, mostly to find nothing to do, and what they do is logged and posted by us."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not (message.startswith("Timer ") and message.endswith(" succeeded."))
+
+
+def quiet_timers() -> None:
+    objects = logging.getLogger("kopf.objects")  # the logger of kopf's per-object lines
+    if not any(isinstance(f, QuietTimers) for f in objects.filters):
+        objects.addFilter(QuietTimers())
+
+
 def operator_settings(peering: str | None = None) -> kopf.OperatorSettings:
     settings = kopf.OperatorSettings()
     # The resources are known in advance: no CRD or namespace scanning, hence no cluster-wide RBAC for it.
@@ -56,6 +71,7 @@ async def operate(namespace: str | None, *, api_client: kubernetes.client.ApiCli
     `metrics_source` feeds planner mode (default: scrape the pods' /metrics); `planner_tick_seconds` is how
     often it checks whether a resource's `spec.scaling.intervalSeconds` has passed.
     """
+    quiet_timers()
     kube = Kube(api_client)
     keeper = StatusKeeper(kube)
     planner = Planner(kube, keeper, metrics_source or ScrapedMetrics(kube), tick_s=planner_tick_seconds)

@@ -33,8 +33,10 @@ CAPACITY_REFUSALS = {"slo_unmeetable", "queue_full", "no_workers"}  # not dispat
 PROMPT_TOKENS = "tandem_prompt_tokens_total"
 COMPUTED_PROMPT_TOKENS = "tandem_computed_prompt_tokens_total"
 GENERATION_TOKENS = "tandem_generation_tokens_total"
+FINISHED = "tandem_requests_finished_total"  # on a worker, whatever the reason
 WAITING = "tandem_num_requests_waiting"
-SCRAPED = (REQUESTS, FAILED, ABANDONED, REFUSED, PROMPT_TOKENS, COMPUTED_PROMPT_TOKENS, GENERATION_TOKENS, WAITING)
+SCRAPED = (REQUESTS, FAILED, ABANDONED, REFUSED, PROMPT_TOKENS, COMPUTED_PROMPT_TOKENS, GENERATION_TOKENS, FINISHED,
+           WAITING)
 
 
 @dataclass(frozen=True)
@@ -45,8 +47,9 @@ class Sample:
     targets: Mapping[tuple[str, str], Mapping[str, float]]
     missed: int = 0  # ready pods whose /metrics could not be read
 
-    def pods(self, component: str) -> int:
-        return sum(1 for c, _ in self.targets if c == component)
+    def pods(self, component: str, since: Sample | None = None) -> int:
+        """The component's pods scraped; with `since`, only those scraped then too."""
+        return sum(1 for key in self.targets if key[0] == component and (since is None or key in since.targets))
 
 
 def parse_metrics(text: str) -> dict[str, float]:
@@ -92,12 +95,15 @@ def window_from_samples(before: Sample, after: Sample, spec: LLMDeploymentSpec) 
     # (A client's retries of a refused request count again: an overestimate while refusing, which errs towards
     # scaling up.)
     arrivals = requests + total("router", FAILED) + total("router", ABANDONED) + total("router", REFUSED)
-    # Every request ends on a decode worker (short prompts skip the prefill pool): its counters see them all.
-    mean_in = total("decode", PROMPT_TOKENS) / requests if requests > 0 else 0.0
-    mean_out = total("decode", GENERATION_TOKENS) / requests if requests > 0 else 0.0
+    # Every request ends on a decode worker (short prompts skip the prefill pool): its counters see them all. Its
+    # lengths are counted over the requests the same pods finished: a pod new since the last scrape is only a
+    # baseline, and the requests it served are not in its tokens (nor, below, it in the replicas measured).
+    finished = total("decode", FINISHED)
+    mean_in = total("decode", PROMPT_TOKENS) / finished if finished > 0 else 0.0
+    mean_out = total("decode", GENERATION_TOKENS) / finished if finished > 0 else 0.0
     capacities = []
     for pool, series in (("prefill", COMPUTED_PROMPT_TOKENS), ("decode", GENERATION_TOKENS)):
-        pods = after.pods(pool)
+        pods = after.pods(pool, since=before)
         measured = total(pool, series) / elapsed / pods if pods else 0.0
         # Throughput says what a replica can do only while it is saturated (work waits in its queue); an
         # idle replica's throughput is just the load, and planning with it would scale up without end.

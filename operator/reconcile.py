@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import threading
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -83,13 +84,28 @@ class StatusKeeper:
         self._locks: dict[tuple[str, str], threading.Lock] = {}
         self._guard = threading.Lock()
         self._problems: dict[tuple[str, str], Problem] = {}  # by object: the last reconcile's, if it failed
+        self._retry_at: dict[tuple[str, str], float] = {}  # by object: when to apply again what failed to apply
 
-    def note(self, namespace: str, name: str, problem: Problem | None) -> None:
-        """The outcome of a reconcile, for the statuses written from now on (None: it went through)."""
+    def note(self, namespace: str, name: str, problem: Problem | None, retry_in_s: float | None = None) -> None:
+        """The outcome of a reconcile, for the statuses written from now on (None: it went through), and when to
+        try it again (`retry_in_s`; None: not until something changes)."""
+        key = (namespace, name)
         if problem is None:
-            self._problems.pop((namespace, name), None)
+            self._problems.pop(key, None)
         else:
-            self._problems[(namespace, name)] = problem
+            self._problems[key] = problem
+        if problem is None or retry_in_s is None:
+            self._retry_at.pop(key, None)
+        else:
+            self._retry_at[key] = time.monotonic() + retry_in_s
+
+    def problem(self, namespace: str, name: str) -> Problem | None:
+        return self._problems.get((namespace, name))
+
+    def retry_due(self, namespace: str, name: str) -> bool:
+        """Whether an apply that failed is due to be tried again."""
+        at = self._retry_at.get((namespace, name))
+        return at is not None and time.monotonic() >= at
 
     def _lock(self, namespace: str, name: str) -> threading.Lock:
         with self._guard:
@@ -104,7 +120,7 @@ class StatusKeeper:
         with self._lock(namespace, name):
             body = self.kube.get(names.API_VERSION, names.KIND, namespace, name)
             if body is None or body["metadata"].get("deletionTimestamp"):
-                self._problems.pop((namespace, name), None)  # a new one of that name starts afresh
+                self.note(namespace, name, None)  # a new one of that name starts afresh
                 return None
             deployments, service = observe(self.kube, namespace, name)
             status = compute_status(body, deployments, service, self.clock(), generation,

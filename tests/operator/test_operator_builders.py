@@ -108,6 +108,9 @@ def test_pods_are_non_root_read_only_with_a_writable_tmp():
         pre_stop = container["lifecycle"]["preStop"]["exec"]["command"]
         if container["name"] == "worker":  # scale-down drain: out of rotation, in-flight requests finish
             assert pre_stop[:2] == ["tandem", "drain"] and "--timeout" in pre_stop
+            # within the grace period, with time left for the server's own exit
+            timeout = float(pre_stop[pre_stop.index("--timeout") + 1])
+            assert timeout == pod["terminationGracePeriodSeconds"] - 5
         else:
             assert pre_stop[0] == "sleep"
 

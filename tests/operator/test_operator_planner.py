@@ -132,12 +132,15 @@ tandem_computed_prompt_tokens_total{{model="m",pool="{pool}"}} {computed}
 tandem_generation_tokens_total{{model="m",pool="{pool}"}} {generated}
 # TYPE tandem_num_requests_waiting gauge
 tandem_num_requests_waiting{{model="m",pool="{pool}"}} {waiting}
+# TYPE tandem_requests_finished counter
+tandem_requests_finished_total{{model="m",pool="{pool}",finish_reason="stop"}} {stopped}
+tandem_requests_finished_total{{model="m",pool="{pool}",finish_reason="length"}} 1
 """
 
 
-def _worker(pool, prompt, computed, generated, waiting=0):
+def _worker(pool, prompt, computed, generated, waiting=0, finished=1):
     return parse_metrics(WORKER_TEXT.format(pool=pool, prompt=prompt, computed=computed, generated=generated,
-                                            waiting=waiting))
+                                            waiting=waiting, stopped=finished - 1))
 
 
 def test_window_from_counter_deltas_between_two_scrapes():
@@ -146,24 +149,29 @@ def test_window_from_counter_deltas_between_two_scrapes():
     before = Sample(at_s=100.0, targets={
         ("router", "10.0.0.1:8000"): _router(10, 0, failed=1, refused=5, limited=100),
         ("prefill", "10.0.1.1:8000"): _worker("prefill", 1000, 900, 10),
-        ("decode", "10.0.2.1:8000"): _worker("decode", 1000, 100, 500),
-        ("decode", "10.0.2.2:8000"): _worker("decode", 50000, 100, 9000),
+        ("decode", "10.0.2.1:8000"): _worker("decode", 1000, 100, 500, finished=10),
+        ("decode", "10.0.2.2:8000"): _worker("decode", 50000, 100, 9000, finished=90),
     })
     after = Sample(at_s=110.0, targets={
         # +100 answered, +2 failed, +2 abandoned, +18 refused for capacity; a tenant over its rate, or the router's
         # own dispatch cap, is not demand more workers would serve
         ("router", "10.0.0.1:8000"): _router(60, 50, failed=3, refused=23, limited=900),
         ("prefill", "10.0.1.1:8000"): _worker("prefill", 41000, 40900, 50, waiting=2),  # +40000 computed
-        ("decode", "10.0.2.1:8000"): _worker("decode", 21000, 100, 10500),  # +20000 prompt, +10000 out
-        ("decode", "10.0.2.2:8000"): _worker("decode", 30000, 100, 5000),  # restarted: all of it is new
-        ("decode", "10.0.2.3:8000"): _worker("decode", 7000, 100, 7000),  # new pod: a baseline only
+        ("prefill", "10.0.1.2:8000"): _worker("prefill", 3000, 3000, 3),  # new pod, ready since: a baseline only
+        # +20000 prompt, +10000 out, +60 finished
+        ("decode", "10.0.2.1:8000"): _worker("decode", 21000, 100, 10500, finished=70),
+        # restarted: all of it is new (30000 prompt, 5000 out, 40 finished)
+        ("decode", "10.0.2.2:8000"): _worker("decode", 30000, 100, 5000, finished=40),
+        ("decode", "10.0.2.3:8000"): _worker("decode", 7000, 100, 7000, finished=30),  # new pod: a baseline only
     })
     window = window_from_samples(before, after, spec)
     assert window.arrival_rps == pytest.approx(12.2)
-    assert window.mean_input_tokens == pytest.approx((20000 + 30000) / 100)  # per request answered
+    # Per request the same pods finished: the new pod's 30 requests are in neither count.
+    assert window.mean_input_tokens == pytest.approx((20000 + 30000) / 100)
     assert window.mean_output_tokens == pytest.approx((10000 + 5000) / 100)
     # Prefill has work waiting: saturated, so its measured 4000 tok/s per pod is its capacity (not the stated
-    # 5000). Decode's queue is empty: its throughput (500 per pod) is only the load; the stated 50 holds.
+    # 5000), measured on the pod that worked the whole window (the new one is no replica that did nothing).
+    # Decode's queue is empty: its throughput (500 per pod) is only the load; the stated 50 holds.
     assert window.prefill_tok_s_per_replica == pytest.approx(4000)
     assert window.decode_tok_s_per_replica == pytest.approx(50)
     assert window.prefill_backlog_tokens == pytest.approx(2 * 500)
@@ -206,11 +214,12 @@ def test_scraped_metrics_scrapes_each_ready_pod_and_keeps_the_last_sample():
         if "10.0.2.2" in url:
             if round_ == 1:
                 raise OSError("connection refused")
-            return WORKER_TEXT.format(pool="decode", prompt=0, computed=0, generated=0, waiting=0)
+            return WORKER_TEXT.format(pool="decode", prompt=0, computed=0, generated=0, waiting=0, stopped=0)
         if "10.0.1.1" in url:
-            return WORKER_TEXT.format(pool="prefill", prompt=0, computed=8000 if k else 0, generated=0, waiting=0)
+            return WORKER_TEXT.format(pool="prefill", prompt=0, computed=8000 if k else 0, generated=0, waiting=0,
+                                      stopped=0)
         return WORKER_TEXT.format(pool="decode", prompt=4000 if k else 0, computed=0, generated=2000 if k else 0,
-                                  waiting=0)
+                                  waiting=0, stopped=20 if k else 0)  # +20 finished
 
     source = ScrapedMetrics(_FakeKube(slices), fetch=fetch, clock=lambda: next(times))
     body = {"metadata": {"name": "smollm2", "namespace": "ns1", "uid": "u1"}, "spec": _spec(**_planner(
@@ -318,6 +327,29 @@ async def test_a_load_shift_moves_replicas_once_past_the_hysteresis(planned, loa
         DEPLOYMENTS, "smollm2-decode")["spec"]["template"]["spec"]["containers"][0]["args"])
     await _ticks(cluster, load, 3)
     assert _replicas(cluster) == (1, 5)
+
+
+async def test_a_resize_that_could_not_be_applied_is_applied_once_it_can_be(planned, load):
+    """status.planner holds the new sizes as soon as they are decided, and a later tick sees nothing to change: a
+    resize whose apply failed is tried again by the operator's retry timer until it goes through."""
+    cluster = planned
+    load.set(rps=1.0, mean_in=800, mean_out=240)
+    await _apply(cluster, _planner())
+    await _ticks(cluster, load, 2)
+    assert _replicas(cluster) == (1, 3)
+    await cluster.delete("v1/configmaps", "smollm2-config")
+    await cluster.create("v1/configmaps", {"apiVersion": "v1", "kind": "ConfigMap",
+                                           "metadata": {"name": "smollm2-config", "namespace": cluster.namespace}})
+    load.set(mean_out=360)  # decode needs 4.5: to 5, which the foreign ConfigMap keeps from being applied
+    await cluster.wait_for("PlannerFailed", lambda: cluster.events("PlannerFailed"))
+    await _ticks(cluster, load, 3)
+    assert _replicas(cluster) == (1, 3) and _planner_status(cluster)["decode"] == 5
+
+    await cluster.delete("v1/configmaps", "smollm2-config")
+    await cluster.wait_for("decode scaled to 5", lambda: _replicas(cluster) == (1, 5), timeout=15)
+    await cluster.wait_for("Degraded cleared", lambda: not any(
+        c["type"] == "Degraded" and c["status"] == "True"
+        for c in cluster.get(CR, "smollm2")["status"].get("conditions", [])))
 
 
 async def test_noisy_constant_load_never_changes_replicas_back_and_forth(planned, load):
