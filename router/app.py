@@ -243,7 +243,11 @@ async def dispatch(router, rid: str, ids: list[int], params: SamplingParams, tic
     not the queue's head, which every other request would wait behind)."""
     metrics, slo = router.metrics, ticket.slo
     ttft, itl = metrics.by_class(metrics.ttft, slo_name), metrics.by_class(metrics.itl, slo_name)
-    await router.dispatcher.acquire(rid)  # cancelled here (its client left, or a sibling failed): settled unstarted
+    try:
+        await router.dispatcher.acquire(rid)
+    except asyncio.CancelledError:  # its client left while it was queued (or a sibling failed): settled unstarted
+        metrics.by_class(metrics.abandoned, slo_name).inc()
+        raise
     bill.started.add(rid)
     held_from = time.monotonic()
     trace = Trace()

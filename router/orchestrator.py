@@ -27,7 +27,7 @@ from tandem.router.policies.p2c import PowerOfTwoChoices
 from tandem.router.policies.ring import routing_key
 from tandem.router.pool import WorkerPool
 from tandem.router.prefix_predictor import PrefixPredictor
-from tandem.router.worker_client import TRANSPORT_ERRORS, WorkerClient, WorkerStatusError
+from tandem.router.worker_client import TRANSPORT_ERRORS, UnreadableAnswer, WorkerClient, WorkerStatusError
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +42,13 @@ def no_workers(health_interval_s: float) -> APIError:
 
 class WorkerFailure(Exception):
     """A worker could not serve its part; the orchestrator moves the request elsewhere."""
+
+
+class _UnusableHandle(Exception):
+    """A decode worker cannot read the prefill's KV handle (the pools' KV layouts differ)."""
+
+
+KV_LAYOUT_MISMATCH = "kv_layout_mismatch"  # the code of a decode worker's refusal of such a handle
 
 
 @dataclass
@@ -70,6 +77,7 @@ class Orchestrator:
         self.predictor = PrefixPredictor(config.block_size)
         self.p2c = PowerOfTwoChoices()
         self._key_tables: dict[WorkerPool, KeyAssignments] = {}  # one sticky key table per pool
+        self._layout_warned: set[tuple[str | None, str]] = set()  # (prefill, decode) workers whose layouts differ
 
     def plan(self, prompt: list[int]) -> tuple[list[int], int]:
         """(block hashes, routing key) of a prompt."""
@@ -90,22 +98,20 @@ class Orchestrator:
         try:
             if disagg:
                 try:
-                    pre = await self._prefill(rid, prompt, params, hashes, key, trace, touched)
+                    pre, first = await self._prefill(rid, prompt, params, hashes, key, trace, touched)
                 except WorkerFailure:
                     self._route("fallback")
                 else:
                     self._route("disagg")
                     trace.path = "disagg"
-                    first = Delta([pre["first_token_id"]], pre["first_token_text"],
-                                  [_entry(pre["first_token_logprob"])] if pre.get("first_token_logprob") else None,
-                                  pre["finish_reason"] is not None, pre["finish_reason"], pre["num_cached_tokens"])
+                    first.num_cached_tokens = min(first.num_cached_tokens, len(prompt))
                     yield first
                     if first.finished:
                         finished = True
                         return
                     handed_over = False
                     async for delta in self._decode(rid, prompt, params, [pre["first_token_id"]], pre["kv_handle"],
-                                                    hashes, key, trace, touched, coalesce):
+                                                    hashes, key, trace, touched, coalesce, first.num_cached_tokens):
                         if not handed_over:
                             # A decode worker answered: it has the handle and releases the lease itself, and the
                             # prefill worker is no longer told to abort (that would free blocks being pulled, a pull
@@ -128,7 +134,9 @@ class Orchestrator:
                     spawn(self._abort(url, request_id))
 
     # -- prefill --------------------------------------------------------------------------
-    async def _prefill(self, rid, prompt, params, hashes, key, trace: Trace, touched: set[tuple[str, str]]) -> dict:
+    async def _prefill(self, rid, prompt, params, hashes, key, trace: Trace, touched: set[tuple[str, str]]
+                       ) -> tuple[dict, Delta]:
+        """The prefill worker's answer, and its first token as the request's first delta."""
         tried: set[str] = set()
         for _ in range(MAX_ATTEMPTS):
             url = self._place(self.prefill, key, hashes, len(prompt), tried, trace)
@@ -145,11 +153,12 @@ class Orchestrator:
             try:
                 body = await self.http.post_json(url, "/internal/prefill", {
                     "request_id": rid, "prompt_token_ids": prompt, "sampling": params.model_dump()})
+                first = _first_delta(url, body)
                 trace.prefill_charged_seconds, done = worker.prefill_done(loop.time(), mark), True
                 self.prefill.record_success(url)
                 trace.prefill_worker = url
-                self._record_hits(trace, body.get("num_cached_tokens", 0))
-                return body
+                self._record_hits(trace, first.num_cached_tokens)
+                return body, first
             except WorkerStatusError as exc:
                 if 400 <= exc.status < 500:
                     raise APIError(exc.status, exc.message) from None
@@ -167,11 +176,14 @@ class Orchestrator:
 
     # -- decode ---------------------------------------------------------------------------
     async def _decode(self, rid, prompt, params: SamplingParams, generated: list[int], handle: dict | None,
-                      hashes, key, trace: Trace, touched: set[tuple[str, str]], coalesce: bool
-                      ) -> AsyncIterator[Delta]:
+                      hashes, key, trace: Trace, touched: set[tuple[str, str]], coalesce: bool,
+                      prompt_cached: int | None = None) -> AsyncIterator[Delta]:
+        """The decode phase's deltas, resumed on another worker when one fails. `prompt_cached`: the prompt tokens
+        the prefill worker found cached, which every delta reports (usage's cached_tokens): the count of the
+        worker that first computed the prompt, not of one that computed it again to resume (None: the first
+        decode worker's, which computes it here)."""
         failed: set[str] = set()
         attempt_id = rid
-        last_cached = 0  # the prefix-cache count the last delta reported
         for attempt in range(MAX_ATTEMPTS):
             if handle is not None:  # disaggregated: place by free KV blocks and running sequences
                 healthy = self.decode.decode_states(exclude=failed)
@@ -206,7 +218,7 @@ class Orchestrator:
                     # falls behind relays several tokens for the cost of one (the client gets a chunk of several
                     # tokens, as from an engine step that made several).
                     async for batch in self.http.event_batches(url, "/internal/decode", body):
-                        delta, error = _batch_delta(batch)
+                        delta, error = _batch_delta(url, batch)
                         if delta is not None and not finished:  # after a finish only the stream's end follows
                             if prefilling:  # its first delta: the prefill is done
                                 charged, prefilling = worker.prefill_done(loop.time(), mark), False
@@ -216,19 +228,33 @@ class Orchestrator:
                                 worker.prefill_tokens_in_flight -= colocated_weight
                                 colocated_weight = 0
                             generated.extend(delta.new_token_ids)
-                            # A resumed attempt's worker counts its cache over prompt + output so far: the client's
-                            # usage counts the prompt's tokens only.
-                            delta.num_cached_tokens = last_cached = min(delta.num_cached_tokens, len(prompt))
+                            if prompt_cached is None:  # (a worker counts its cache over prompt + output so far)
+                                prompt_cached = min(delta.num_cached_tokens, len(prompt))
+                            delta.num_cached_tokens = prompt_cached
                             yield delta
                             finished = delta.finished
                         if error is not None:
                             raise error
                 except WorkerStatusError as exc:
+                    if handle is not None and exc.code == KV_LAYOUT_MISMATCH:
+                        raise _UnusableHandle(exc.message) from None
                     raise _refusal(url, exc) from None
                 if finished:
                     self.decode.record_success(url)
                     return
                 raise WorkerFailure(f"{url} ended the stream early")
+            except _UnusableHandle as exc:
+                # The pools disagree on the KV layout (a dtype or block size set for one pool only): no worker of
+                # this pool can read the handle. The prompt is computed here instead, as after a lost prefill; the
+                # worker that refused the handle released its lease. Said once per pair of workers: until the pools
+                # agree, every split request pays for its prompt twice.
+                if (trace.prefill_worker, url) not in self._layout_warned:
+                    self._layout_warned.add((trace.prefill_worker, url))
+                    log.warning("decode worker %s cannot read the KV of prefill worker %s (%s): the prompts are "
+                                "computed again on the decode pool; give both pools the same --dtype and "
+                                "--block-size", url, trace.prefill_worker, exc)
+                handle = None
+                self._route("fallback")
             except (*TRANSPORT_ERRORS, WorkerFailure) as exc:
                 if finished:  # only the end of a finished stream was lost: nothing to resume
                     self.decode.record_success(url)
@@ -250,7 +276,7 @@ class Orchestrator:
                     continue
                 if len(generated) >= params.max_tokens:
                     # Every token arrived, only the end that says so did not: said here, as the worker would have.
-                    yield Delta([], "", None, True, "length", last_cached)
+                    yield Delta([], "", None, True, "length", prompt_cached or 0)
                     return
             finally:
                 if prefilling:
@@ -355,13 +381,27 @@ def decode_delta(chunks: list[dict]) -> Delta:
                  None if prompt_logprobs is None else [e and _entry(e) for e in prompt_logprobs])
 
 
-def _batch_delta(batch: list[dict]) -> tuple[Delta | None, Exception | None]:
+def _batch_delta(url: str, batch: list[dict]) -> tuple[Delta | None, Exception | None]:
     """A batch of decode events as one delta (None when an error comes first), and the error event that ends the
-    stream, if one does: what came before the failure is the client's, and a resume continues after it."""
-    for i, event in enumerate(batch):
-        if "error" in event:
-            return (decode_delta(batch[:i]) if i else None), _worker_error(event["error"])
-    return decode_delta(batch), None
+    stream, if one does: what came before the failure is the client's, and a resume continues after it.
+    UnreadableAnswer for events without their fields."""
+    try:
+        for i, event in enumerate(batch):
+            if "error" in event:
+                return (decode_delta(batch[:i]) if i else None), _worker_error(event["error"])
+        return decode_delta(batch), None
+    except (KeyError, TypeError, ValueError) as exc:
+        raise UnreadableAnswer(f"{url} sent a decode event without its fields: {exc!r}") from None
+
+
+def _first_delta(url: str, answer: dict) -> Delta:
+    """A prefill worker's answer's first token as a delta; UnreadableAnswer for an answer without its fields."""
+    try:
+        logprob = answer.get("first_token_logprob")
+        return Delta([answer["first_token_id"]], answer["first_token_text"], [_entry(logprob)] if logprob else None,
+                     answer["finish_reason"] is not None, answer["finish_reason"], answer.get("num_cached_tokens", 0))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise UnreadableAnswer(f"{url} answered a prefill without its fields: {exc!r}") from None
 
 
 def _refusal(url: str, exc: WorkerStatusError) -> Exception:

@@ -44,6 +44,7 @@ class Worker:
     max_model_len: int = 0
     silent_probes: int = 0  # probes in a row that got no answer at all
     silence_reported: bool = False  # on_silent was called for this silence
+    misplaced: bool = False  # its role is not its pool's (a decode worker listed as a prefill one)
     ejections: int = 0  # ejections for failures since it last served a request
     held_out_until: float = 0.0  # no probe takes it back before then (loop time)
     prefills: int = 0  # prefills this router has on it now
@@ -148,6 +149,7 @@ class WorkerPool:
                 worker.free_blocks, worker.total_blocks = load["free_blocks"], load["total_blocks"]
                 worker.running = load["running"] + load["waiting"]
                 worker.max_model_len = load.get("max_model_len", 0)
+                ok = self._serves_this_pool(worker, load.get("role"))
             ready = ok and (await self.http.get(f"{worker.url}/ready", timeout=timeout_s)).status_code == 200
         except httpx.TransportError:  # no answer: refused, reset, or nothing within the timeout
             ready, silent = False, True
@@ -160,6 +162,16 @@ class WorkerPool:
         held_out = asyncio.get_running_loop().time() < worker.held_out_until and any(
             w.healthy for w in self.workers.values() if w is not worker)
         self._set_healthy(worker, ready and not held_out)
+
+    def _serves_this_pool(self, worker: Worker, role: str | None) -> bool:
+        """Whether a worker's role serves this pool: one that does not would refuse every request sent to it
+        (400), so it stays out of rotation, and the log says why once."""
+        misplaced = role is not None and role not in (self.role, "both")
+        if misplaced and not worker.misplaced:
+            log.warning("%s is a %s worker, listed among the %s workers: it stays out of rotation", worker.url, role,
+                        self.role)
+        worker.misplaced = misplaced
+        return not misplaced
 
     def report_silent(self) -> None:
         """on_silent, once per silence, for each worker whose last silent_after probes went unanswered."""

@@ -120,6 +120,8 @@ class WorkerChannel:
             async for message in self.ws:
                 if message.type in (aiohttp.WSMsgType.BINARY, aiohttp.WSMsgType.TEXT):
                     answer = orjson.loads(message.data)
+                    if not isinstance(answer, dict):
+                        break  # not this protocol's: the channel is no use, as for a frame that is not JSON
                     inbox = self._inboxes.get(answer.get("id"))
                     if inbox is not None:  # else a request its caller gave up on
                         inbox.put(answer)

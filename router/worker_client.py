@@ -43,19 +43,44 @@ _DROPPED = "tandem: the worker was dropped"
 
 
 class WorkerStatusError(Exception):
-    """The worker answered, but not 200: `status` and the message of its OpenAI-style error body."""
+    """The worker answered, but not 200: `status`, and the message and code of its OpenAI-style error body."""
 
-    def __init__(self, status: int, message: str):
+    def __init__(self, status: int, message: str, code: str | None = None):
         super().__init__(f"worker answered {status}: {message}")
         self.status = status
         self.message = message
+        self.code = code
 
 
-def _error_message(raw: bytes) -> str:
+class UnreadableAnswer(aiohttp.ClientPayloadError):
+    """The worker answered what its protocol never says (not JSON, or an event without its fields): its failure,
+    as a cut connection is, so the request moves to another worker and this one is counted as failing."""
+
+
+def _status_error(status: int, body) -> WorkerStatusError:
+    """The error of a non-200 answer from its body: OpenAI-style JSON (already parsed, or the raw bytes), or any."""
+    if isinstance(body, bytes):
+        try:
+            body = orjson.loads(body)
+        except ValueError:
+            return WorkerStatusError(status, body[:500].decode(errors="replace"))
+    error = body.get("error") if isinstance(body, dict) else None
+    if not isinstance(error, dict):
+        return WorkerStatusError(status, str(body)[:500])
+    return WorkerStatusError(status, str(error.get("message")), error.get("code"))
+
+
+def _object(answer, worker: str) -> dict:
+    if not isinstance(answer, dict):
+        raise UnreadableAnswer(f"{worker} answered {type(answer).__name__}, not a JSON object")
+    return answer
+
+
+def _json(raw: bytes | str, worker: str):
     try:
-        return orjson.loads(raw)["error"]["message"]
-    except (ValueError, KeyError, TypeError):
-        return raw[:500].decode(errors="replace")
+        return orjson.loads(raw)
+    except ValueError as exc:
+        raise UnreadableAnswer(f"{worker} answered something that is not JSON: {exc}") from None
 
 
 class WorkerClient:
@@ -90,7 +115,7 @@ class WorkerClient:
             answers = await (asyncio.wait_for(inbox.take(), timeout_s) if timeout_s is not None else inbox.take())
         finally:
             channel.forget(request_id)
-        return _checked(answers[0])["body"]
+        return _object(_checked(answers[0]).get("body"), worker)
 
     async def event_batches(self, worker: str, path: str, payload: dict) -> AsyncIterator[list[dict]]:
         """The events of a streamed answer, to the end of the stream, in lists: each list holds the events that
@@ -189,15 +214,15 @@ class WorkerClient:
         async with self.session.post(url, data=orjson.dumps(payload), headers=_JSON, timeout=timeout) as r:
             raw = await r.read()
             if r.status != 200:
-                raise WorkerStatusError(r.status, _error_message(raw))
-            return orjson.loads(raw)
+                raise _status_error(r.status, raw)
+            return _object(_json(raw, url), url)
 
     async def _event_batches_http(self, worker: str, url: str, payload: dict) -> AsyncIterator[list[dict]]:
         async with contextlib.AsyncExitStack() as stack:
             with self._waiting_on(worker):
                 r = await stack.enter_async_context(self.session.post(url, data=orjson.dumps(payload), headers=_JSON))
                 if r.status != 200:
-                    raise WorkerStatusError(r.status, _error_message(await r.read()))
+                    raise _status_error(r.status, await r.read())
             # Read as the bytes arrive and split into lines here: aiohttp's line iterator costs a readline per
             # line, and the events of one read make one batch.
             partial = b""
@@ -209,10 +234,18 @@ class WorkerClient:
                     break
                 lines = (partial + data).split(b"\n")
                 partial = lines.pop()
-                batch = [event for line in lines if (event := parse_sse_line(line)) is not None]
+                batch = []
+                try:
+                    for line in lines:
+                        if (event := _event(line, worker)) is not None:
+                            batch.append(event)
+                except UnreadableAnswer:
+                    if batch:  # the events before it are the caller's, as before any failure
+                        yield batch
+                    raise
                 if batch:
                     yield batch
-            event = parse_sse_line(partial)
+            event = _event(partial, worker)
             if event is not None:
                 yield [event]
 
@@ -232,7 +265,12 @@ def _checked(answer: dict | str | None) -> dict:
         raise asyncio.TimeoutError("the worker sent nothing for this request within the read timeout")
     status = answer.get("status", 200)
     if status != 200:
-        body = answer.get("body")
-        message = body["error"]["message"] if isinstance(body, dict) and "error" in body else str(body)
-        raise WorkerStatusError(status, message)
+        raise _status_error(status, answer.get("body"))
     return answer
+
+
+def _event(line: bytes, worker: str) -> dict | None:
+    try:
+        return parse_sse_line(line)
+    except ValueError as exc:
+        raise UnreadableAnswer(f"{worker} sent an event that is not JSON: {exc}") from None

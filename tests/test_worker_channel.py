@@ -170,6 +170,61 @@ def test_a_worker_without_a_channel_is_served_over_http():
     assert len(http_only) == 1 and not channels
 
 
+def test_an_answer_that_is_not_the_protocols_is_a_transport_error():
+    """A worker (or something in front of it) that answers what no worker says, over HTTP or its channel: the
+    router's transport error, the worker's failure, rather than a parse error that ends the client's request."""
+    async def garbled_sse(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        await response.write(b'data: {"token_ids": [5], "text": "a"}\n\ndata: {not json\n\n')
+        return response
+
+    async def html(request: web.Request) -> web.Response:
+        return web.Response(text="<html>bad gateway</html>", content_type="text/html")
+
+    async def channel(request: web.Request) -> web.WebSocketResponse:
+        ws = web.WebSocketResponse()
+        await ws.prepare(request)
+        async for message in ws:
+            call = orjson.loads(message.data)
+            await ws.send_bytes(orjson.dumps({"id": call["id"], "body": [1, 2]}))  # JSON, but no object
+        return ws
+
+    async def run():
+        http_port, ws_port = free_port(), free_port()
+        runners = [await serve_routes(http_port, web.post("/internal/decode", garbled_sse),
+                                      web.post("/internal/prefill", html)),
+                   await serve_routes(ws_port, web.get("/internal/ws", channel))]
+        client = WorkerClient()
+        try:
+            url = f"http://127.0.0.1:{http_port}"
+            seen = []
+            with pytest.raises(worker_client.UnreadableAnswer):
+                async for batch in client.event_batches(url, "/internal/decode", decode_body("g", [1])):
+                    seen.extend(batch)
+            with pytest.raises(worker_client.UnreadableAnswer):
+                await client.post_json(url, "/internal/prefill", {})
+            with pytest.raises(worker_client.UnreadableAnswer):
+                await client.post_json(f"http://127.0.0.1:{ws_port}", "/internal/prefill", {})
+            return seen
+        finally:
+            await client.close()
+            for runner in runners:
+                await runner.cleanup()
+
+    assert asyncio.run(run()) == [{"token_ids": [5], "text": "a"}]
+    assert issubclass(worker_client.UnreadableAnswer, TRANSPORT_ERRORS)
+
+
+def test_a_refusal_keeps_the_workers_error_code():
+    error = worker_client._status_error(400, orjson.dumps({"error": {"message": "incompatible KV layout: dtype",
+                                                                    "code": "kv_layout_mismatch"}}))
+    assert (error.status, error.message, error.code) == (400, "incompatible KV layout: dtype", "kv_layout_mismatch")
+    assert worker_client._status_error(502, b"<html>bad gateway</html>").message == "<html>bad gateway</html>"
+    assert worker_client._status_error(400, {"error": "plain"}).message == "{'error': 'plain'}"
+
+
 def test_a_request_the_worker_leaves_unanswered_times_out_as_a_transport_error():
     """A worker that keeps its channel open (and answers pings) but never answers one request: the request
     fails after the read timeout, as an HTTP read would, so the orchestrator can take it elsewhere."""

@@ -92,6 +92,28 @@ def test_a_non_streamed_request_stops_when_its_client_leaves(router_app):
     assert sample(router, "tandem_router_requests_total") == sample(router, "tandem_router_failed_requests_total") == 0
 
 
+def test_a_client_that_leaves_while_its_request_is_queued_is_counted_as_abandoned():
+    """Admitted, then given up on before its turn came: one of the requests tandem_router_abandoned_requests_total
+    counts (admitted, but the client left before the end), as one that leaves mid-answer is."""
+    router = Router(RouterConfig(decode=[WORKER], max_in_flight=1))
+    router.decode.set_members([WORKER])
+    router.decode._set_healthy(router.decode.workers[WORKER], True)
+    router.orchestrator.http = SlowWorker()
+    app = build_app(router)
+
+    async def one_runs_one_waits():
+        running = asyncio.ensure_future(call_and_leave(app, completion(100, stream=False), leave_after_s=5))
+        await asyncio.sleep(0.05)  # it holds the only dispatch slot for a second
+        await call_and_leave(app, completion(20, stream=False), leave_after_s=0.05)  # noticed within 0.2 s
+        assert len(router.admission.queue) == 0
+        assert sample(router, "tandem_router_abandoned_requests_total", slo_class="batch") == 1
+        await running
+
+    asyncio.run(one_runs_one_waits())
+    assert sample(router, "tandem_router_requests_total", slo_class="batch") == 1
+    assert_forgotten(router)
+
+
 def test_a_streamed_request_whose_client_leaves_before_the_body_begins_is_forgotten(router_app):
     """The client leaves while the response's first write still waits: the request never ran, and must not stay
     at the head of the queue, where every later request would wait behind it."""

@@ -134,10 +134,10 @@ async def test_no_slices_means_empty_pools(emulator, discovery):
 
 
 @contextlib.asynccontextmanager
-async def fake_workers(hosts: list[str], port: int, max_model_len: int = 2048):
+async def fake_workers(hosts: list[str], port: int, max_model_len: int = 2048, role: str = "decode"):
     """Workers that pass the pool's probes (/internal/load and /ready) on host:port each."""
     async def load(_):
-        return web.json_response({"role": "decode", "free_blocks": 100, "total_blocks": 100, "running": 0,
+        return web.json_response({"role": role, "free_blocks": 100, "total_blocks": 100, "running": 0,
                                   "waiting": 0, "in_flight": 0, "max_model_len": max_model_len})
 
     async def ready(_):
@@ -200,7 +200,8 @@ async def test_the_router_serves_the_least_context_of_its_workers():
     from tandem.router.main import Router
 
     prefill_port, decode_port = free_port(), free_port()
-    async with fake_workers(["127.0.0.1"], prefill_port, 1024), fake_workers(["127.0.0.1"], decode_port, 4096):
+    async with fake_workers(["127.0.0.1"], prefill_port, 1024, "prefill"), \
+            fake_workers(["127.0.0.1"], decode_port, 4096):
         router = Router(RouterConfig(prefill=[f"http://127.0.0.1:{prefill_port}"],
                                      decode=[f"http://127.0.0.1:{decode_port}"]))
         try:
@@ -209,3 +210,19 @@ async def test_the_router_serves_the_least_context_of_its_workers():
         finally:
             await router.http.aclose()
             await router.worker_client.close()
+
+
+async def test_a_worker_in_the_wrong_pool_stays_out_of_rotation(caplog):
+    """A decode worker listed among the prefill workers would refuse every prefill sent to it (400, which the
+    client would get): the probe reads its role and keeps it out, and says why once. A "both" worker serves
+    either pool."""
+    decode_port, both_port = free_port(), free_port()
+    async with fake_workers(["127.0.0.1"], decode_port), fake_workers(["127.0.0.1"], both_port, role="both"), \
+            httpx.AsyncClient() as http:
+        pool = WorkerPool("prefill", http, RouterMetrics("test"))
+        misplaced, both = f"http://127.0.0.1:{decode_port}", f"http://127.0.0.1:{both_port}"
+        pool.set_members([misplaced, both])
+        for _ in range(2):
+            await probe_pools([pool])
+        assert [w.url for w in pool.healthy()] == [both]
+        assert caplog.text.count(f"{misplaced} is a decode worker, listed among the prefill workers") == 1

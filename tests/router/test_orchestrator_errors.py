@@ -16,6 +16,7 @@ from tandem.metrics import RouterMetrics
 from tandem.protocol import SamplingParams
 from tandem.router.orchestrator import Orchestrator, Trace
 from tandem.router.pool import Worker, WorkerPool
+from tandem.router.worker_client import WorkerStatusError
 
 GOOD = {"token_ids": [7], "text": "x", "finish_reason": "length"}
 HANG = "hang"  # in a script: the worker's answer never comes
@@ -80,7 +81,6 @@ def test_a_refused_request_is_the_clients_error_and_no_worker_failure():
 def test_a_worker_that_answers_a_status_refuses_the_request_on_4xx_and_fails_on_5xx():
     """A worker that answers the decode itself with an error status (not an event in its stream): a 4xx is the
     client's error, not retried and not counted against the worker; a 5xx moves the request to another worker."""
-    from tandem.router.worker_client import WorkerStatusError
 
     orchestrator, pool, http = orchestrator_over({"http://a": [WorkerStatusError(400, "bad kv_handle")],
                                                   "http://b": [WorkerStatusError(400, "bad kv_handle")]})
@@ -116,8 +116,9 @@ def test_a_coalesced_request_that_loses_its_worker_resumes_after_what_arrived():
     orchestrator, pool, http = orchestrator_over({"http://a": [], "http://b": []})
     first = orchestrator._place(pool, orchestrator.plan([1, 2, 3])[1], [], 3, set(), Trace())
     other = next(u for u in pool.workers if u != first)
-    http.script[first] = [{"token_ids": [7], "text": "x"}, error_body(503, "engine died")]
-    # The worker resumed on has prompt + the first token cached: 4 tokens, of a 3-token prompt.
+    # A worker counts its cache over prompt + output (after a preemption, 5 of a 3-token prompt here); the one resumed
+    # on has prompt + the first token cached: 4.
+    http.script[first] = [{"token_ids": [7], "text": "x", "num_cached_tokens": 5}, error_body(503, "engine died")]
     http.script[other] = [{"token_ids": [8, 9], "text": "yz", "finish_reason": "length", "num_cached_tokens": 4}]
 
     async def run():
@@ -126,7 +127,8 @@ def test_a_coalesced_request_that_loses_its_worker_resumes_after_what_arrived():
 
     deltas = asyncio.run(run())
     assert [t for d in deltas for t in d.new_token_ids] == [7, 8, 9]
-    assert deltas[-1].num_cached_tokens == 3  # usage's cached tokens never exceed the prompt's
+    # usage's cached tokens never exceed the prompt's, and are the first computation's, not the resumed one's
+    assert [d.num_cached_tokens for d in deltas] == [3, 3]
     assert http.calls == [first, other]
     assert all(body["coalesce_after_first"] for body in http.bodies)
     resumed = http.bodies[1]
@@ -321,3 +323,75 @@ def test_a_request_that_falls_back_to_colocated_is_one_routing_decision():
     decisions = {path: metric_value(metrics.registry, "tandem_router_routing_decisions_total", path=path)
                  for path in ("fallback", "colocated", "disagg")}
     assert decisions == {"fallback": 1, "colocated": 0, "disagg": 0}
+
+
+class BadPrefillAnswer(ScriptedWorkers):
+    async def post_json(self, worker: str, path: str, payload: dict, timeout_s=None) -> dict:
+        if path == "/internal/prefill":
+            return {"request_id": payload["request_id"], "first_token": 6}  # not the protocol's fields
+        return await super().post_json(worker, path, payload, timeout_s)
+
+
+def test_an_answer_without_its_fields_is_the_workers_failure():
+    """A worker that answers what its protocol never says (an event without token_ids, a prefill answer without
+    its first token) fails like one whose connection broke: the request goes on elsewhere, and the worker is
+    counted as failing (ejected after enough), rather than the client getting a 500 or a cut stream."""
+    orchestrator, pool, http = orchestrator_over({"http://a": [], "http://b": []})
+    first, other = first_and_other(orchestrator, pool)
+    http.script[first] = [{"text": "x", "finish_reason": "length"}]
+    http.script[other] = [GOOD]
+    assert [d.new_token_ids for d in asyncio.run(collect(orchestrator))] == [[7]]
+    assert http.calls == [first, other]
+    assert pool.workers[first].failures == 1 and pool.workers[other].failures == 0
+
+    metrics = RouterMetrics("test-bad-prefill")
+    http = BadPrefillAnswer({"http://d": [GOOD]})
+    prefill, decode = WorkerPool("prefill", http, metrics), WorkerPool("decode", http, metrics)
+    prefill.workers["http://p"] = Worker("http://p", healthy=True)
+    prefill.ring.add("http://p")
+    decode.workers["http://d"] = Worker("http://d", healthy=True)
+    decode.ring.add("http://d")
+    orchestrator = Orchestrator(RouterConfig(disagg_min_tokens=1), prefill, decode, http, metrics, 0)
+    assert [d.new_token_ids for d in asyncio.run(collect(orchestrator))] == [[7]]  # served colocated
+    assert prefill.workers["http://p"].failures == 1
+
+
+class OtherLayout(ScriptedWorkers):
+    """A decode worker whose KV layout is not the prefill worker's: it refuses a handle, and serves a prompt it
+    computes itself."""
+
+    async def event_batches(self, worker: str, path: str, body: dict):
+        self.calls.append(worker)
+        self.bodies.append(body)
+        if body["kv_handle"] is not None:
+            raise WorkerStatusError(400, "incompatible KV layout: dtype: handle 'float32', this worker 'bfloat16'",
+                                    "kv_layout_mismatch")
+        yield [{"token_ids": [8], "text": "y", "finish_reason": "length", "num_cached_tokens": 0}]
+
+
+def test_a_handle_the_decode_pool_cannot_read_is_computed_again_there(caplog):
+    """A pool set up with another dtype or block size than its peer is the operator's mistake, not the client's:
+    the decode worker computes the prompt itself (from prompt + the prefill's first token), as after a lost
+    prefill, counted as a fallback and said in the log, once per pair of workers."""
+    metrics = RouterMetrics("test-layout")
+    http = OtherLayout({})
+    prefill, decode = WorkerPool("prefill", http, metrics), WorkerPool("decode", http, metrics)
+    prefill.workers["http://p"] = Worker("http://p", healthy=True)
+    prefill.ring.add("http://p")
+    decode.workers["http://d"] = Worker("http://d", healthy=True)
+    decode.ring.add("http://d")
+    orchestrator = Orchestrator(RouterConfig(disagg_min_tokens=1), prefill, decode, http, metrics, 0)
+
+    async def run_it():
+        return [d async for d in orchestrator.run("r1", [1, 2, 3], SamplingParams(temperature=0, max_tokens=2),
+                                                  Trace())]
+
+    for _ in range(2):
+        assert [d.new_token_ids for d in asyncio.run(run_it())] == [[6], [8]]
+    assert http.calls == ["http://d"] * 4
+    recomputed = http.bodies[1]
+    assert recomputed["kv_handle"] is None and recomputed["prompt_token_ids"] == [1, 2, 3]
+    assert recomputed["first_token_id"] == 6 and recomputed["sampling"]["max_tokens"] == 2
+    assert decode.workers["http://d"].failures == 0 and decode.workers["http://d"].healthy
+    assert metric_value(metrics.registry, "tandem_router_routing_decisions_total", path="fallback") == 2
+    assert caplog.text.count("cannot read the KV of prefill worker http://p") == 1
