@@ -184,7 +184,9 @@ class Orchestrator:
         decode worker's, which computes it here)."""
         failed: set[str] = set()
         attempt_id = rid
-        for attempt in range(MAX_ATTEMPTS):
+        tries = failures = 0  # calls made, and calls that failed: MAX_ATTEMPTS failures end the request
+        while failures < MAX_ATTEMPTS:
+            first_try, tries = not tries, tries + 1
             if handle is not None:  # disaggregated: place by free KV blocks and running sequences
                 healthy = self.decode.decode_states(exclude=failed)
                 url = self.p2c.pick(healthy, needed_blocks=-(-len(prompt) // self.config.block_size)) \
@@ -203,7 +205,7 @@ class Orchestrator:
                 body["sampling"]["prompt_logprobs"] = None  # the client has them from the first attempt
                 if len(generated) > 1:
                     body["output_tokens_in_prompt"] = len(generated) - 1
-            colocated_weight = 0 if handle is not None or attempt else \
+            colocated_weight = 0 if handle is not None or not first_try else \
                 len(prompt) if params.prompt_logprobs is not None else trace.uncached_tokens  # those compute it all
             worker = self.decode.workers[url]
             worker.prefill_tokens_in_flight += colocated_weight
@@ -222,7 +224,7 @@ class Orchestrator:
                         if delta is not None and not finished:  # after a finish only the stream's end follows
                             if prefilling:  # its first delta: the prefill is done
                                 charged, prefilling = worker.prefill_done(loop.time(), mark), False
-                                if not attempt:
+                                if first_try:
                                     trace.prefill_charged_seconds = charged
                             if colocated_weight:
                                 worker.prefill_tokens_in_flight -= colocated_weight
@@ -245,9 +247,10 @@ class Orchestrator:
                 raise WorkerFailure(f"{url} ended the stream early")
             except _UnusableHandle as exc:
                 # The pools disagree on the KV layout (a dtype or block size set for one pool only): no worker of
-                # this pool can read the handle. The prompt is computed here instead, as after a lost prefill; the
-                # worker that refused the handle released its lease. Said once per pair of workers: until the pools
-                # agree, every split request pays for its prompt twice.
+                # this pool can read the handle. The prompt is computed here instead, as after a lost prefill (the
+                # worker that refused the handle released its lease), with no failure counted against the worker
+                # or the request's attempts. Said once per pair of workers: until the pools agree, every split
+                # request pays for its prompt twice.
                 if (trace.prefill_worker, url) not in self._layout_warned:
                     self._layout_warned.add((trace.prefill_worker, url))
                     log.warning("decode worker %s cannot read the KV of prefill worker %s (%s): the prompts are "
@@ -263,6 +266,7 @@ class Orchestrator:
                 self.decode.record_failure(url)
                 self._abandon(touched, url, attempt_id)  # a worker that only stopped answering may still be at it
                 failed.add(url)
+                failures += 1
                 if handle is not None and trace.prefill_worker is not None:
                     # Nobody will use the prefill's blocks now: freed at once, not when the lease runs out (the
                     # failed worker may never release it). One that was only hung and finishes its read later finds
@@ -271,7 +275,7 @@ class Orchestrator:
                 handle = None  # the KV now comes from recomputing prompt + tokens so far
                 trace.migrations += 1
                 self._route("migrated")
-                attempt_id = f"{rid}-m{attempt + 1}"
+                attempt_id = f"{rid}-m{failures}"
                 if not generated:
                     continue
                 if len(generated) >= params.max_tokens:
@@ -388,20 +392,34 @@ def _batch_delta(url: str, batch: list[dict]) -> tuple[Delta | None, Exception |
     try:
         for i, event in enumerate(batch):
             if "error" in event:
-                return (decode_delta(batch[:i]) if i else None), _worker_error(event["error"])
-        return decode_delta(batch), None
+                return (_typed(decode_delta(batch[:i])) if i else None), _worker_error(event["error"])
+        return _typed(decode_delta(batch)), None
     except (KeyError, TypeError, ValueError) as exc:
         raise UnreadableAnswer(f"{url} sent a decode event without its fields: {exc!r}") from None
 
 
 def _first_delta(url: str, answer: dict) -> Delta:
-    """A prefill worker's answer's first token as a delta; UnreadableAnswer for an answer without its fields."""
+    """A prefill worker's answer's first token as a delta; UnreadableAnswer for an answer without its fields (the
+    KV handle among them: a dict, or None when the prefill finished the request)."""
     try:
         logprob = answer.get("first_token_logprob")
-        return Delta([answer["first_token_id"]], answer["first_token_text"], [_entry(logprob)] if logprob else None,
-                     answer["finish_reason"] is not None, answer["finish_reason"], answer.get("num_cached_tokens", 0))
+        first = _typed(Delta([answer["first_token_id"]], answer["first_token_text"],
+                             [_entry(logprob)] if logprob else None, answer["finish_reason"] is not None,
+                             answer["finish_reason"], answer.get("num_cached_tokens", 0)))
+        if not (answer["kv_handle"] is None or type(answer["kv_handle"]) is dict):
+            raise TypeError(f"kv_handle is a {type(answer['kv_handle']).__name__}")
+        return first
     except (KeyError, TypeError, ValueError) as exc:
         raise UnreadableAnswer(f"{url} answered a prefill without its fields: {exc!r}") from None
+
+
+def _typed(delta: Delta) -> Delta:
+    """`delta`, after checking the types of what the request's bookkeeping and formatting use (TypeError)."""
+    if not (type(delta.new_token_ids) is list and all(type(t) is int for t in delta.new_token_ids)
+            and type(delta.new_text) is str and type(delta.num_cached_tokens) is int
+            and (delta.finish_reason is None or type(delta.finish_reason) is str)):
+        raise TypeError("a field of the wrong type")
+    return delta
 
 
 def _refusal(url: str, exc: WorkerStatusError) -> Exception:
@@ -411,7 +429,9 @@ def _refusal(url: str, exc: WorkerStatusError) -> Exception:
     return WorkerFailure(f"{url} answered {exc.status}")
 
 
-def _worker_error(error: dict) -> Exception:
+def _worker_error(error) -> Exception:
+    if not isinstance(error, dict):
+        return WorkerFailure(f"worker error: {error!r}"[:500])
     if error.get("type") == "invalid_request_error":
         # The engine refused the request itself: the client's error, and no reason to try another worker or to
         # count it against this one.

@@ -126,7 +126,7 @@ class WorkerChannel:
                     if inbox is not None:  # else a request its caller gave up on
                         inbox.put(answer)
                         inbox.heard = loop.time()
-        except (aiohttp.ClientError, ValueError):  # ValueError: an answer that is not JSON
+        except (aiohttp.ClientError, ValueError, TypeError):  # an answer that is not JSON, or an unhashable id
             pass
         except asyncio.CancelledError:
             if not self._aborted:

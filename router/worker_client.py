@@ -264,6 +264,8 @@ def _checked(answer: dict | str | None) -> dict:
     if answer is TIMED_OUT:
         raise asyncio.TimeoutError("the worker sent nothing for this request within the read timeout")
     status = answer.get("status", 200)
+    if type(status) is not int:
+        raise UnreadableAnswer(f"a channel answer's status is {status!r}")
     if status != 200:
         raise _status_error(status, answer.get("body"))
     return answer

@@ -116,9 +116,9 @@ def test_a_coalesced_request_that_loses_its_worker_resumes_after_what_arrived():
     orchestrator, pool, http = orchestrator_over({"http://a": [], "http://b": []})
     first = orchestrator._place(pool, orchestrator.plan([1, 2, 3])[1], [], 3, set(), Trace())
     other = next(u for u in pool.workers if u != first)
-    # A worker counts its cache over prompt + output (after a preemption, 5 of a 3-token prompt here); the one resumed
-    # on has prompt + the first token cached: 4.
-    http.script[first] = [{"token_ids": [7], "text": "x", "num_cached_tokens": 5}, error_body(503, "engine died")]
+    # The first worker had 1 prompt token cached; the one resumed on has prompt + the first token cached: 4, counted
+    # over prompt + output, as a worker counts it.
+    http.script[first] = [{"token_ids": [7], "text": "x", "num_cached_tokens": 1}, error_body(503, "engine died")]
     http.script[other] = [{"token_ids": [8, 9], "text": "yz", "finish_reason": "length", "num_cached_tokens": 4}]
 
     async def run():
@@ -127,8 +127,8 @@ def test_a_coalesced_request_that_loses_its_worker_resumes_after_what_arrived():
 
     deltas = asyncio.run(run())
     assert [t for d in deltas for t in d.new_token_ids] == [7, 8, 9]
-    # usage's cached tokens never exceed the prompt's, and are the first computation's, not the resumed one's
-    assert [d.num_cached_tokens for d in deltas] == [3, 3]
+    # usage's cached tokens are the first computation's, not the resumed one's
+    assert [d.num_cached_tokens for d in deltas] == [1, 1]
     assert http.calls == [first, other]
     assert all(body["coalesce_after_first"] for body in http.bodies)
     resumed = http.bodies[1]
@@ -326,26 +326,42 @@ def test_a_request_that_falls_back_to_colocated_is_one_routing_decision():
 
 
 class BadPrefillAnswer(ScriptedWorkers):
+    def __init__(self, script, answer: dict):
+        super().__init__(script)
+        self.answer = answer
+
     async def post_json(self, worker: str, path: str, payload: dict, timeout_s=None) -> dict:
         if path == "/internal/prefill":
-            return {"request_id": payload["request_id"], "first_token": 6}  # not the protocol's fields
+            return {"request_id": payload["request_id"], **self.answer}
         return await super().post_json(worker, path, payload, timeout_s)
 
 
-def test_an_answer_without_its_fields_is_the_workers_failure():
-    """A worker that answers what its protocol never says (an event without token_ids, a prefill answer without
-    its first token) fails like one whose connection broke: the request goes on elsewhere, and the worker is
-    counted as failing (ejected after enough), rather than the client getting a 500 or a cut stream."""
+PREFILL_ANSWER = {"first_token_id": 6, "first_token_text": "w", "finish_reason": None, "num_cached_tokens": 0,
+                  "kv_handle": {"lease_id": "lease-1"}}
+
+
+@pytest.mark.parametrize("event, answer", [
+    ({"text": "x", "finish_reason": "length"}, {"first_token": 6}),  # fields missing
+    ({"token_ids": 7, "text": "x", "finish_reason": "length"}, {**PREFILL_ANSWER, "kv_handle": "lease-1"}),
+    ({"token_ids": [7], "text": 7, "finish_reason": "length"}, {**PREFILL_ANSWER, "first_token_id": "6"}),
+    ({**GOOD, "num_cached_tokens": "a"}, {**PREFILL_ANSWER, "num_cached_tokens": None}),
+    ({"error": "boom"}, {k: v for k, v in PREFILL_ANSWER.items() if k != "kv_handle"}),
+    (7, {**PREFILL_ANSWER, "finish_reason": 1}),
+], ids=["missing", "token_ids", "text", "cached", "error", "not-an-object"])
+def test_an_answer_without_its_fields_is_the_workers_failure(event, answer):
+    """A worker that answers what its protocol never says (an event or a prefill answer without its fields, or
+    with fields of the wrong type) fails like one whose connection broke: the request goes on elsewhere, and the
+    worker is counted as failing (ejected after enough), rather than the client getting a 500 or a cut stream."""
     orchestrator, pool, http = orchestrator_over({"http://a": [], "http://b": []})
     first, other = first_and_other(orchestrator, pool)
-    http.script[first] = [{"text": "x", "finish_reason": "length"}]
+    http.script[first] = [event]
     http.script[other] = [GOOD]
     assert [d.new_token_ids for d in asyncio.run(collect(orchestrator))] == [[7]]
     assert http.calls == [first, other]
     assert pool.workers[first].failures == 1 and pool.workers[other].failures == 0
 
     metrics = RouterMetrics("test-bad-prefill")
-    http = BadPrefillAnswer({"http://d": [GOOD]})
+    http = BadPrefillAnswer({"http://d": [GOOD]}, answer)
     prefill, decode = WorkerPool("prefill", http, metrics), WorkerPool("decode", http, metrics)
     prefill.workers["http://p"] = Worker("http://p", healthy=True)
     prefill.ring.add("http://p")
@@ -357,8 +373,12 @@ def test_an_answer_without_its_fields_is_the_workers_failure():
 
 
 class OtherLayout(ScriptedWorkers):
-    """A decode worker whose KV layout is not the prefill worker's: it refuses a handle, and serves a prompt it
-    computes itself."""
+    """Decode workers whose KV layout is not the prefill worker's: they refuse a handle, and serve a prompt they
+    compute themselves (after `failing` such calls have failed)."""
+
+    def __init__(self, script, failing: int = 0):
+        super().__init__(script)
+        self.failing = failing
 
     async def event_batches(self, worker: str, path: str, body: dict):
         self.calls.append(worker)
@@ -366,6 +386,9 @@ class OtherLayout(ScriptedWorkers):
         if body["kv_handle"] is not None:
             raise WorkerStatusError(400, "incompatible KV layout: dtype: handle 'float32', this worker 'bfloat16'",
                                     "kv_layout_mismatch")
+        if self.failing:
+            self.failing -= 1
+            raise aiohttp.ClientConnectionError("gone")
         yield [{"token_ids": [8], "text": "y", "finish_reason": "length", "num_cached_tokens": 0}]
 
 
@@ -395,3 +418,46 @@ def test_a_handle_the_decode_pool_cannot_read_is_computed_again_there(caplog):
     assert decode.workers["http://d"].failures == 0 and decode.workers["http://d"].healthy
     assert metric_value(metrics.registry, "tandem_router_routing_decisions_total", path="fallback") == 2
     assert caplog.text.count("cannot read the KV of prefill worker http://p") == 1
+
+
+def test_a_handle_no_decode_worker_can_read_costs_the_request_none_of_its_attempts():
+    """After the refused handle, the request still survives two failed decode workers, as any request does."""
+    metrics = RouterMetrics("test-layout-attempts")
+    http = OtherLayout({}, failing=2)
+    prefill, decode = WorkerPool("prefill", http, metrics), WorkerPool("decode", http, metrics)
+    prefill.workers["http://p"] = Worker("http://p", healthy=True)
+    prefill.ring.add("http://p")
+    for url in ("http://d1", "http://d2", "http://d3"):
+        decode.workers[url] = Worker(url, healthy=True)
+        decode.ring.add(url)
+    orchestrator = Orchestrator(RouterConfig(disagg_min_tokens=1), prefill, decode, http, metrics, 0)
+
+    async def run_it():
+        return [d async for d in orchestrator.run("r1", [1, 2, 3], SamplingParams(temperature=0, max_tokens=2),
+                                                  Trace())]
+
+    assert [d.new_token_ids for d in asyncio.run(run_it())] == [[6], [8]]
+    assert len(http.calls) == 4 and len(set(http.calls[1:])) == 3  # the two that failed, then the third worker
+
+
+def test_a_split_requests_cached_tokens_are_the_prefill_workers():
+    """The prefill worker computed the prompt (2 of its 3 tokens from its cache); the decode worker, which pulled the
+    KV, counts its own cache (none): usage reports the prefill's, capped at the prompt."""
+    metrics = RouterMetrics("test-split-cached")
+    for reported, expected in ((2, 2), (5, 3)):
+        http = BadPrefillAnswer({"http://d": [{**GOOD, "num_cached_tokens": 0}]},
+                                {**PREFILL_ANSWER, "num_cached_tokens": reported})
+        prefill, decode = WorkerPool("prefill", http, metrics), WorkerPool("decode", http, metrics)
+        prefill.workers["http://p"] = Worker("http://p", healthy=True)
+        prefill.ring.add("http://p")
+        decode.workers["http://d"] = Worker("http://d", healthy=True)
+        decode.ring.add("http://d")
+        orchestrator = Orchestrator(RouterConfig(disagg_min_tokens=1), prefill, decode, http, metrics, 0)
+
+        async def run_it(orchestrator):
+            return [d async for d in orchestrator.run("r1", [1, 2, 3], SamplingParams(temperature=0, max_tokens=2),
+                                                      Trace())]
+
+        deltas = asyncio.run(run_it(orchestrator))
+        assert [d.new_token_ids for d in deltas] == [[6], [7]]
+        assert [d.num_cached_tokens for d in deltas] == [expected, expected]
