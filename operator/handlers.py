@@ -113,6 +113,8 @@ def build_registry(kube: Kube, keeper: StatusKeeper, resync_seconds: float | Non
                     _report(parent, _apply(kube, keeper, parent))
                 except SpecError:
                     pass  # the status already says why; nothing to restore from a bad spec
+                except kopf.TemporaryError:
+                    pass  # noted: retry_failed_apply tries again (kopf does not retry an event handler)
         keeper.refresh(namespace, owner)
 
     kopf.on.event("apps", "v1", "deployments", labels=OWNED, registry=registry)(owned_object_changed)

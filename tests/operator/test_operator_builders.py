@@ -219,6 +219,17 @@ def test_a_known_prefill_capacity_seeds_the_routers_admission_rate():
     assert "--initial-prefill-tps" not in router_args(_variant(scaling=None))
 
 
+@pytest.mark.parametrize("grace", [0, 3, 10, 120])
+def test_a_workers_drain_ends_within_its_grace_period(grace):
+    """The preStop hook's time counts in the grace period: the drain leaves 5 s of it for the server's own exit
+    (a grace of 0 is the user's choice of none, not a default)."""
+    pod = _by_name(_objects(_variant(decode__terminationGracePeriodSeconds=grace)), "Deployment")[
+        "smollm2-decode"]["spec"]["template"]["spec"]
+    pre_stop = pod["containers"][0]["lifecycle"]["preStop"]["exec"]["command"]
+    assert pod["terminationGracePeriodSeconds"] == grace
+    assert float(pre_stop[pre_stop.index("--timeout") + 1]) == max(grace - 5, 0)
+
+
 def test_the_routers_graceful_shutdown_ends_before_the_pods_grace_period():
     """SIGTERM comes after the preStop sleep; the router must end what still runs before the kubelet's SIGKILL."""
     pod = _by_name(_objects(VARIANTS["example"]), "Deployment")["smollm2-router"]["spec"]["template"]["spec"]

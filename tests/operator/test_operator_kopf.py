@@ -340,6 +340,24 @@ async def test_tandem_operator_command_reconciles_and_exits_cleanly_on_sigterm(e
     assert f"tandem operator reconciling LLMDeployments in namespace ns1 via {server}" in output
 
 
+def test_kopf_says_nothing_for_a_timer_run_that_went_through():
+    """The planner's and the retry's timers run every few seconds per LLMDeployment, mostly finding nothing to do;
+    a line for each would drown the log. Everything else kopf says stays."""
+    import logging
+
+    from tandem.operator.main import QuietTimers, quiet_timers
+
+    def said(message: str) -> bool:
+        return QuietTimers().filter(logging.LogRecord("kopf.objects", logging.INFO, __file__, 0, message, None, None))
+
+    assert not said("Timer 'build_registry.<locals>.retry_failed_apply' succeeded.")
+    assert said("Handler 'build_registry.<locals>.spec_changed' succeeded.")
+    assert said("Timer 'build_registry.<locals>.plan' failed temporarily: boom")
+    quiet_timers()
+    quiet_timers()
+    assert sum(isinstance(f, QuietTimers) for f in logging.getLogger("kopf.objects").filters) == 1
+
+
 def test_replicas_started_alike_get_their_own_peering_priorities():
     """kopf pauses every replica that sees a peer of equal priority; the chart starts its replicas alike."""
     drawn = {peering_priority(None) for _ in range(50)}

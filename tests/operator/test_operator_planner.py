@@ -158,23 +158,23 @@ def test_window_from_counter_deltas_between_two_scrapes():
         ("router", "10.0.0.1:8000"): _router(60, 50, failed=3, refused=23, limited=900),
         ("prefill", "10.0.1.1:8000"): _worker("prefill", 41000, 40900, 50, waiting=2),  # +40000 computed
         ("prefill", "10.0.1.2:8000"): _worker("prefill", 3000, 3000, 3),  # new pod, ready since: a baseline only
-        # +20000 prompt, +10000 out, +60 finished
-        ("decode", "10.0.2.1:8000"): _worker("decode", 21000, 100, 10500, finished=70),
+        # +20000 prompt, +10000 out, +80 finished (of requests the router counted before this window, too)
+        ("decode", "10.0.2.1:8000"): _worker("decode", 21000, 100, 10500, finished=90),
         # restarted: all of it is new (30000 prompt, 5000 out, 40 finished)
         ("decode", "10.0.2.2:8000"): _worker("decode", 30000, 100, 5000, finished=40),
         ("decode", "10.0.2.3:8000"): _worker("decode", 7000, 100, 7000, finished=30),  # new pod: a baseline only
     })
     window = window_from_samples(before, after, spec)
     assert window.arrival_rps == pytest.approx(12.2)
-    # Per request the same pods finished: the new pod's 30 requests are in neither count.
-    assert window.mean_input_tokens == pytest.approx((20000 + 30000) / 100)
-    assert window.mean_output_tokens == pytest.approx((10000 + 5000) / 100)
+    # Per request the same pods finished (120, not the router's 100): the new pod's 30 are in neither count.
+    assert window.mean_input_tokens == pytest.approx((20000 + 30000) / 120)
+    assert window.mean_output_tokens == pytest.approx((10000 + 5000) / 120)
     # Prefill has work waiting: saturated, so its measured 4000 tok/s per pod is its capacity (not the stated
     # 5000), measured on the pod that worked the whole window (the new one is no replica that did nothing).
     # Decode's queue is empty: its throughput (500 per pod) is only the load; the stated 50 holds.
     assert window.prefill_tok_s_per_replica == pytest.approx(4000)
     assert window.decode_tok_s_per_replica == pytest.approx(50)
-    assert window.prefill_backlog_tokens == pytest.approx(2 * 500)
+    assert window.prefill_backlog_tokens == pytest.approx(2 * window.mean_input_tokens)
     assert window_from_samples(after, after, spec) is None
 
     no_capacity = LLMDeploymentSpec.model_validate(_spec(**_planner()))
