@@ -135,6 +135,26 @@ def test_lease_ttl_frees_blocks_and_is_counted(tiny):
     assert not prefill.release_lease(lease.lease_id)  # an expired handle is refused
 
 
+def test_a_holder_that_asks_again_is_answered_as_it_was_the_first_time(tiny):
+    """A decode worker's release can time out while it waits for a long engine step on the prefill worker, which
+    carries it out after the step: the release it sends again must not be told the lease was lost (the read was
+    good, and would be thrown away). A lease freed otherwise (expired, or by the prefill worker itself when its
+    caller left) is still refused to the holder."""
+    prefill = engine(tiny, "prefill", kv_lease_ttl_s=5.0)
+    clock = [1000.0]
+    prefill.leases.clock = lambda: clock[0]
+    leases = [run(prefill, f"held-{i}", prompt_of(40, seed=10 + i), prefill_only=True)[1][-1].kv_lease
+              for i in range(3)]
+    assert prefill.release_lease(leases[0].lease_id, by_holder=True)
+    assert prefill.release_lease(leases[0].lease_id, by_holder=True)  # asked again: the same answer
+    assert prefill.release_lease(leases[1].lease_id)  # the prefill worker's own release, its caller gone
+    assert not prefill.release_lease(leases[1].lease_id, by_holder=True)
+    clock[0] += 6.0
+    assert prefill.expire_leases() == 1
+    assert not prefill.release_lease(leases[2].lease_id, by_holder=True)
+    assert prefill.leases.num_pinned_blocks == 0
+
+
 def test_failed_pull_falls_back_with_identical_tokens(tiny, colocated):
     prefill, decode = engine(tiny, "prefill"), engine(tiny, "decode")
     prefill.kv_transfer = create_kv_transfer("tcp", prefill.runner.kv_cache, "p-dead")
@@ -449,21 +469,22 @@ def test_a_request_whose_kv_was_imported_is_not_stuck_behind_one_that_does_not_f
         decode.kv_transfer.close()
 
 
-def test_cached_tokens_never_exceed_the_prompt_after_a_preemption(tiny):
-    """A preempted request comes back with its output, whose blocks may be in the prefix cache: those hits are
-    no cached prompt tokens (usage.prompt_tokens_details.cached_tokens <= prompt_tokens)."""
+def test_cached_tokens_are_the_first_admissions_after_a_preemption(tiny):
+    """A preempted request comes back with its output, and finds the blocks it computed itself in the prefix cache:
+    those hits are no prompt tokens served from the cache (usage.prompt_tokens_details.cached_tokens). Prompts
+    never seen before report none, however often they were preempted, as vLLM counts."""
     eng = engine(tiny, "both", num_kv_blocks=5, max_num_batched_tokens=64)
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    eng.add_request("a", prompt_of(4, seed=31), params)
-    eng.add_request("b", prompt_of(4, seed=32), params)
-    worst = 0
+    eng.add_request("a", prompt_of(20, seed=31), params)
+    eng.add_request("b", prompt_of(20, seed=32), params)
+    reported = set()
     for _ in range(500):
         for out in eng.step():
-            worst = max(worst, out.num_cached_tokens - out.num_prompt_tokens)
+            reported.add(out.num_cached_tokens)
         if not eng.has_unfinished_requests():
             break
     assert eng.num_preemptions > 0
-    assert worst <= 0
+    assert reported == {0}
 
 
 class SlowReads:

@@ -104,7 +104,7 @@ def add_internal_routes(app: FastAPI, ctx) -> None:
     @app.post("/internal/kv/release")
     async def kv_release(request: Request):
         body: ReleaseRequest = await parse_body(request, ReleaseRequest)
-        if not await release_own_lease(ctx, body.lease_id):
+        if not await release_own_lease(ctx, body.lease_id, by_holder=True):
             raise APIError(404, f"lease {body.lease_id} is unknown, already released or expired",
                            param="lease_id", code="lease_not_found")
         return {"released": True}
@@ -266,17 +266,19 @@ def check_handle(ctx, body: DecodeRequest, handle: KVHandle) -> None:
 RELEASE_ATTEMPTS = 3
 
 
-async def release_own_lease(ctx, lease_id: str) -> bool:
-    """Free the blocks of a lease this worker holds; False when it is unknown, already released or expired."""
-    return await ctx.engine.call(lambda engine: engine.release_lease(lease_id))
+async def release_own_lease(ctx, lease_id: str, by_holder: bool = False) -> bool:
+    """Free the blocks of a lease this worker holds; False when it is unknown, already released or expired
+    (LeaseTable.release: `by_holder`)."""
+    return await ctx.engine.call(lambda engine: engine.release_lease(lease_id, by_holder))
 
 
 async def release_lease(ctx, handle: KVHandle) -> bool:
     """Tell the prefill worker it may free the blocks; True if the lease was still held until then (200), False if
-    it was not (404: released, aborted or expired) or no answer came. A release is idempotent (a second one is a
-    404), so a failed one is tried again: a try can fail without the worker being gone (likely: a pooled keep-alive
-    connection the prefill worker closed as it was reused), and the blocks would otherwise stay pinned for the whole
-    lease TTL. Best effort after that: the TTL covers the rest."""
+    it was not (404: aborted or expired) or no answer came. A release is idempotent (a second one is answered as
+    the first was, LeaseTable.release), so a failed one is tried again: a try can fail without the worker being
+    gone (a pooled keep-alive connection the prefill worker closed as it was reused; an answer later than the
+    timeout, behind a long engine step there), and the blocks would otherwise stay pinned for the whole lease TTL.
+    Best effort after that: the TTL covers the rest."""
     for attempt in range(1, RELEASE_ATTEMPTS + 1):
         try:
             response = await ctx.http.post(f"{handle.source_url}/internal/kv/release",

@@ -82,11 +82,12 @@ class BlockManager:
             seq.block_table.extend(hits)
             seq.num_computed_tokens += num_hit_tokens
             seq.num_cached_blocks = len(seq.block_table)
-            # Counted over the prompt only: a preempted request comes back with its output too, whose hits are
-            # no prompt tokens served from the cache (usage's cached_tokens must not exceed prompt_tokens).
-            seq.num_cached_tokens = min(num_hit_tokens, seq.num_prompt_tokens)
-            self.num_queried_tokens += seq.num_prompt_tokens
-            self.num_hit_tokens += seq.num_cached_tokens
+            if not seq.num_preemptions:
+                # At its first admission only, as vLLM counts: a preempted request that comes back finds the
+                # blocks it computed itself (its output's too), no prompt tokens served from the cache.
+                seq.num_cached_tokens = min(num_hit_tokens, seq.num_prompt_tokens)
+                self.num_queried_tokens += seq.num_prompt_tokens
+                self.num_hit_tokens += seq.num_cached_tokens
         for _ in range(num_new_blocks):
             seq.block_table.append(self.pool.allocate())
         return True

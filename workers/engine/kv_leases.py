@@ -25,12 +25,17 @@ class KVLease:
     expires_at: float  # unix time, so that another process can read it
 
 
+# Leases their holders released, remembered (the newest this many) to answer a holder that asks again alike.
+REMEMBERED_RELEASES = 4096
+
+
 class LeaseTable:
     def __init__(self, pool: BlockPool, ttl_s: float, clock: Callable[[], float] = time.time):
         self.pool = pool
         self.ttl_s = ttl_s
         self.clock = clock
         self._leases: dict[str, KVLease] = {}
+        self._released_by_holder: dict[str, None] = {}  # insertion-ordered: the oldest go first
         self.num_pinned_blocks = 0
         self.num_expired = 0
 
@@ -42,13 +47,21 @@ class LeaseTable:
         self.num_pinned_blocks += len(block_ids)
         return lease
 
-    def release(self, lease_id: str) -> bool:
-        """Drop a lease; False when it is unknown, already released or expired."""
+    def release(self, lease_id: str, by_holder: bool = False) -> bool:
+        """Drop a lease; False when it is unknown, already released or expired. A release `by_holder` (the decode
+        worker the handle went to, done reading) is remembered, and its holder asking again is answered True
+        again: it asks again when its first ask timed out while waiting for a long engine step here, and that
+        ask, carried out after the step, is what released the lease (it held until then). Told False instead,
+        the holder would throw away a read that was good."""
         lease = self._leases.pop(lease_id, None)
         if lease is None:
-            return False
+            return by_holder and lease_id in self._released_by_holder
         self.pool.free_all(reversed(lease.block_ids))
         self.num_pinned_blocks -= len(lease.block_ids)
+        if by_holder:
+            self._released_by_holder[lease_id] = None
+            if len(self._released_by_holder) > REMEMBERED_RELEASES:
+                del self._released_by_holder[next(iter(self._released_by_holder))]
         return True
 
     def release_request(self, request_id: str) -> bool:

@@ -25,7 +25,7 @@ from tandem.workers.engine.block_manager import BlockManager
 from tandem.workers.engine.detokenizer import IncrementalDetokenizer
 from tandem.workers.engine.grammar import GrammarMatchers
 from tandem.workers.engine.kv_leases import KVLease, LeaseTable
-from tandem.workers.engine.model_runner import ModelRunner
+from tandem.workers.engine.model_runner import ModelRunner, kv_cache_blocks
 from tandem.workers.engine.sampler import History, Sampler, TokenLogprobs
 from tandem.workers.engine.scheduler import Scheduler
 from tandem.workers.engine.sequence import Sequence
@@ -153,10 +153,11 @@ class LLMEngine:
         if config.max_model_len is not None and config.max_model_len > model_max_len:
             raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's context length "
                              f"({model_max_len})")
-        self.max_model_len = config.max_model_len or model_max_len
+        # Settled before the cache is made: a limit past it is refused before the allocation and the CUDA graphs.
+        self.max_model_len = self._fit_to_cache(config.max_model_len or model_max_len, config,
+                                                kv_cache_blocks(loaded, config))
         self.model_name = config.served_model_name or loaded.config.name
         self.runner = ModelRunner(loaded, config, self.max_model_len)
-        self.max_model_len = self._fit_to_cache(self.max_model_len, config)
         # Keyed by the served name, as the router keys its routing hashes.
         self.hash_seed = model_seed(self.model_name)
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, self.hash_seed,
@@ -200,15 +201,16 @@ class LLMEngine:
 
     # ----------------------------------------------------------------- requests
 
-    def _fit_to_cache(self, max_model_len: int, config: EngineConfig) -> int:
+    @staticmethod
+    def _fit_to_cache(max_model_len: int, config: EngineConfig, num_blocks: int) -> int:
         """The context limit one sequence can have whole in the KV cache. Past it a request would be accepted as
         within the context and then refused (or never scheduled) for want of blocks, the default max_tokens of a
         chat request included. A limit the user set is refused at start, as vLLM does; the model's own is lowered
         to what the cache holds, and said."""
-        capacity = self.runner.num_blocks * config.block_size
+        capacity = num_blocks * config.block_size
         if max_model_len <= capacity:
             return max_model_len
-        room = (f"the KV cache holds {capacity} tokens ({self.runner.num_blocks} blocks of {config.block_size}); "
+        room = (f"the KV cache holds {capacity} tokens ({num_blocks} blocks of {config.block_size}); "
                 "give it more with --kv-cache-memory-gb or --num-kv-blocks")
         if config.max_model_len is not None:
             raise ValueError(f"max_model_len={max_model_len} does not fit: {room}, or lower --max-model-len")
@@ -394,9 +396,10 @@ class LLMEngine:
 
     # ----------------------------------------------------------------- P/D
 
-    def release_lease(self, lease_id: str) -> bool:
-        """A decode worker is done with a prefill's blocks; False if unknown, released or expired."""
-        released = self.leases.release(lease_id)
+    def release_lease(self, lease_id: str, by_holder: bool = False) -> bool:
+        """Free a prefill's leased blocks; False if unknown, released or expired (LeaseTable.release: `by_holder`,
+        the decode worker done with them)."""
+        released = self.leases.release(lease_id, by_holder)
         self._update_gauges()
         return released
 

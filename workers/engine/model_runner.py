@@ -41,6 +41,19 @@ def kv_block_bytes(num_layers: int, block_size: int, num_kv_heads: int, head_dim
     return num_layers * 2 * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
 
+def kv_cache_blocks(loaded: Any, config: EngineConfig) -> int:
+    """The number of KV blocks the cache of a runner for `loaded` with `config` has (known before it is made)."""
+    if config.num_kv_blocks is not None:
+        return config.num_kv_blocks
+    mc = loaded.config
+    block_bytes = kv_block_bytes(mc.num_layers, config.block_size, mc.num_kv_heads, mc.head_dim,
+                                 _as_dtype(loaded.dtype))
+    blocks = int(config.kv_cache_memory_gb * (1 << 30)) // block_bytes
+    if blocks < 1:
+        raise ValueError(f"kv_cache_memory_gb={config.kv_cache_memory_gb} holds no KV block ({block_bytes} bytes each)")
+    return blocks
+
+
 class ModelRunner:
     def __init__(self, loaded: Any, config: EngineConfig, max_model_len: int | None = None):
         """`max_model_len`: the engine's context limit (None: the model's); it sizes the CUDA graphs'
@@ -51,14 +64,7 @@ class ModelRunner:
         self.dtype = _as_dtype(loaded.dtype)
         self.block_size = config.block_size
         mc = self.model_config
-        block_bytes = kv_block_bytes(mc.num_layers, self.block_size, mc.num_kv_heads, mc.head_dim, self.dtype)
-        if config.num_kv_blocks is not None:
-            self.num_blocks = config.num_kv_blocks
-        else:
-            self.num_blocks = int(config.kv_cache_memory_gb * (1 << 30)) // block_bytes
-            if self.num_blocks < 1:
-                raise ValueError(f"kv_cache_memory_gb={config.kv_cache_memory_gb} holds no KV block "
-                                 f"({block_bytes} bytes each)")
+        self.num_blocks = kv_cache_blocks(loaded, config)
         self.kv_cache = torch.zeros(self.num_blocks, mc.num_layers, 2, self.block_size, mc.num_kv_heads,
                                     mc.head_dim, dtype=self.dtype, device=self.device)
         # Pack the CPU GEMM weights now rather than in the middle of the first batched request.
@@ -72,9 +78,8 @@ class ModelRunner:
         if self.device.type == "cuda" and getattr(self.model.ops, "backend", None) == "triton" \
                 and not config.enforce_eager:
             try:
-                # No sequence outgrows the cache: the graphs' block tables need no more than it holds.
-                longest = min(max_model_len or mc.max_position_embeddings, self.num_blocks * self.block_size)
-                self.decode_graphs = DecodeGraphs(self.model, self.kv_cache, self.block_size, longest,
+                self.decode_graphs = DecodeGraphs(self.model, self.kv_cache, self.block_size,
+                                                  max_model_len or mc.max_position_embeddings,
                                                   default_batch_sizes(config.max_num_seqs))
             except RuntimeError as exc:  # a capture CUDA refuses costs speed, not service
                 log.warning("CUDA graph capture failed, decode steps run eagerly: %s", exc)

@@ -119,8 +119,7 @@ class Sequence:
         self.num_computed_tokens = 0
         self.block_table = []
         self.num_cached_blocks = 0
-        self.num_cached_tokens = 0
-        self.num_preemptions += 1
+        self.num_preemptions += 1  # (num_cached_tokens stays its first admission's: BlockManager.allocate_slots)
 
     def __repr__(self) -> str:
         return (f"Sequence({self.request_id!r}, status={self.status.value}, tokens={self.num_tokens}, "
