@@ -369,6 +369,8 @@ class _Entry:
 
     def __init__(self, d: dict):
         self.token_id, self.logprob = d["token_id"], d["logprob"]
+        if type(self.token_id) is not int or not isinstance(self.logprob, (float, int)):  # formatted as such
+            raise TypeError("a logprob entry's field of the wrong type")
         self.top_logprobs = [tuple(t) for t in d.get("top_logprobs", [])]
 
 

@@ -183,6 +183,8 @@ def join_decode_events(events: list[dict]) -> dict:
 
 class ReleaseRequest(BaseModel):
     lease_id: str
+    # Sent by the decode worker whose read of the blocks is over (and only then): see LeaseTable.release.
+    after_read: bool = False
 
 
 class AbortRequest(BaseModel):

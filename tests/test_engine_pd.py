@@ -135,23 +135,24 @@ def test_lease_ttl_frees_blocks_and_is_counted(tiny):
     assert not prefill.release_lease(lease.lease_id)  # an expired handle is refused
 
 
-def test_a_holder_that_asks_again_is_answered_as_it_was_the_first_time(tiny):
-    """A decode worker's release can time out while it waits for a long engine step on the prefill worker, which
-    carries it out after the step: the release it sends again must not be told the lease was lost (the read was
-    good, and would be thrown away). A lease freed otherwise (expired, or by the prefill worker itself when its
-    caller left) is still refused to the holder."""
+def test_a_release_after_a_read_asked_again_is_answered_as_the_first_time(tiny):
+    """A decode worker's release after its read can time out while it waits for a long engine step on the prefill
+    worker, which carries it out after the step: the release it sends again must not be told the lease was lost
+    (the read was good, and would be thrown away). A lease freed otherwise is still refused to the read's release:
+    by the prefill worker itself (its caller left), by the decode worker giving its request up while the read may
+    still be on (the blocks may be reused under it), or by expiry."""
     prefill = engine(tiny, "prefill", kv_lease_ttl_s=5.0)
     clock = [1000.0]
     prefill.leases.clock = lambda: clock[0]
     leases = [run(prefill, f"held-{i}", prompt_of(40, seed=10 + i), prefill_only=True)[1][-1].kv_lease
               for i in range(3)]
-    assert prefill.release_lease(leases[0].lease_id, by_holder=True)
-    assert prefill.release_lease(leases[0].lease_id, by_holder=True)  # asked again: the same answer
-    assert prefill.release_lease(leases[1].lease_id)  # the prefill worker's own release, its caller gone
-    assert not prefill.release_lease(leases[1].lease_id, by_holder=True)
+    assert prefill.release_lease(leases[0].lease_id, after_read=True)
+    assert prefill.release_lease(leases[0].lease_id, after_read=True)  # asked again: the same answer
+    assert prefill.release_lease(leases[1].lease_id)  # any release but the read's own: not remembered
+    assert not prefill.release_lease(leases[1].lease_id, after_read=True)
     clock[0] += 6.0
     assert prefill.expire_leases() == 1
-    assert not prefill.release_lease(leases[2].lease_id, by_holder=True)
+    assert not prefill.release_lease(leases[2].lease_id, after_read=True)
     assert prefill.leases.num_pinned_blocks == 0
 
 
@@ -535,3 +536,52 @@ def test_requests_with_different_grammars_and_none_share_a_batch(colocated, tiny
     for i, pattern in enumerate(patterns):
         assert re.fullmatch(pattern, tiny.tokenizer.decode(together[f"together-{i}"])), (pattern, together)
     assert [together[f"together-{i}"] for i in range(6)] == alone
+
+
+class ReadsLate(SlowReads):
+    """A KV transfer whose reads begin `seconds` late: the blocks can change hands before they are read."""
+
+    def read_blocks(self, *args, **kwargs):
+        time.sleep(self.seconds)
+        return self.transfer.read_blocks(*args, **kwargs)
+
+
+def test_a_read_whose_lease_its_own_worker_gave_up_meanwhile_is_not_used(tiny, colocated):
+    """The decode request is given up while its pull is on (its client left): the decode worker releases the lease
+    then (decode_events), and the prefill worker reuses the blocks for another prompt before the read. The pull's
+    own release after the read must be told the lease was gone, and what was read never used nor cached: a
+    release that is not the read's is not remembered as one (LeaseTable.release)."""
+    prefill = engine(tiny, "prefill", num_kv_blocks=6)
+    decode = engine(tiny, "decode", kv_pull_in_background="off")
+    prefill.kv_transfer = create_kv_transfer("tcp", prefill.runner.kv_cache, "p-gave-up")
+    decode.kv_transfer = ReadsLate(create_kv_transfer("tcp", decode.runner.kv_cache, "d-gave-up"), 0.5)
+    try:
+        prompt, other = prompt_of(48, seed=1), prompt_of(80, seed=2)
+        first, outs = run(prefill, "a", prompt, prefill_only=True)
+        lease = outs[-1].kv_lease
+        told = []
+
+        def release_after_read() -> bool:  # RemoteKV.release, as the worker sends it
+            told.append(prefill.release_lease(lease.lease_id, after_read=True))
+            return told[-1]
+
+        decode.add_request("a", prompt, GREEDY, first_token_id=first[0], kv_source=RemoteKV(
+            prefill.kv_transfer.agent_info(), lease.block_ids, lease.expires_at, release=release_after_read))
+
+        def given_up_meanwhile():
+            time.sleep(0.1)
+            prefill.release_lease(lease.lease_id)  # decode_events' release, its request cancelled mid-pull
+            run(prefill, "b", other, prefill_only=True)  # the freed blocks hold another prompt's KV now
+
+        thread = threading.Thread(target=given_up_meanwhile)
+        thread.start()
+        decode.step()  # waits for the pull (up to 1 s), which reads the reused blocks
+        thread.join()
+        assert told == [False]
+        decode.abort_request("a")
+        decode.step()
+        again, _ = run(decode, "a-again", prompt)  # nothing of the bad read is in its prefix cache
+        assert again == run(colocated, "a-ref", prompt)[0]
+    finally:
+        prefill.kv_transfer.close()
+        decode.kv_transfer.close()

@@ -104,7 +104,7 @@ def add_internal_routes(app: FastAPI, ctx) -> None:
     @app.post("/internal/kv/release")
     async def kv_release(request: Request):
         body: ReleaseRequest = await parse_body(request, ReleaseRequest)
-        if not await release_own_lease(ctx, body.lease_id, by_holder=True):
+        if not await release_own_lease(ctx, body.lease_id, body.after_read):
             raise APIError(404, f"lease {body.lease_id} is unknown, already released or expired",
                            param="lease_id", code="lease_not_found")
         return {"released": True}
@@ -266,23 +266,24 @@ def check_handle(ctx, body: DecodeRequest, handle: KVHandle) -> None:
 RELEASE_ATTEMPTS = 3
 
 
-async def release_own_lease(ctx, lease_id: str, by_holder: bool = False) -> bool:
+async def release_own_lease(ctx, lease_id: str, after_read: bool = False) -> bool:
     """Free the blocks of a lease this worker holds; False when it is unknown, already released or expired
-    (LeaseTable.release: `by_holder`)."""
-    return await ctx.engine.call(lambda engine: engine.release_lease(lease_id, by_holder))
+    (LeaseTable.release: `after_read`)."""
+    return await ctx.engine.call(lambda engine: engine.release_lease(lease_id, after_read))
 
 
-async def release_lease(ctx, handle: KVHandle) -> bool:
+async def release_lease(ctx, handle: KVHandle, after_read: bool = False) -> bool:
     """Tell the prefill worker it may free the blocks; True if the lease was still held until then (200), False if
-    it was not (404: aborted or expired) or no answer came. A release is idempotent (a second one is answered as
-    the first was, LeaseTable.release), so a failed one is tried again: a try can fail without the worker being
-    gone (a pooled keep-alive connection the prefill worker closed as it was reused; an answer later than the
-    timeout, behind a long engine step there), and the blocks would otherwise stay pinned for the whole lease TTL.
-    Best effort after that: the TTL covers the rest."""
+    it was not (404: aborted or expired) or no answer came. `after_read`: sent by the pull whose read is over,
+    whose repeated ask is answered as the first was (LeaseTable.release). A failed try is sent again: a try can
+    fail without the worker being gone (a pooled keep-alive connection the prefill worker closed as it was
+    reused; an answer later than the timeout, behind a long engine step there), and the blocks would otherwise
+    stay pinned for the whole lease TTL. Best effort after that: the TTL covers the rest."""
     for attempt in range(1, RELEASE_ATTEMPTS + 1):
         try:
             response = await ctx.http.post(f"{handle.source_url}/internal/kv/release",
-                                           json={"lease_id": handle.lease_id}, timeout=2.0)
+                                           json={"lease_id": handle.lease_id, "after_read": after_read},
+                                           timeout=2.0)
             return response.status_code == 200
         except httpx.HTTPError as exc:
             if attempt == RELEASE_ATTEMPTS:
@@ -296,7 +297,7 @@ def release_from_pull_thread(ctx, handle: KVHandle, loop: asyncio.AbstractEventL
     """RemoteKV.release: the lease released by this worker's event loop for the engine's pull thread, which waits
     for the answer (one round trip per pull, the price of knowing the blocks read were this prompt's)."""
     def release() -> bool:
-        return asyncio.run_coroutine_threadsafe(release_lease(ctx, handle), loop).result(timeout=10)
+        return asyncio.run_coroutine_threadsafe(release_lease(ctx, handle, after_read=True), loop).result(timeout=10)
     return release
 
 

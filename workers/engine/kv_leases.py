@@ -25,7 +25,7 @@ class KVLease:
     expires_at: float  # unix time, so that another process can read it
 
 
-# Leases their holders released, remembered (the newest this many) to answer a holder that asks again alike.
+# Leases released after their holder's read, remembered (the newest this many) to answer a repeated ask alike.
 REMEMBERED_RELEASES = 4096
 
 
@@ -35,7 +35,7 @@ class LeaseTable:
         self.ttl_s = ttl_s
         self.clock = clock
         self._leases: dict[str, KVLease] = {}
-        self._released_by_holder: dict[str, None] = {}  # insertion-ordered: the oldest go first
+        self._released_after_read: dict[str, None] = {}  # insertion-ordered: the oldest go first
         self.num_pinned_blocks = 0
         self.num_expired = 0
 
@@ -47,21 +47,23 @@ class LeaseTable:
         self.num_pinned_blocks += len(block_ids)
         return lease
 
-    def release(self, lease_id: str, by_holder: bool = False) -> bool:
-        """Drop a lease; False when it is unknown, already released or expired. A release `by_holder` (the decode
-        worker the handle went to, done reading) is remembered, and its holder asking again is answered True
-        again: it asks again when its first ask timed out while waiting for a long engine step here, and that
-        ask, carried out after the step, is what released the lease (it held until then). Told False instead,
-        the holder would throw away a read that was good."""
+    def release(self, lease_id: str, after_read: bool = False) -> bool:
+        """Drop a lease; False when it is unknown, already released or expired. A release `after_read` (sent by the
+        decode worker whose read of the blocks is over) is remembered, and the same ask again is answered True
+        again: it comes again when the first timed out while waiting for a long engine step here, and that first
+        ask, carried out after the step, is what released the lease, which held until then. Told False instead,
+        the decode worker would throw away a read that was good. Any other release (a decode request given up
+        while its read may still be on, an abort, an expiry) is not remembered: the blocks may be reused under a
+        read still going on, whose own release must then be told False."""
         lease = self._leases.pop(lease_id, None)
         if lease is None:
-            return by_holder and lease_id in self._released_by_holder
+            return after_read and lease_id in self._released_after_read
         self.pool.free_all(reversed(lease.block_ids))
         self.num_pinned_blocks -= len(lease.block_ids)
-        if by_holder:
-            self._released_by_holder[lease_id] = None
-            if len(self._released_by_holder) > REMEMBERED_RELEASES:
-                del self._released_by_holder[next(iter(self._released_by_holder))]
+        if after_read:
+            self._released_after_read[lease_id] = None
+            if len(self._released_after_read) > REMEMBERED_RELEASES:
+                del self._released_after_read[next(iter(self._released_after_read))]
         return True
 
     def release_request(self, request_id: str) -> bool:

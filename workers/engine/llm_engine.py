@@ -396,10 +396,9 @@ class LLMEngine:
 
     # ----------------------------------------------------------------- P/D
 
-    def release_lease(self, lease_id: str, by_holder: bool = False) -> bool:
-        """Free a prefill's leased blocks; False if unknown, released or expired (LeaseTable.release: `by_holder`,
-        the decode worker done with them)."""
-        released = self.leases.release(lease_id, by_holder)
+    def release_lease(self, lease_id: str, after_read: bool = False) -> bool:
+        """Free a prefill's leased blocks; False if unknown, released or expired (LeaseTable.release: `after_read`)."""
+        released = self.leases.release(lease_id, after_read)
         self._update_gauges()
         return released
 
