@@ -190,10 +190,10 @@ def test_echo_with_prompt_logprobs_is_served_by_one_worker(fleet, tokenizer):
     prompt = f"Some notes: {long_text(6)}. The notes are about"
     assert len(tokenizer.encode(prompt)) >= DISAGG_MIN
     before = metric(fleet["disagg"].url, "tandem_router_routing_decisions_total", 'path="colocated"')
-    # Colocated: the three echo requests, and the first of two samples (the second takes the prompt's logprobs from
+    # Colocated: the four echo requests, and the first of two samples (the second takes the prompt's logprobs from
     # it and goes the usual way, as does the request without echo).
     check_echo(sdk(fleet["disagg"]), prompt)
-    assert metric(fleet["disagg"].url, "tandem_router_routing_decisions_total", 'path="colocated"') == before + 4
+    assert metric(fleet["disagg"].url, "tandem_router_routing_decisions_total", 'path="colocated"') == before + 5
     kwargs = dict(model="smollm2", prompt=prompt, max_tokens=1, temperature=0, logprobs=1, echo=True)
     routed = sdk(fleet["disagg"]).completions.create(**kwargs).choices[0]
     direct = sdk(fleet["decode"][0]).completions.create(**kwargs).choices[0]
