@@ -23,15 +23,18 @@ def test_a_release_lost_on_a_closed_connection_is_sent_again():
             await writer.drain()
         writer.close()
 
-    async def run():
+    async def run(after_read: bool):
         server = await asyncio.start_server(serve, "127.0.0.1", 0)
         port = server.sockets[0].getsockname()[1]
         async with server, httpx.AsyncClient() as http:
             handle = SimpleNamespace(source_url=f"http://127.0.0.1:{port}", lease_id="lease-1")
-            await release_lease(SimpleNamespace(http=http), handle)
+            return await release_lease(SimpleNamespace(http=http), handle, after_read)
 
-    asyncio.run(run())
+    assert asyncio.run(run(after_read=False))
     assert received == [b'{"lease_id":"lease-1"}'] * 2
+    received.clear()
+    assert asyncio.run(run(after_read=True))  # the pull's own, whose repeated ask is answered alike
+    assert received == [b'{"lease_id":"lease-1","after_read":true}'] * 2
 
 
 def test_a_decode_stream_closed_before_it_began_releases_its_lease_once():

@@ -279,11 +279,10 @@ async def release_lease(ctx, handle: KVHandle, after_read: bool = False) -> bool
     fail without the worker being gone (a pooled keep-alive connection the prefill worker closed as it was
     reused; an answer later than the timeout, behind a long engine step there), and the blocks would otherwise
     stay pinned for the whole lease TTL. Best effort after that: the TTL covers the rest."""
+    body = {"lease_id": handle.lease_id, "after_read": True} if after_read else {"lease_id": handle.lease_id}
     for attempt in range(1, RELEASE_ATTEMPTS + 1):
         try:
-            response = await ctx.http.post(f"{handle.source_url}/internal/kv/release",
-                                           json={"lease_id": handle.lease_id, "after_read": after_read},
-                                           timeout=2.0)
+            response = await ctx.http.post(f"{handle.source_url}/internal/kv/release", json=body, timeout=2.0)
             return response.status_code == 200
         except httpx.HTTPError as exc:
             if attempt == RELEASE_ATTEMPTS:
