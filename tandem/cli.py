@@ -110,7 +110,8 @@ def _plan_parser(sub) -> argparse.ArgumentParser:
     add_model_options(p, WorkloadProfile)
     p.add_argument("--patch-style", choices=["pools", "ratio"], default="pools",
                    help="size the LLMDeployment by prefill/decode replicas, or by spec.ratio + spec.replicas "
-                        "(default: pools)")
+                        "(refused when the operator's split of those would not give the plan's pools; "
+                        "default: pools)")
     p.add_argument("--patch-out", metavar="FILE", help="write the LLMDeployment patch here instead of printing it")
     p.add_argument("--format", dest="output_format", choices=["table", "json"], default="table",
                    help="a table and the patch, or one JSON document (default: table)")

@@ -22,7 +22,11 @@ def run_plan_command(profile: WorkloadProfile, curve_path: str | None = None, pa
     except ValueError as exc:
         print(f"tandem plan: error: {exc}", file=sys.stderr)
         return 2
-    patch = plan_patch_yaml(plan, patch_style) if plan.loads is not None else None
+    try:
+        patch = plan_patch_yaml(plan, patch_style) if plan.loads is not None else None
+    except ValueError as exc:
+        print(f"tandem plan: error: {exc}", file=sys.stderr)
+        return 2
     if output_format == "json":
         doc = plan_to_dict(plan)
         doc["patch"] = None if patch is None else yaml.safe_load(patch)
@@ -31,7 +35,11 @@ def run_plan_command(profile: WorkloadProfile, curve_path: str | None = None, pa
         print(format_plan(plan))
     if patch is not None:
         if patch_out:
-            Path(patch_out).write_text(patch)
+            try:
+                Path(patch_out).write_text(patch)
+            except OSError as exc:
+                print(f"tandem plan: error: cannot write the patch to {patch_out}: {exc.strerror}", file=sys.stderr)
+                return 2
             print(f"wrote the LLMDeployment patch to {patch_out}", file=sys.stderr)
         elif output_format == "table":
             print("\n# LLMDeployment patch\n" + patch, end="")

@@ -32,6 +32,11 @@ PERCENTILES: tuple[str, ...] = ("p50", "p90", "p99")
 KNEE_MIN_BEND = 0.05
 
 
+# The optional fields of a curve point, each a measured figure (seconds, per second or tokens).
+MEASURED_FIELDS = ("request_throughput", "output_throughput", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "itl_p50_s",
+                   "itl_p90_s", "itl_p99_s", "tpot_p50_s", "mean_input_tokens", "mean_output_tokens")
+
+
 @dataclass(frozen=True)
 class CurvePoint:
     """One operating point. Latencies are in seconds; `concurrency` is the requests in flight (the target of a
@@ -57,6 +62,11 @@ class CurvePoint:
         if not (math.isfinite(self.e2e_mean_s) and self.e2e_mean_s > 0):
             raise ValueError(f"curve point at concurrency {self.concurrency:g}: e2e_mean_s must be > 0, "
                              f"got {self.e2e_mean_s}")
+        for name in MEASURED_FIELDS:  # a NaN or negative latency would pass every SLO test (value > target)
+            value = getattr(self, name)
+            if value is not None and not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"curve point at concurrency {self.concurrency:g}: {name} must be a finite number "
+                                 f">= 0, got {value}")
 
     def latency(self, metric: Literal["ttft", "itl"], percentile: Percentile) -> float | None:
         if percentile not in PERCENTILES:

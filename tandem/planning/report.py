@@ -6,7 +6,7 @@ from typing import Literal
 
 import yaml
 
-from tandem.planning.sizing import Plan
+from tandem.planning.sizing import Plan, split_total
 
 PatchStyle = Literal["pools", "ratio"]
 
@@ -109,8 +109,14 @@ def plan_patch(plan: Plan, style: PatchStyle = "pools") -> dict:
         spec: dict = {"ratio": None, "replicas": None, "prefill": {"replicas": plan.prefill_replicas},
                       "decode": {"replicas": plan.decode_replicas}}
     elif style == "ratio":
-        spec = {"ratio": plan.loads.ratio_text, "replicas": plan.prefill_replicas + plan.decode_replicas,
-                "prefill": {"replicas": None}, "decode": {"replicas": None}}
+        total = plan.prefill_replicas + plan.decode_replicas
+        split = split_total(total, plan.loads.ratio)
+        if split != (plan.prefill_replicas, plan.decode_replicas):  # the ratio is reduced, the pools rounded up
+            raise ValueError(f"the operator splits {total} workers at {plan.loads.ratio_text} into {split[0]} "
+                             f"prefill + {split[1]} decode, not this plan's {plan.prefill_replicas} + "
+                             f"{plan.decode_replicas}: use --patch-style pools")
+        spec = {"ratio": plan.loads.ratio_text, "replicas": total, "prefill": {"replicas": None},
+                "decode": {"replicas": None}}
     else:
         raise ValueError(f"patch style {style!r} must be 'pools' or 'ratio'")
     if plan.disagg_threshold is not None:

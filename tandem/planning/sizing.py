@@ -253,8 +253,16 @@ def make_plan(profile: WorkloadProfile, curve: list[CurvePoint] | None = None) -
             values["replicas_source"] = "each pool's load x safety factor, rounded up"
         else:
             total = max(2, ceil_count(values["gpus"] / tp))
-            values["prefill_replicas"], values["decode_replicas"] = split_total(total, loads.ratio)
-            values["replicas_source"] = f"ceil(GPUs / TP) = {total} workers split {loads.ratio_text}"
+            source = f"ceil(GPUs / TP) = {total} workers split {loads.ratio_text}"
+            split = split_total(total, loads.ratio)
+            # The ratio is reduced to small terms and the split rounded: a pool can land under its own load.
+            while split[0] < loads.prefill or split[1] < loads.decode:
+                total += 1
+                split = split_total(total, loads.ratio)
+            if total > max(2, ceil_count(values["gpus"] / tp)):
+                source += f", raised to {total} to cover each pool's load"
+            values["prefill_replicas"], values["decode_replicas"] = split
+            values["replicas_source"] = source
         if profile.slo_itl is not None and decode_step is not None:
             values["decode_step_s"] = decode_step
             values["disagg_threshold"] = disaggregation_threshold(profile.slo_itl, decode_step, prefill_tok_s)

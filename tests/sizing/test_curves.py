@@ -167,3 +167,11 @@ def test_rate_sweep_points_use_the_measured_concurrency():
     s = summarize_point(records, target_concurrency=None, rate=4.0)
     assert s["concurrency"] == pytest.approx(2.0) == mean_in_flight(records, (0.0, 1.0))
     assert s["slo_attainment"] is None
+
+
+@pytest.mark.parametrize("field, value", [("ttft_p99_s", float("nan")), ("itl_p99_s", -5.0),
+                                          ("request_throughput", float("inf"))])
+def test_a_point_with_a_latency_that_is_no_measurement_is_refused(field, value):
+    """NaN or a negative latency would pass every SLO test (value > target is False): the point is refused."""
+    with pytest.raises(ValueError, match=f"{field} must be a finite number >= 0"):
+        CurvePoint(concurrency=4, e2e_mean_s=1.0, **{field: value})

@@ -212,3 +212,41 @@ def test_a_missing_disaggregation_threshold_says_what_it_lacks(profile_args, slo
     assert plan.disagg_threshold is None
     row = next(line for line in format_plan(plan).splitlines() if "disaggregation threshold" in line)
     assert "n/a" in row and reason in row
+
+
+def test_pools_split_from_the_curves_gpus_cover_their_own_loads():
+    """Workers sized from the colocated curve (GPUs / TP) are split at the reduced P:D ratio, rounded: a pool could
+    land under the load the plan itself prints. The total is raised until both pools cover theirs."""
+    # The guide's curve, with the lengths it was measured at: the per-phase rates are fitted from it.
+    curve = [CurvePoint.from_summary({**p, "mean_input_tokens": 2000, "mean_output_tokens": 250}) for p in GUIDE_CURVE]
+    raised = 0
+    for rps in [x / 4 for x in range(4, 400, 3)]:
+        for tokens in (("2000", "250"), ("512", "128"), ("5000", "1000")):
+            profile = WorkloadProfile(peak_rps=rps, input_tokens=tokens[0], output_tokens=tokens[1], slo_ttft=2.0,
+                                      slo_itl=0.05, ratio_max_term=1)
+            plan = make_plan(profile, curve)
+            if plan.loads is None:  # no split: the curve has no C_max at this SLO to fit rates at
+                continue
+            assert plan.prefill_replicas >= plan.loads.prefill and plan.decode_replicas >= plan.loads.decode, (
+                rps, tokens, plan.loads, plan.prefill_replicas, plan.decode_replicas)
+            raised += "raised to" in plan.replicas_source
+    assert raised  # the sweep met the case
+
+
+def test_a_ratio_patch_that_would_not_give_the_plans_pools_is_refused():
+    """Pools of 7 prefill + 2 decode reduce to 5:1 (at most 8 per term); the operator splits 9 workers at 5:1 into 8 + 1,
+    one decode worker under a load of 1.01: the ratio style cannot say this plan, the pools style can."""
+    plan = make_plan(WorkloadProfile(peak_rps=1, input_tokens="5000", output_tokens="1010", prefill_tok_s=1000,
+                                     decode_tok_s=1000))
+    assert (plan.prefill_replicas, plan.decode_replicas) == (7, 2)
+    with pytest.raises(ValueError, match="splits 9 workers at 5:1 into 8 prefill \\+ 1 decode.*--patch-style pools"):
+        plan_patch(plan, "ratio")
+    assert plan_patch(plan, "pools")["spec"]["decode"] == {"replicas": 2}
+
+
+def test_cli_plan_says_why_it_cannot_write_the_patch(capsys):
+    rc = main(["plan", "--peak-rps", "10", "--prefill-tok-s", "1000", "--decode-tok-s", "1000", "--patch-out",
+               "/nonexistent-dir/patch.yaml"])
+    assert rc == 2
+    assert capsys.readouterr().err.strip() == ("tandem plan: error: cannot write the patch to "
+                                               "/nonexistent-dir/patch.yaml: No such file or directory")
