@@ -252,14 +252,14 @@ def make_plan(profile: WorkloadProfile, curve: list[CurvePoint] | None = None) -
             values["decode_replicas"] = pool_replicas(loads.decode, safety)
             values["replicas_source"] = "each pool's load x safety factor, rounded up"
         else:
-            total = max(2, ceil_count(values["gpus"] / tp))
-            source = f"ceil(GPUs / TP) = {total} workers split {loads.ratio_text}"
+            total = from_gpus = max(2, ceil_count(values["gpus"] / tp))
             split = split_total(total, loads.ratio)
             # The ratio is reduced to small terms and the split rounded: a pool can land under its own load.
             while split[0] < loads.prefill or split[1] < loads.decode:
                 total += 1
                 split = split_total(total, loads.ratio)
-            if total > max(2, ceil_count(values["gpus"] / tp)):
+            source = f"ceil(GPUs / TP) = {from_gpus} workers split {loads.ratio_text}"
+            if total > from_gpus:
                 source += f", raised to {total} to cover each pool's load"
             values["prefill_replicas"], values["decode_replicas"] = split
             values["replicas_source"] = source

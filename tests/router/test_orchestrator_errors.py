@@ -63,9 +63,21 @@ def orchestrator_over(script: dict[str, list[dict]]) -> tuple[Orchestrator, Work
     return Orchestrator(RouterConfig(), WorkerPool("prefill", http, metrics), decode, http, metrics, 0), decode, http
 
 
-async def collect(orchestrator: Orchestrator):
-    params = SamplingParams(temperature=0, max_tokens=1)
+async def collect(orchestrator: Orchestrator, max_tokens: int = 1):
+    params = SamplingParams(temperature=0, max_tokens=max_tokens)
     return [d async for d in orchestrator.run("r1", [1, 2, 3], params, Trace())]
+
+
+def split_orchestrator(http, metrics_name: str, decode_urls=("http://d",)
+                       ) -> tuple[Orchestrator, WorkerPool, WorkerPool, RouterMetrics]:
+    """An orchestrator that splits every prompt: prefill worker http://p, decode workers `decode_urls`."""
+    metrics = RouterMetrics(metrics_name)
+    prefill, decode = WorkerPool("prefill", http, metrics), WorkerPool("decode", http, metrics)
+    for pool, urls in ((prefill, ("http://p",)), (decode, decode_urls)):
+        for url in urls:
+            pool.workers[url] = Worker(url, healthy=True)
+            pool.ring.add(url)
+    return Orchestrator(RouterConfig(disagg_min_tokens=1), prefill, decode, http, metrics, 0), prefill, decode, metrics
 
 
 def test_a_refused_request_is_the_clients_error_and_no_worker_failure():
@@ -274,8 +286,7 @@ def test_a_decode_worker_lost_with_the_handle_frees_the_prefill_workers_blocks_a
     orchestrator.config.disagg_min_tokens = 1
 
     async def run_it():
-        deltas = [d async for d in orchestrator.run("r1", [1, 2, 3], SamplingParams(temperature=0, max_tokens=2),
-                                                    Trace())]
+        deltas = await collect(orchestrator, max_tokens=2)
         await asyncio.sleep(0.01)  # the aborts are sent on their way
         return deltas
 
@@ -292,11 +303,7 @@ def test_a_stream_lost_after_its_last_token_still_ends_with_its_finish_reason():
     http.script[first] = [{"token_ids": [7], "text": "x", "num_cached_tokens": 2},
                           {"token_ids": [8], "text": "y", "num_cached_tokens": 2}, aiohttp.ClientConnectionError()]
 
-    async def run_it():
-        return [d async for d in orchestrator.run("r1", [1, 2, 3], SamplingParams(temperature=0, max_tokens=2),
-                                                  Trace())]
-
-    deltas = asyncio.run(run_it())
+    deltas = asyncio.run(collect(orchestrator, max_tokens=2))
     assert [(d.new_token_ids, d.finished, d.finish_reason) for d in deltas] == [
         ([7], False, None), ([8], False, None), ([], True, "length")]
     assert deltas[-1].num_cached_tokens == 2 and http.calls == [first]
@@ -310,14 +317,7 @@ class FailingPrefill(ScriptedWorkers):
 
 
 def test_a_request_that_falls_back_to_colocated_is_one_routing_decision():
-    metrics = RouterMetrics("test-fallback")
-    http = FailingPrefill({"http://d": [GOOD]})
-    prefill, decode = WorkerPool("prefill", http, metrics), WorkerPool("decode", http, metrics)
-    prefill.workers["http://p"] = Worker("http://p", healthy=True)
-    prefill.ring.add("http://p")
-    decode.workers["http://d"] = Worker("http://d", healthy=True)
-    decode.ring.add("http://d")
-    orchestrator = Orchestrator(RouterConfig(disagg_min_tokens=1), prefill, decode, http, metrics, 0)
+    orchestrator, _, _, metrics = split_orchestrator(FailingPrefill({"http://d": [GOOD]}), "test-fallback")
     deltas = asyncio.run(collect(orchestrator))
     assert [d.new_token_ids for d in deltas] == [[7]]
     decisions = {path: metric_value(metrics.registry, "tandem_router_routing_decisions_total", path=path)
@@ -360,14 +360,8 @@ def test_an_answer_without_its_fields_is_the_workers_failure(event, answer):
     assert http.calls == [first, other]
     assert pool.workers[first].failures == 1 and pool.workers[other].failures == 0
 
-    metrics = RouterMetrics("test-bad-prefill")
-    http = BadPrefillAnswer({"http://d": [GOOD]}, answer)
-    prefill, decode = WorkerPool("prefill", http, metrics), WorkerPool("decode", http, metrics)
-    prefill.workers["http://p"] = Worker("http://p", healthy=True)
-    prefill.ring.add("http://p")
-    decode.workers["http://d"] = Worker("http://d", healthy=True)
-    decode.ring.add("http://d")
-    orchestrator = Orchestrator(RouterConfig(disagg_min_tokens=1), prefill, decode, http, metrics, 0)
+    orchestrator, prefill, _, _ = split_orchestrator(BadPrefillAnswer({"http://d": [GOOD]}, answer),
+                                                     "test-bad-prefill")
     assert [d.new_token_ids for d in asyncio.run(collect(orchestrator))] == [[7]]  # served colocated
     assert prefill.workers["http://p"].failures == 1
 
@@ -396,21 +390,10 @@ def test_a_handle_the_decode_pool_cannot_read_is_computed_again_there(caplog):
     """A pool set up with another dtype or block size than its peer is the operator's mistake, not the client's:
     the decode worker computes the prompt itself (from prompt + the prefill's first token), as after a lost
     prefill, counted as a fallback and said in the log, once per pair of workers."""
-    metrics = RouterMetrics("test-layout")
     http = OtherLayout({})
-    prefill, decode = WorkerPool("prefill", http, metrics), WorkerPool("decode", http, metrics)
-    prefill.workers["http://p"] = Worker("http://p", healthy=True)
-    prefill.ring.add("http://p")
-    decode.workers["http://d"] = Worker("http://d", healthy=True)
-    decode.ring.add("http://d")
-    orchestrator = Orchestrator(RouterConfig(disagg_min_tokens=1), prefill, decode, http, metrics, 0)
-
-    async def run_it():
-        return [d async for d in orchestrator.run("r1", [1, 2, 3], SamplingParams(temperature=0, max_tokens=2),
-                                                  Trace())]
-
+    orchestrator, _, decode, metrics = split_orchestrator(http, "test-layout")
     for _ in range(2):
-        assert [d.new_token_ids for d in asyncio.run(run_it())] == [[6], [8]]
+        assert [d.new_token_ids for d in asyncio.run(collect(orchestrator, max_tokens=2))] == [[6], [8]]
     assert http.calls == ["http://d"] * 4
     recomputed = http.bodies[1]
     assert recomputed["kv_handle"] is None and recomputed["prompt_token_ids"] == [1, 2, 3]
@@ -422,42 +405,19 @@ def test_a_handle_the_decode_pool_cannot_read_is_computed_again_there(caplog):
 
 def test_a_handle_no_decode_worker_can_read_costs_the_request_none_of_its_attempts():
     """After the refused handle, the request still survives two failed decode workers, as any request does."""
-    metrics = RouterMetrics("test-layout-attempts")
     http = OtherLayout({}, failing=2)
-    prefill, decode = WorkerPool("prefill", http, metrics), WorkerPool("decode", http, metrics)
-    prefill.workers["http://p"] = Worker("http://p", healthy=True)
-    prefill.ring.add("http://p")
-    for url in ("http://d1", "http://d2", "http://d3"):
-        decode.workers[url] = Worker(url, healthy=True)
-        decode.ring.add(url)
-    orchestrator = Orchestrator(RouterConfig(disagg_min_tokens=1), prefill, decode, http, metrics, 0)
-
-    async def run_it():
-        return [d async for d in orchestrator.run("r1", [1, 2, 3], SamplingParams(temperature=0, max_tokens=2),
-                                                  Trace())]
-
-    assert [d.new_token_ids for d in asyncio.run(run_it())] == [[6], [8]]
+    orchestrator, _, _, _ = split_orchestrator(http, "test-layout-attempts", ("http://d1", "http://d2", "http://d3"))
+    assert [d.new_token_ids for d in asyncio.run(collect(orchestrator, max_tokens=2))] == [[6], [8]]
     assert len(http.calls) == 4 and len(set(http.calls[1:])) == 3  # the two that failed, then the third worker
 
 
 def test_a_split_requests_cached_tokens_are_the_prefill_workers():
     """The prefill worker computed the prompt (2 of its 3 tokens from its cache); the decode worker, which pulled the
     KV, counts its own cache (none): usage reports the prefill's, capped at the prompt."""
-    metrics = RouterMetrics("test-split-cached")
     for reported, expected in ((2, 2), (5, 3)):
         http = BadPrefillAnswer({"http://d": [{**GOOD, "num_cached_tokens": 0}]},
                                 {**PREFILL_ANSWER, "num_cached_tokens": reported})
-        prefill, decode = WorkerPool("prefill", http, metrics), WorkerPool("decode", http, metrics)
-        prefill.workers["http://p"] = Worker("http://p", healthy=True)
-        prefill.ring.add("http://p")
-        decode.workers["http://d"] = Worker("http://d", healthy=True)
-        decode.ring.add("http://d")
-        orchestrator = Orchestrator(RouterConfig(disagg_min_tokens=1), prefill, decode, http, metrics, 0)
-
-        async def run_it(orchestrator):
-            return [d async for d in orchestrator.run("r1", [1, 2, 3], SamplingParams(temperature=0, max_tokens=2),
-                                                      Trace())]
-
-        deltas = asyncio.run(run_it(orchestrator))
+        orchestrator, _, _, _ = split_orchestrator(http, f"test-split-cached-{reported}")
+        deltas = asyncio.run(collect(orchestrator, max_tokens=2))
         assert [d.new_token_ids for d in deltas] == [[6], [7]]
         assert [d.num_cached_tokens for d in deltas] == [expected, expected]
