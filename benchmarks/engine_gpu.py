@@ -406,11 +406,13 @@ def main() -> None:
     print_conditions(args, device, config, dtype, backend, engine_config, weight_total, weight_read)
     print(f"(0) device-to-device copy, {copy_nbytes / 2**30:g} GiB: {copy_bw / 1e12:.3f} TB/s (read + write)")
 
-    # Warm-up: compiles the kernels for long and short prefills and for decodes at every batch size measured
-    # (and lets the runner capture whatever it captures for them), outside the timed runs.
-    ours_concurrent(engine, random_prompts(4, args.batch_prompt_len, config.vocab_size, args.seed + 1), 4, "warm")
-    for n in [1, *args.concurrency]:
-        ours_concurrent(engine, random_prompts(n, 16, config.vocab_size, args.seed + 10 + n), 4, f"warm{n}")
+    # Warm-up: every timed case once, short, untimed. The first run of a batch shape compiles the Triton kernels
+    # of its prefill and mixed steps (decode steps run from graphs captured at start): on an H200 that made the
+    # first 64-request run 1.8x slower than the second (benchmarks/engine_gpu_breakdown.py).
+    ours_concurrent(engine, random_prompts(1, args.prompt_len, config.vocab_size, args.seed + 1), 8, "warm")
+    for n in args.concurrency:
+        ours_concurrent(engine, random_prompts(n, args.batch_prompt_len, config.vocab_size, args.seed + 10 + n), 8,
+                        f"warm{n}")
 
     # (a) batch-1 decode vs the roofline.
     prompt = random_prompts(1, args.prompt_len, config.vocab_size, args.seed + 2)[0]
