@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import random
 import re
 import subprocess
 import tempfile
@@ -52,15 +53,48 @@ class _Hopper:
         return True
 
 
+def random_eager_step(rng, block_size: int = 16, hq: int = 32, hkv: int = 8, head_dim: int = 128):
+    """(query, metadata) of one eager step as a serving engine forms them: 0-33 decodes of 1-6,000-token
+    contexts and 0-2 prefill chunks of 2-600 tokens, some after a cached prefix. bf16, CPU tensors."""
+    decodes = rng.choice([0, 1, 2, 3, 5, 8, 13, 16, 24, 33])
+    prefills = rng.choice([0, 0, 1, 1, 2]) or (1 if decodes == 0 else 0)
+    query_lens = [1] * decodes + [rng.randint(2, 600) for _ in range(prefills)]
+    seq_lens = [rng.randint(1, 6000) for _ in range(decodes)]
+    seq_lens += [q + rng.choice([0, 0, rng.randint(0, 3000)]) for q in query_lens[decodes:]]
+    tokens = sum(query_lens)
+    meta = AttentionMetadata(
+        torch.zeros(tokens, dtype=torch.int64), torch.zeros(len(query_lens) + 1, dtype=torch.int32),
+        torch.zeros(len(query_lens), dtype=torch.int32),
+        torch.zeros(len(query_lens), max(-(-s // block_size) for s in seq_lens), dtype=torch.int32),
+        query_lens, seq_lens, max(query_lens), max(seq_lens),
+    )  # fmt: skip
+    return torch.empty(tokens, hq, head_dim, dtype=torch.bfloat16), meta
+
+
+def launch_as_on_a_gpu(pa, query, k_cache, v_cache, meta) -> None:
+    """paged_attention with the split count it would pick on a 132-SM GPU (on CPU tensors it picks 1)."""
+    hq, hkv, head_dim = query.shape[1], k_cache.shape[2], query.shape[2]
+    config = pa._tile_config(meta.max_query_len, hq // hkv, head_dim, query.dtype)
+    tiles = meta.num_seqs * -(-meta.max_query_len // config["BLOCK_Q"])
+    if meta.max_query_len > 1:
+        tiles = min(tiles, query.shape[0] // config["BLOCK_Q"] + meta.num_seqs)
+    cuda = torch.device("cuda")  # a device object only: nothing runs on it
+    splits = pa.choose_num_splits(tiles, hkv, meta.max_seq_len, cuda, config["TILE_N"])
+    pa.paged_attention(query, k_cache, v_cache, meta, head_dim**-0.5, num_splits=splits)
+
+
 def main() -> None:
     assert os.environ.get("TRITON_INTERPRET", "0") != "1", "run with TRITON_INTERPRET unset"
     driver.set_active(_Hopper())
     compiled: list[tuple[str, object]] = []
+    reported: set[int] = set()
     original_run = JITFunction.run
 
     def compile_only(self, *args, grid, warmup, **kwargs):
         kernel = original_run(self, *args, grid=grid, warmup=True, **kwargs)
-        compiled.append((self.fn.__name__, kernel))
+        if id(kernel) not in reported:  # a launch that reuses an earlier build is not reported again
+            reported.add(id(kernel))
+            compiled.append((self.fn.__name__, kernel))
         return kernel
 
     JITFunction.run = compile_only
@@ -110,6 +144,10 @@ def main() -> None:
         report(label)
 
     bf16 = torch.bfloat16
+    # Eager decode steps whose batch size and block-table width fall in each of Triton's value classes (1, a
+    # multiple of 16, other): one compiled kernel must serve them all, since each compile stalls a step.
+    for batch, length in ((1, 16), (16, 256), (17, 272), (3, 300)):
+        attention("decode, changing batch", [1] * batch, [length] * batch, 32, 8, 128, 16, bf16, num_splits=2)
     attention("decode", [1] * 64, [4096] * 64, 32, 8, 128, 16, bf16)
     attention("decode split-KV", [1] * 2, [4096] * 2, 32, 8, 128, 16, bf16, num_splits=8)
     attention("mixed prefill", [1, 512], [4096, 1024], 32, 8, 128, 16, bf16)
@@ -127,6 +165,18 @@ def main() -> None:
     modules["rope"].apply_rotary(torch.zeros(64, dtype=torch.int64), q, k, torch.empty(100, 128))
     modules["activation"].silu_and_mul(torch.empty(64, 2 * 14336, dtype=bf16))
     report("elementwise")
+
+    # After compile_eager_builds, the eager steps a server forms compile nothing more.
+    pa = modules["paged_attention"]
+    pa._sm_count = lambda device: 132
+    kv_cache = torch.empty(4, 2, 2, 16, 8, 128, dtype=bf16)
+    pa.compile_eager_builds(kv_cache[:, 1, 0], kv_cache[:, 1, 1], 32)
+    compiled.clear()
+    rng = random.Random(0)
+    for _ in range(60):
+        query, meta = random_eager_step(rng)
+        launch_as_on_a_gpu(pa, query, kv_cache[:, 1, 0], kv_cache[:, 1, 1], meta)
+    print(json.dumps(dict(label="eager steps after compile_eager_builds", new_builds=[n for n, _ in compiled])))
 
 
 if __name__ == "__main__":

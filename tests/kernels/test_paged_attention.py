@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tandem.workers.kernels import paged_attention as pa
-from tandem.workers.kernels.paged_attention import choose_num_splits, paged_attention
+from tandem.workers.kernels.paged_attention import choose_num_splits, compile_eager_builds, paged_attention
 from tandem.workers.layers import attention as reference
 
 FP32_TOL = dict(atol=1e-4, rtol=1e-4)
@@ -117,6 +117,25 @@ def test_choose_num_splits(monkeypatch):
     assert choose_num_splits(2, 8, 4096, cuda) == 8  # limited by keeping >= 512 keys per split
     assert choose_num_splits(2, 8, 700, cuda) == 1  # too short to be worth a merge
     assert choose_num_splits(1, 8, 32768, torch.device("cpu")) == 1
+    assert choose_num_splits(3, 8, 6000, cuda) == 16  # 11 by occupancy (264 / 24 programs), rounded up
+
+
+def test_compile_eager_builds_launches_each_tile_kind_and_split_count(device):
+    """What ModelRunner runs at start on a GPU (tests/kernels/test_compile_for_hopper.py checks that it leaves
+    nothing for eager steps to compile): decode and prefill tiles x split counts 1, 2, 4, 8, 16, 32."""
+    kv_cache = torch.randn(3, 2, 2, 16, 2, 64, device=device)
+    before = kv_cache.clone()
+    assert compile_eager_builds(kv_cache[:, 1, 0], kv_cache[:, 1, 1], num_q_heads=4) == 12
+    assert torch.equal(kv_cache, before)  # the launches read the cache, never write it
+
+
+def test_split_counts_are_powers_of_two(monkeypatch):
+    """Each split count is a kernel variant of its own: eager steps of changing batches must not compile one per
+    count (up to 32), only one per power of two."""
+    monkeypatch.setattr(pa, "_sm_count", lambda device: 132)
+    cuda = torch.device("cuda")
+    counts = {choose_num_splits(tiles, 8, length, cuda) for tiles in range(1, 40) for length in range(1, 40000, 97)}
+    assert counts == {1, 2, 4, 8, 16, 32}
 
 
 def test_rejects_bad_shapes(paged_batch):

@@ -10,6 +10,7 @@ this step; a partial prefill chunk samples nothing.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence as Seq
 from typing import Any
 
@@ -74,9 +75,17 @@ class ModelRunner:
         if self.device.type == "cpu":  # KV pulls from this cache copy page by page: fewer, larger pages
             moved = collapse_into_huge_pages([self.kv_cache])
             log.info("%.0f of %.0f MiB of KV cache on 2 MiB pages", moved / 2**20, self.kv_cache.nbytes / 2**20)
+        on_triton_gpu = self.device.type == "cuda" and getattr(self.model.ops, "backend", None) == "triton"
+        if on_triton_gpu:
+            # Imported here, not at the top: importing a kernel module fixes Triton's mode (compiled or
+            # interpreted), which the kernel tests must set first.
+            from tandem.workers.kernels.paged_attention import compile_eager_builds
+
+            started = time.perf_counter()
+            launches = compile_eager_builds(self.kv_cache[:, 0, 0], self.kv_cache[:, 0, 1], mc.num_heads)
+            log.info("attention kernel: %d eager builds ready in %.1f s", launches, time.perf_counter() - started)
         self.decode_graphs: DecodeGraphs | None = None
-        if self.device.type == "cuda" and getattr(self.model.ops, "backend", None) == "triton" \
-                and not config.enforce_eager:
+        if on_triton_gpu and not config.enforce_eager:
             try:
                 self.decode_graphs = DecodeGraphs(self.model, self.kv_cache, self.block_size,
                                                   max_model_len or mc.max_position_embeddings,
