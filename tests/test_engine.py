@@ -324,6 +324,20 @@ def test_add_request_validation(tiny_llama):
         make_engine(tiny_llama, max_model_len=tiny_llama.config.max_position_embeddings + 1)
 
 
+def test_an_aborted_requests_id_is_taken_until_its_last_output_is_given_out(tiny_llama):
+    """Found by a randomized engine fuzzer: the abort's output comes at the next step, and a new request under
+    the same id added meanwhile would have been ended by it for a caller matching outputs by id."""
+    engine = make_engine(tiny_llama, max_model_len=64, num_kv_blocks=8)
+    engine.add_request("x", [5, 6, 7], greedy(4))
+    engine.step()
+    assert engine.abort_request("x")
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request("x", [5, 6, 7], greedy(4))
+    assert [(out.request_id, out.finish_reason) for out in engine.step()] == [("x", "abort")]
+    engine.add_request("x", [5, 6, 7], greedy(4))  # free again once given out
+    assert [out.finish_reason for out in engine.step()] == [None]
+
+
 def test_the_context_is_what_the_kv_cache_holds(tiny_llama, caplog):
     """One sequence must fit the cache whole, or a request within the context would be refused for want of blocks
     (a chat request's default max_tokens fills the context). A limit the user set past the cache is refused at

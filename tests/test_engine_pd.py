@@ -470,6 +470,43 @@ def test_a_request_whose_kv_was_imported_is_not_stuck_behind_one_that_does_not_f
         decode.kv_transfer.close()
 
 
+@pytest.mark.parametrize("background", ["on", "off"])
+def test_pulled_prompts_that_fill_the_cache_still_finish(tiny, colocated, background):
+    """Two prompts of exactly two blocks each pulled into a four-block cache: each pull must keep room for the
+    first token's slot (a fifth block would be needed otherwise), or both wait for a block forever with the
+    cache full of their prompts and nothing running. Found by a randomized engine fuzzer."""
+    prefill = engine(tiny, "prefill")
+    decode = engine(tiny, "decode", num_kv_blocks=4, block_size=16, kv_pull_in_background=background)
+    prefill.kv_transfer = create_kv_transfer("tcp", prefill.runner.kv_cache, f"p-full-{background}")
+    decode.kv_transfer = create_kv_transfer("tcp", decode.runner.kv_cache, f"d-full-{background}")
+    try:
+        params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+        prompts = {"a": prompt_of(32, seed=31), "b": prompt_of(32, seed=32)}
+        tokens, leases = {}, []
+        for name, prompt in prompts.items():
+            first, source, lease_id = prefilled(prefill, name, prompt)
+            tokens[name] = [first]
+            leases.append(lease_id)
+            decode.add_request(name, prompt, params, first_token_id=first, kv_source=source)
+        finished = set()
+        for _ in range(300):
+            for out in decode.step():
+                tokens[out.request_id] += out.new_token_ids
+                if out.finished:
+                    finished.add(out.request_id)
+            if finished == set(prompts):
+                break
+        assert finished == set(prompts)
+        for name, prompt in prompts.items():
+            assert tokens[name] == run(colocated, f"{name}-full-ref-{background}", prompt, params)[0]
+        assert decode.num_kv_blocks_used == 0
+    finally:
+        for lease_id in leases:
+            prefill.release_lease(lease_id)
+        prefill.kv_transfer.close()
+        decode.kv_transfer.close()
+
+
 def test_cached_tokens_are_the_first_admissions_after_a_preemption(tiny):
     """A preempted request comes back with its output, and finds the blocks it computed itself in the prefix cache:
     those hits are no prompt tokens served from the cache (usage.prompt_tokens_details.cached_tokens). Prompts

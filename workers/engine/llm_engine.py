@@ -47,7 +47,9 @@ class RequestOutput:
     new_text: str
     new_logprobs: list[TokenLogprobs] | None
     finished: bool
-    finish_reason: str | None  # "stop" | "length" | "abort" once finished
+    # "stop" | "length" | "abort" once finished; None on a prefill-only request's last output, which is finished
+    # (it carries the kv_lease) but whose answer goes on on a decode worker (counted as "prefill_done").
+    finish_reason: str | None
     num_prompt_tokens: int
     num_cached_tokens: int
     kv_lease: KVLease | None = None  # prefill-only requests: the blocks now pinned for a decode worker
@@ -230,7 +232,9 @@ class LLMEngine:
         `output_tokens_in_prompt` (a request resumed after its worker failed): the last that many
         prompt tokens are output the client already has (text or not: see _replay_output).
         """
-        if request_id in self._requests:
+        # An aborted request's last output is only given out at the next step: until then its id is still taken,
+        # or a caller matching outputs by id would end the new request with it.
+        if request_id in self._requests or any(out.request_id == request_id for out in self._abort_outputs):
             raise ValueError(f"request id {request_id!r} is already in use")
         if not prompt_token_ids:
             raise ValueError(f"request {request_id!r}: the prompt has no tokens")
@@ -434,7 +438,10 @@ class LLMEngine:
         bm, num_prompt = self.block_manager, seq.num_prompt_tokens
         # Blocks already in our own prefix cache are not pulled again.
         hits = bm.find_cached_prefix(seq)
-        if not bm.allocate_slots(seq, num_prompt - len(hits) * bm.block_size, prefix_blocks=hits):
+        # Room for the first token too (seq.num_tokens: the prompt and the prefill's first token), whose K/V this
+        # engine computes next: requests holding pulled prompts and no room for that one slot would wait for each
+        # other forever when they fill the cache, since nothing preempts a waiting request.
+        if not bm.allocate_slots(seq, seq.num_tokens - len(hits) * bm.block_size, prefix_blocks=hits):
             return None
         num_blocks = bm.blocks_for(num_prompt)
         local, remote = seq.block_table[len(hits):num_blocks], source.block_ids[len(hits):num_blocks]
