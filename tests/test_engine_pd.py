@@ -7,6 +7,7 @@ import random
 import re
 import threading
 import time
+from concurrent.futures import Future
 
 import pytest
 
@@ -290,6 +291,13 @@ class HeldTransfer:
         return getattr(self.inner, name)
 
 
+def answered(value: bool) -> Future:
+    """RemoteKV.release's future, already answered (the worker's is answered by the prefill worker)."""
+    future = Future()
+    future.set_result(value)
+    return future
+
+
 def prefilled(prefill: LLMEngine, name: str, prompt: list[int]) -> tuple[int, RemoteKV, str]:
     """(first token, where its KV is, lease id) of a prompt prefilled on `prefill`."""
     first, outs = run(prefill, name, prompt, prefill_only=True)
@@ -408,9 +416,9 @@ def test_a_read_whose_lease_was_released_meanwhile_is_not_used(tiny, colocated, 
         first, source, lease_id = prefilled(prefill, "lost", prompt)
         releases = []
 
-        def release() -> bool:  # what the worker's RemoteKV.release does, against an early release by the router
+        def release() -> Future:  # what the worker's RemoteKV.release does, against an early release by the router
             releases.append(lease_id)
-            return prefill.release_lease(lease_id)
+            return answered(prefill.release_lease(lease_id))
 
         assert prefill.abort_request("lost")  # the router's abort: the lease is gone before the read ends
         run(prefill, "next", prompt_of(100, seed=17))  # and the freed blocks now hold another prompt's KV
@@ -421,6 +429,44 @@ def test_a_read_whose_lease_was_released_meanwhile_is_not_used(tiny, colocated, 
         # What the decode worker caches for the prompt is what it computed: a later request hitting it is right.
         later, outs = run(decode, "later", prompt + [7, 8, 9])
         assert outs[-1].num_cached_tokens == 64 and later == run(colocated, "later-alone", prompt + [7, 8, 9])[0]
+    finally:
+        prefill.kv_transfer.close()
+        decode.kv_transfer.close()
+
+
+def test_a_prefill_worker_slow_to_confirm_a_release_holds_up_no_other_pull(tiny, colocated):
+    """The lease's release after a read waits for the prefill worker's answer. One that answers late (a worker
+    whose event loop is stuck still serves RDMA reads) must hold up only its own request: the pull thread is free
+    for the next request's read, which runs and finishes meanwhile."""
+    prefill = engine(tiny, "prefill")
+    decode = engine(tiny, "decode")
+    prefill.kv_transfer = create_kv_transfer("tcp", prefill.runner.kv_cache, "p-slow-release")
+    decode.kv_transfer = create_kv_transfer("tcp", decode.runner.kv_cache, "d-slow-release")
+    try:
+        prompts = {"slow": prompt_of(48, seed=41), "next": prompt_of(48, seed=42)}
+        firsts, sources = {}, {}
+        for name, prompt in prompts.items():
+            firsts[name], sources[name], lease_id = prefilled(prefill, name, prompt)
+            sources[name].release = lambda lease_id=lease_id: answered(prefill.release_lease(lease_id, after_read=True))
+        late = Future()
+        sources["slow"].release = lambda: late  # answered only when the test says
+        tokens = {name: [firsts[name]] for name in prompts}
+        for name, prompt in prompts.items():
+            decode.add_request(name, prompt, GREEDY, first_token_id=firsts[name], kv_source=sources[name])
+        finished = set()
+        for _ in range(300):
+            for out in decode.step():
+                tokens[out.request_id] += out.new_token_ids
+                finished.update([out.request_id] if out.finished else [])
+            if "next" in finished:
+                break
+        assert finished == {"next"} and tokens["slow"] == [firsts["slow"]]
+        late.set_result(True)
+        while decode.has_unfinished_requests():
+            for out in decode.step():
+                tokens[out.request_id] += out.new_token_ids
+        for name, prompt in prompts.items():
+            assert tokens[name] == run(colocated, f"{name}-slow-release-ref", prompt)[0]
     finally:
         prefill.kv_transfer.close()
         decode.kv_transfer.close()
@@ -598,9 +644,9 @@ def test_a_read_whose_lease_its_own_worker_gave_up_meanwhile_is_not_used(tiny, c
         lease = outs[-1].kv_lease
         told = []
 
-        def release_after_read() -> bool:  # RemoteKV.release, as the worker sends it
+        def release_after_read() -> Future:  # RemoteKV.release, as the worker sends it
             told.append(prefill.release_lease(lease.lease_id, after_read=True))
-            return told[-1]
+            return answered(told[-1])
 
         decode.add_request("a", prompt, GREEDY, first_token_id=first[0], kv_source=RemoteKV(
             prefill.kv_transfer.agent_info(), lease.block_ids, lease.expires_at, release=release_after_read))

@@ -10,6 +10,7 @@ abort) also travel multiplexed on one WebSocket per router (tandem.workers.chann
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -194,7 +195,7 @@ async def serve_decode(ctx, body: DecodeRequest) -> DecodeStream:
                 ctx.metrics.fallback(fallback)
             else:
                 kv_source = RemoteKV(agent, handle.block_ids, handle.expires_at,
-                                     release=release_from_pull_thread(ctx, handle, asyncio.get_running_loop()))
+                                     release=release_after_read(ctx, handle, asyncio.get_running_loop()))
     except BaseException:
         if handle is not None:
             spawn(release_lease(ctx, handle))
@@ -292,11 +293,12 @@ async def release_lease(ctx, handle: KVHandle, after_read: bool = False) -> bool
     return False
 
 
-def release_from_pull_thread(ctx, handle: KVHandle, loop: asyncio.AbstractEventLoop):
-    """RemoteKV.release: the lease released by this worker's event loop for the engine's pull thread, which waits
-    for the answer (one round trip per pull, the price of knowing the blocks read were this prompt's)."""
-    def release() -> bool:
-        return asyncio.run_coroutine_threadsafe(release_lease(ctx, handle, after_read=True), loop).result(timeout=10)
+def release_after_read(ctx, handle: KVHandle, loop: asyncio.AbstractEventLoop):
+    """RemoteKV.release: the lease released by this worker's event loop for the engine, which takes the request into
+    its batch once the answer says the lease held (one round trip per pull, the price of knowing the blocks read
+    were this prompt's)."""
+    def release() -> concurrent.futures.Future:
+        return asyncio.run_coroutine_threadsafe(release_lease(ctx, handle, after_read=True), loop)
     return release
 
 

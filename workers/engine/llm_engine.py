@@ -65,10 +65,12 @@ class RemoteKV:
     agent_info: dict
     block_ids: list[int]
     expires_at: float  # unix time
-    # Called on the pull thread once the read is over: releases the lease and says whether it was still held (the
-    # prefill worker may free a lease early: a router that gave up on this request). Only then are the blocks read
-    # known to be this prompt's. None: the lease's time alone decides.
-    release: Callable[[], bool] | None = None
+    # Called by the engine once the read is over: starts releasing the lease and returns a future that says whether
+    # it was still held (the prefill worker may free a lease early: a router that gave up on this request). Only
+    # then are the blocks read known to be this prompt's. Not waited for on the pull thread: a prefill worker that
+    # is slow to answer (its reads can go on without its CPU, over RDMA) would hold up every pull queued behind.
+    # None: the lease's time alone decides.
+    release: Callable[[], Future] | None = None
 
 
 class LeaseLost(KVTransferError):
@@ -84,6 +86,12 @@ class _Pull:
     future: Future  # (bytes moved, seconds the read took)
     num_blocks: int
     orphaned: bool = False  # the request was aborted meanwhile: its blocks are freed once the read is over
+    released: Future | None = None  # RemoteKV.release's answer, asked once the read is over
+
+    @property
+    def pending(self) -> Future:
+        """What the pull waits on now: the read, then the release's answer."""
+        return self.released if self.released is not None else self.future
 
 
 # How long a step with nothing to compute waits for a pull to end before it returns (the worker's loop then takes
@@ -368,7 +376,7 @@ class LLMEngine:
                     outputs.append(self._append_token(seq, token_id, logprobs, now))
         elif self._pulls and not outputs:
             # Only pulls are left to wait for: wait for one here rather than have the caller spin on empty steps.
-            wait([pull.future for pull in self._pulls.values()], timeout=_PULL_WAIT_S, return_when=FIRST_COMPLETED)
+            wait([pull.pending for pull in self._pulls.values()], timeout=_PULL_WAIT_S, return_when=FIRST_COMPLETED)
 
         self._update_gauges()
         return outputs
@@ -462,6 +470,12 @@ class LLMEngine:
         for request_id, pull in list(self._pulls.items()):
             if not pull.future.done():
                 continue
+            if pull.released is None and pull.source.release is not None and pull.future.exception() is None:
+                pull.released = pull.source.release()
+                if not self._pull_in_background and not pull.orphaned:  # this step waits for the pull: all of it
+                    wait([pull.released], timeout=_STEP_WAIT_FOR_PULL_S)
+            if pull.released is not None and not pull.released.done() and not pull.orphaned:
+                continue
             del self._pulls[request_id]
             seq = pull.seq
             if pull.orphaned:
@@ -469,6 +483,9 @@ class LLMEngine:
                 continue
             try:
                 moved, seconds = pull.future.result()
+                if pull.released is not None and pull.released.result() is not True:
+                    raise LeaseLost("the lease was no longer held when the read ended: the blocks may be another "
+                                    "prompt's")
             except Exception as exc:  # noqa: BLE001 - any backend failure costs this request a recompute, not the engine
                 log.warning("KV pull for %s failed, its prompt is computed here: %r", request_id, exc)
                 # The blocks stay: the scheduler computes the prompt into them.
@@ -618,10 +635,7 @@ def _timed_read(transfer: KVTransfer, source: RemoteKV, remote: list[int], local
         raise LeaseLost("the lease ran out before the read began")
     started = time.monotonic()
     moved = transfer.read_blocks(source.agent_info, remote, local, timeout_s)
-    seconds = time.monotonic() - started
-    if source.release is not None and not source.release():
-        raise LeaseLost("the lease was no longer held when the read ended: the blocks may be another prompt's")
-    return moved, seconds
+    return moved, time.monotonic() - started
 
 
 def _replay_output(detokenizer: IncrementalDetokenizer, output_token_ids: list[int]) -> None:
