@@ -553,6 +553,47 @@ def test_pulled_prompts_that_fill_the_cache_still_finish(tiny, colocated, backgr
         decode.kv_transfer.close()
 
 
+def test_a_request_whose_kv_was_imported_is_not_stuck_behind_one_that_fits_only_in_part(tiny, colocated):
+    """A local request ahead in the queue fits one chunk at a time: it takes the step's budget, finds no room for
+    its next chunk (the imported prompts hold the blocks), gives way and comes back, step after step, unless the
+    requests that hold their blocks go first. Found by a randomized engine fuzzer."""
+    prefill = engine(tiny, "prefill")
+    # No prefix caching: with it, the chunk computed before giving way is found again, and the request ahead
+    # no longer fits at its return, a case the scheduler already let the others pass.
+    decode = engine(tiny, "decode", num_kv_blocks=10, max_num_batched_tokens=32, max_num_seqs=2,
+                    kv_pull_in_background="off", enable_prefix_caching=False)
+    prefill.kv_transfer = create_kv_transfer("tcp", prefill.runner.kv_cache, "p-part")
+    decode.kv_transfer = create_kv_transfer("tcp", decode.runner.kv_cache, "d-part")
+    try:
+        params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+        ahead = prompt_of(60, seed=51)  # 4 blocks with its output, 2 per 32-token chunk
+        imported = {"imported-1": prompt_of(48, seed=52), "imported-2": prompt_of(48, seed=53)}  # 4 blocks each
+        decode.add_request("ahead", ahead, params)
+        tokens, leases = {"ahead": []}, []
+        for name, prompt in imported.items():
+            first, source, lease_id = prefilled(prefill, name, prompt)
+            tokens[name] = [first]
+            leases.append(lease_id)
+            decode.add_request(name, prompt, params, first_token_id=first, kv_source=source)
+        finished = set()
+        for _ in range(200):
+            for out in decode.step():
+                tokens[out.request_id] += out.new_token_ids
+                finished.update([out.request_id] if out.finished else [])
+            if len(finished) == 3:
+                break
+        assert finished == {"ahead", *imported}
+        assert tokens["ahead"] == run(colocated, "ahead-part-ref", ahead, params)[0]
+        for name, prompt in imported.items():
+            assert tokens[name] == run(colocated, f"{name}-part-ref", prompt, params)[0]
+        assert decode.num_kv_blocks_used == 0
+    finally:
+        for lease_id in leases:
+            prefill.release_lease(lease_id)
+        prefill.kv_transfer.close()
+        decode.kv_transfer.close()
+
+
 def test_cached_tokens_are_the_first_admissions_after_a_preemption(tiny):
     """A preempted request comes back with its output, and finds the blocks it computed itself in the prefix cache:
     those hits are no prompt tokens served from the cache (usage.prompt_tokens_details.cached_tokens). Prompts

@@ -81,12 +81,14 @@ class Scheduler:
                 budget -= num_tokens
 
         if not out.preempted:
-            # First come, first served, with one exception: once a request does not fit, those behind it that
-            # already hold their prompt's blocks (KV imported from a prefill worker while they waited) may
-            # still go. Nothing else would ever free those blocks, so holding them back behind a request that
-            # needs them could wait forever.
+            # First come, first served, except for requests that already hold their prompt's blocks (KV imported
+            # from a prefill worker while they waited, or kept for a recompute after a failed pull): they go
+            # first, and need no new block for their next token. Only running them gives those blocks back: held
+            # back behind a request that needs the blocks, they could wait forever, either because that request
+            # does not fit at all or because it fits only a chunk at a time, takes the step's budget, finds no
+            # room to go on, gives way and comes back, step after step.
             blocked = False
-            for seq in list(self.waiting):
+            for seq in sorted(self.waiting, key=lambda s: not s.block_table):  # stable: FCFS within each group
                 if budget == 0 or len(self.running) >= self.max_num_seqs:
                     break
                 if seq.kv_source is not None:  # its prompt's KV is on the way (or waits for room to land)
