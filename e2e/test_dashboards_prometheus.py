@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DASHBOARDS = sorted((ROOT / "charts" / "tandem" / "dashboards").glob("*.json"))
 PROMETHEUS = shutil.which("prometheus")
 pytestmark = pytest.mark.skipif(PROMETHEUS is None, reason="no `prometheus` binary (apt-get install prometheus)")
-VARIABLES = {"$__rate_interval": "30s", "$model": ".*", "$namespace": ".*", "$ttft_slo": "0.5", "$itl_slo": "0.05"}
+VARIABLES = {"$__rate_interval": "30s", "$model": ".*", "$slo_class": "interactive", "$namespace": ".*", "$ttft_slo": "0.5", "$itl_slo": "0.05"}
 # Panels that must return data from a lone `tandem serve` (engine metrics); router, KV-transfer and
 # kube-state-metrics panels need a router, a P/D pair or a cluster, so for them "no error" is the bar.
 CORE_PANELS = {("tandem-pools.json", t) for t in ("KV cache usage", "Running requests", "Waiting requests",

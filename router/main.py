@@ -23,6 +23,7 @@ from tandem.router.admission import (
     DEFAULT_SLO_CLASSES,
     AdmissionController,
     RateLimit,
+    RejectReason,
     ServiceRates,
     SLOClass,
     TenantRateLimiter,
@@ -106,6 +107,11 @@ class Router:
                 lambda name=name: self.admission.queued(name))
             for ended in (self.metrics.failed, self.metrics.abandoned):  # series at 0: dashboards add them up
                 self.metrics.by_class(ended, name)
+            # Series at 0 too, so that the rejection panels show 0 rather than "no data" until a first refusal.
+            for reason in (*(r.value for r in RejectReason), "no_workers"):
+                self.metrics.by_class(self.metrics.rejections, name, reason=reason)
+        for role in ("prefill", "decode"):
+            self.metrics.plain(self.metrics.overload_diversions, role=role)
         self.worker_client = WorkerClient(transport=config.worker_transport)  # the data path; httpx only probes
         for pool in (self.prefill, self.decode):  # a worker that stops answering probes loses its requests' wait
             pool.on_silent = self.worker_client.drop

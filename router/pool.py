@@ -96,6 +96,7 @@ class WorkerPool:
         for url in list(self.workers):
             if url not in wanted:
                 self._set_healthy(self.workers.pop(url), False)
+                self.metrics.forget_worker(url, self.role)
         for url in wanted - set(self.workers):
             worker = self.workers[url] = Worker(url)
             # Read when /metrics is scraped, not set twice per request on the hot path.

@@ -151,9 +151,16 @@ class RouterMetrics:
     def by_class(self, metric, slo_class: str, **extra):
         return self.plain(metric, slo_class=slo_class, **extra)
 
+    def forget_worker(self, url: str, role: str) -> None:
+        """Drop the series of a worker discovery no longer lists: pods come and go (scaling, restarts, rollouts),
+        and every scrape, and the dashboards' per-worker panels, would otherwise keep them all."""
+        for metric in (self.in_flight, self.worker_healthy, self.ejections):
+            if self._children.pop((metric, ("worker", url), ("role", role)), None) is not None:
+                metric.remove(*self.labels.values(), url, role)
+
     def plain(self, metric, **extra):
         # labels() validates and joins its arguments on every call, several times a request on the router's hot
-        # path; a labelled child is a fixed object, so each is looked up once. (Nothing removes children.)
+        # path; a labelled child is a fixed object, so each is looked up once (and dropped by forget_worker).
         key = (metric, *extra.items())
         child = self._children.get(key)
         if child is None:

@@ -34,8 +34,11 @@ def _helm_renderer():
             with tempfile.NamedTemporaryFile("w", suffix=".yaml") as f:
                 yaml.safe_dump(values, f)
                 f.flush()
-                return subprocess.run(["helm", "template", "tandem", str(CHART), "--namespace", "tandem-system",
-                                       "-f", f.name], check=True, capture_output=True, text=True).stdout
+                done = subprocess.run(["helm", "template", "tandem", str(CHART), "--namespace", "tandem-system",
+                                       "-f", f.name], capture_output=True, text=True)
+                if done.returncode:
+                    raise RuntimeError(done.stderr)  # what helm says, e.g. a template's `fail` message
+                return done.stdout
         return render
     try:
         import helm_python
@@ -60,6 +63,8 @@ VALUE_SETS = {
                                            "metricsNamespaceSelector": {"matchLabels": {"team": "monitoring"}}}},
     "monitoring": {"monitoring": {"serviceMonitor": {"enabled": True, "labels": {"release": "prom"}},
                                   "podMonitor": {"enabled": True}},
+                   "networkPolicy": {"metricsNamespaceSelector": {"matchLabels": {
+                       "kubernetes.io/metadata.name": "monitoring"}}},
                    "dashboards": {"annotations": {"grafana_folder": "Tandem"}}},
 }
 
@@ -144,6 +149,16 @@ def test_network_policy_admits_only_tandem_routers_workers_and_the_operators_scr
 
 
 @needs_helm
+@pytest.mark.parametrize("monitor", ["serviceMonitor", "podMonitor"])
+def test_monitoring_without_a_way_through_the_network_policy_is_refused(monitor):
+    """Prometheus scrapes the workers across the NetworkPolicy only from metricsNamespaceSelector's namespaces:
+    with monitoring on and no selector, every worker panel would stay empty. The chart says so instead."""
+    with pytest.raises(Exception, match="metricsNamespaceSelector"):
+        RENDER({"monitoring": {monitor: {"enabled": True}}})
+    assert _objects({"monitoring": {monitor: {"enabled": True}}, "networkPolicy": {"enabled": False}})
+
+
+@needs_helm
 def test_dashboards_ship_as_configmaps_for_the_grafana_sidecar():
     maps = [o for o in _objects(VALUE_SETS["monitoring"]) if o["kind"] == "ConfigMap"]
     shipped = {}
@@ -159,7 +174,7 @@ def test_dashboards_ship_as_configmaps_for_the_grafana_sidecar():
 # -- dashboards ------------------------------------------------------------------------------------------
 
 # Grafana variables, replaced by values of the same kind before parsing.
-GRAFANA_VARIABLES = {"$__rate_interval": "1m", "$__interval": "1m", "$__range": "1h", "$model": ".*",
+GRAFANA_VARIABLES = {"$__rate_interval": "1m", "$__interval": "1m", "$__range": "1h", "$model": ".*", "$slo_class": "interactive",
                      "$namespace": ".*", "$ttft_slo": "1", "$itl_slo": "0.1"}
 
 

@@ -375,6 +375,20 @@ def test_a_tenant_pays_for_the_output_tokens_it_was_served_not_for_max_tokens(ro
     assert_forgotten(router)
 
 
+def test_refusal_and_diversion_series_start_at_zero(router_app):
+    """A rejections or diversions panel shows 0 rather than "no data" before the first event: each class's
+    series for each reason, and each pool's diversions, exist from the start."""
+    router, _, _ = router_app
+    series = {(s.name, tuple(sorted(s.labels.items()))) for f in router.metrics.registry.collect() for s in f.samples}
+    for slo_class in router.admission.slo_classes:
+        for reason in ("queue_full", "slo_unmeetable", "rate_limited", "input_too_long", "no_workers"):
+            labels = {"model": router.served_name, "pool": "router", "slo_class": slo_class, "reason": reason}
+            assert ("tandem_router_rejections_total", tuple(sorted(labels.items()))) in series
+    for role in ("prefill", "decode"):
+        labels = {"model": router.served_name, "pool": "router", "role": role}
+        assert ("tandem_router_overload_diversions_total", tuple(sorted(labels.items()))) in series
+
+
 def test_queue_depth_is_the_requests_admitted_and_not_dispatched_by_class(router_app):
     router, _, _ = router_app
     for i, slo in enumerate(["batch", "batch", "interactive"]):

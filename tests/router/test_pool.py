@@ -146,3 +146,26 @@ async def test_a_worker_that_keeps_failing_requests_but_passes_its_probes_is_hel
         for runner in runners:
             await runner.cleanup()
     assert metric_value(metrics.registry, "tandem_router_worker_ejections_total", worker=url) == 2
+
+
+async def test_a_worker_discovery_drops_leaves_no_series_behind():
+    """Pods come and go (scaling, restarts): the router's per-worker series of one that left must go with it, or
+    every scrape and the dashboards' per-worker panels keep every worker there ever was."""
+    ports = [free_port(), free_port()]
+    runners = [await probed_worker(port, ready=True) for port in ports]
+    gone, kept = (f"http://127.0.0.1:{port}" for port in ports)
+    metrics = RouterMetrics("test-forget")
+    try:
+        async with httpx.AsyncClient() as http:
+            pool = WorkerPool("decode", http, metrics, eject_after=1)
+            pool.set_members([gone, kept])
+            await probe_pools([pool], timeout_s=1.0)
+            pool.record_failure(gone)  # an ejection: its counter has a series too
+            pool.set_members([kept])
+            await probe_pools([pool], timeout_s=1.0)
+    finally:
+        for runner in runners:
+            await runner.cleanup()
+    workers = {s.labels.get("worker") for family in metrics.registry.collect() for s in family.samples}
+    assert gone not in workers and kept in workers
+    assert metric_value(metrics.registry, "tandem_router_worker_healthy", worker=kept) == 1
