@@ -136,6 +136,24 @@ def test_lease_ttl_frees_blocks_and_is_counted(tiny):
     assert not prefill.release_lease(lease.lease_id)  # an expired handle is refused
 
 
+def test_a_lease_covers_its_own_blocks_while_it_lives(tiny):
+    """What the TCP KV server asks before it sends blocks (LeaseTable.covers, wired in workers/main.py)."""
+    prefill = engine(tiny, "prefill", kv_lease_ttl_s=5.0)
+    clock = [1000.0]
+    prefill.leases.clock = lambda: clock[0]
+    _, outs = run(prefill, "covers", prompt_of(40, seed=4), prefill_only=True)
+    lease = outs[-1].kv_lease
+    blocks = lease.block_ids
+    assert prefill.leases.covers(lease.lease_id, blocks) and prefill.leases.covers(lease.lease_id, blocks[1:])
+    assert not prefill.leases.covers(lease.lease_id, [*blocks, max(blocks) + 1])
+    assert not prefill.leases.covers("another", blocks)
+    clock[0] += 6.0  # past the TTL, not yet expired by a step: no longer good for a read
+    assert not prefill.leases.covers(lease.lease_id, blocks)
+    clock[0] -= 6.0
+    prefill.release_lease(lease.lease_id)
+    assert not prefill.leases.covers(lease.lease_id, blocks)
+
+
 def test_a_release_after_a_read_asked_again_is_answered_as_the_first_time(tiny):
     """A decode worker's release after its read can time out while it waits for a long engine step on the prefill
     worker, which carries it out after the step: the release it sends again must not be told the lease was lost
@@ -282,10 +300,10 @@ class HeldTransfer:
     def __init__(self, inner):
         self.inner, self.started, self.release = inner, threading.Event(), threading.Event()
 
-    def read_blocks(self, *args):
+    def read_blocks(self, *args, **kwargs):
         self.started.set()
         self.release.wait(30)
-        return self.inner.read_blocks(*args)
+        return self.inner.read_blocks(*args, **kwargs)
 
     def __getattr__(self, name):
         return getattr(self.inner, name)

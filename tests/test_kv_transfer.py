@@ -1,5 +1,8 @@
 """Both KV-transfer backends move exactly the requested blocks, and fail cleanly."""
 
+import socket
+import time
+
 import pytest
 import torch
 
@@ -94,3 +97,85 @@ def test_tcp_dead_peer_fails_fast():
     with pytest.raises(KVTransferError):
         client.read_blocks(info, [0], [0], timeout_s=2)
     client.close()
+
+
+# -- the TCP server's guards ---------------------------------------------------------------------------------
+
+
+def raw_request(address, payload: bytes, timeout_s: float = 5.0) -> bytes:
+    """What the TCP KV server answers one request line with, read until it closes or goes quiet."""
+    with socket.create_connection(address, timeout=timeout_s) as sock:
+        sock.sendall(payload)
+        sock.shutdown(socket.SHUT_WR)
+        chunks = []
+        while chunk := sock.recv(1 << 16):
+            chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def test_tcp_server_answers_only_blocks_under_the_named_live_lease():
+    """Workers give the server their lease table's check: a peer that does not know a live lease holding the
+    blocks (any process that can reach the port) reads nothing of another request's KV."""
+    src, dst = caches()
+    leases = {"lease-a": {3, 4, 5}}
+    server = create_kv_transfer("tcp", src, "p-auth", authorize=lambda lease_id, ids: set(ids) <= leases.get(lease_id, set()))
+    client = create_kv_transfer("tcp", dst, "d-auth")
+    try:
+        moved = client.read_blocks(server.agent_info(), [3, 5], [0, 1], timeout_s=5, lease_id="lease-a")
+        assert_pulled_exactly(src, dst, [3, 5], [0, 1], moved, server.block_bytes)
+        for lease_id, ids in (("lease-a", [3, 6]), ("lease-b", [3]), (None, [3])):
+            with pytest.raises(KVTransferError, match="closed after 0"):
+                client.read_blocks(server.agent_info(), ids, [9] * len(ids), timeout_s=5, lease_id=lease_id)
+        assert raw_request(server.address, b'{"block_ids": [3]}\n') == b""
+    finally:
+        client.close()
+        server.close()
+
+
+@pytest.mark.parametrize("payload", [
+    b"not json\n", b'{"block_ids": [1e309]}\n', b"[" * 100_000 + b"\n", b'{"block_ids": [true]}\n',
+    b'{"block_ids": ["3"]}\n', b'{"block_ids": [1.5]}\n', b'{"block_ids": []}\n', b'{"block_ids": [24]}\n',
+    b'{"block_ids": [' + b"0," * 24 + b'0]}\n',  # more ids than the cache has blocks
+    b'{"block_ids": [0' + b" " * 100_000 + b"]}\n",  # a line longer than any real request
+    b'{"block_ids": [0]}',  # no end of line before the peer stopped sending
+], ids=["garbage", "overflow", "deep", "bool", "string", "float", "empty", "range", "too-many", "too-long",
+        "unterminated"])
+def test_tcp_server_drops_a_malformed_request_and_keeps_serving(payload, capfd):
+    src, dst = caches()
+    server = create_kv_transfer("tcp", src, "p-bad")
+    client = create_kv_transfer("tcp", dst, "d-bad")
+    try:
+        assert raw_request(server.address, payload) == b""
+        moved = client.read_blocks(server.agent_info(), [2], [2], timeout_s=5)
+        assert moved == server.block_bytes and torch.equal(dst[2], src[2])
+    finally:
+        client.close()
+        server.close()
+    assert "Traceback" not in capfd.readouterr().err
+
+
+def test_tcp_server_closes_connections_past_its_cap_and_serves_again_once_they_end(monkeypatch):
+    import tandem.workers.kv_transfer.tcp_backend as tcp
+
+    monkeypatch.setattr(tcp, "_MAX_CONNECTIONS", 2)
+    src, dst = caches()
+    server = create_kv_transfer("tcp", src, "p-cap")
+    client = create_kv_transfer("tcp", dst, "d-cap")
+    idle = [socket.create_connection(server.address, timeout=5) for _ in range(2)]
+    try:
+        with pytest.raises(KVTransferError):
+            client.read_blocks(server.agent_info(), [1], [1], timeout_s=5)  # a third, closed at once
+        for sock in idle:
+            sock.close()
+        for _ in range(50):  # the server notices the closes as its handler threads end
+            try:
+                client.read_blocks(server.agent_info(), [1], [1], timeout_s=5)
+                break
+            except KVTransferError:
+                time.sleep(0.05)
+        assert torch.equal(dst[1], src[1])
+    finally:
+        for sock in idle:
+            sock.close()
+        client.close()
+        server.close()

@@ -195,7 +195,8 @@ async def serve_decode(ctx, body: DecodeRequest) -> DecodeStream:
                 ctx.metrics.fallback(fallback)
             else:
                 kv_source = RemoteKV(agent, handle.block_ids, handle.expires_at,
-                                     release=release_after_read(ctx, handle, asyncio.get_running_loop()))
+                                     release=release_after_read(ctx, handle, asyncio.get_running_loop()),
+                                     lease_id=handle.lease_id)
     except BaseException:
         if handle is not None:
             spawn(release_lease(ctx, handle))

@@ -49,7 +49,7 @@ def build_worker(config: WorkerConfig) -> tuple[ServingContext, AsyncEngine]:
     # "both" worker can be either. Its name is unique per process, so a restarted peer is noticed.
     engine.kv_transfer = create_kv_transfer(ec.kv_transfer, engine.runner.kv_cache,
                                             f"tandem-{config.role}-{uuid.uuid4().hex[:8]}", host=config.host,
-                                            lanes=ec.kv_transfer_lanes)
+                                            lanes=ec.kv_transfer_lanes, authorize=engine.leases.covers)
     async_engine = AsyncEngine(engine)
     ctx = ServingContext(async_engine, loaded.tokenizer, served, engine.max_model_len, config, metrics,
                          engine.layout, engine.kv_transfer)

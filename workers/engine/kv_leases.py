@@ -80,5 +80,11 @@ class LeaseTable:
         self.num_expired += len(expired)
         return len(expired)
 
+    def covers(self, lease_id: str, block_ids: list[int]) -> bool:
+        """Whether a live lease of that id holds every one of block_ids (the TCP KV server's check). Called from
+        the server's threads: one dict lookup, and a lease's block list never changes once pinned."""
+        lease = self._leases.get(lease_id)
+        return lease is not None and lease.expires_at > self.clock() and set(block_ids) <= set(lease.block_ids)
+
     def __len__(self) -> int:
         return len(self._leases)

@@ -71,6 +71,7 @@ class RemoteKV:
     # is slow to answer (its reads can go on without its CPU, over RDMA) would hold up every pull queued behind.
     # None: the lease's time alone decides.
     release: Callable[[], Future] | None = None
+    lease_id: str | None = None  # the prefill worker's lease, which a TCP pull shows its server
 
 
 class LeaseLost(KVTransferError):
@@ -634,7 +635,7 @@ def _timed_read(transfer: KVTransfer, source: RemoteKV, remote: list[int], local
     if not _lease_holds(source):
         raise LeaseLost("the lease ran out before the read began")
     started = time.monotonic()
-    moved = transfer.read_blocks(source.agent_info, remote, local, timeout_s)
+    moved = transfer.read_blocks(source.agent_info, remote, local, timeout_s, lease_id=source.lease_id)
     return moved, time.monotonic() - started
 
 

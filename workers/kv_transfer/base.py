@@ -32,8 +32,9 @@ class KVTransfer(ABC):
 
     @abstractmethod
     def read_blocks(self, remote: dict, remote_block_ids: list[int], local_block_ids: list[int],
-                    timeout_s: float) -> int:
-        """Copy remote blocks into our local blocks (pairwise, in order); returns bytes moved.
+                    timeout_s: float, lease_id: str | None = None) -> int:
+        """Copy remote blocks into our local blocks (pairwise, in order); returns bytes moved. `lease_id`: the
+        prefill worker's lease on them, which a backend that asks the peer for the blocks (TCP) shows it.
         Raises KVTransferError on any failure or timeout, leaving the local blocks unspecified."""
 
     def close(self) -> None:  # noqa: B027 - optional hook
@@ -69,9 +70,10 @@ def nixl_available() -> bool:
 
 
 def create_kv_transfer(backend: str, kv_cache: torch.Tensor, agent_name: str, host: str = "127.0.0.1",
-                       lanes: int = 2) -> KVTransfer:
+                       lanes: int = 2, authorize=None) -> KVTransfer:
     """backend: 'nixl', 'tcp', or 'auto' (NIXL when it imports, else TCP). lanes: NIXL reading agents
-    a pull is split over."""
+    a pull is split over. authorize: (lease id, block ids) -> bool, what the TCP server answers (see
+    tcp_backend); NIXL reads are one-sided and ask the peer nothing."""
     if backend == "auto":
         backend = "nixl" if nixl_available() else "tcp"
     if backend == "nixl":
@@ -84,5 +86,5 @@ def create_kv_transfer(backend: str, kv_cache: torch.Tensor, agent_name: str, ho
     if backend == "tcp":
         from tandem.workers.kv_transfer.tcp_backend import TcpTransfer
 
-        return TcpTransfer(kv_cache, agent_name, host)
+        return TcpTransfer(kv_cache, agent_name, host, authorize=authorize)
     raise ValueError(f"unknown KV transfer backend {backend!r}; use nixl, tcp or auto")

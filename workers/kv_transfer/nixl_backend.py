@@ -153,7 +153,7 @@ class NixlTransfer(KVTransfer):
                 "mem_type": self._mem_type, "device_id": self._device_id}
 
     def read_blocks(self, remote: dict, remote_block_ids: list[int], local_block_ids: list[int],
-                    timeout_s: float) -> int:
+                    timeout_s: float, lease_id: str | None = None) -> int:
         if remote.get("block_bytes") != self.block_bytes:
             raise KVTransferError(f"block size mismatch: remote {remote.get('block_bytes')} B, local {self.block_bytes} B")
         size = self.block_bytes

@@ -1,49 +1,116 @@
 """KV pulls over a plain TCP socket, for hosts without NIXL.
 
 The prefill side runs a small threaded server next to the engine; a pull sends one JSON line
-{"block_ids": [...]} and reads back the raw bytes of those blocks in order, received straight
+{"lease_id": ..., "block_ids": [...]} and reads back the raw bytes of those blocks in order, received straight
 into the destination blocks (CPU) or a pinned staging buffer (GPU). Blocks being read are pinned
 by a lease on the prefill side, so the engine cannot overwrite them mid-transfer.
+
+The server answers only what a live lease covers when the worker gives it `authorize` (the lease table's
+check): the lease id, which only the router and the decode worker it sent the handle to know, is what lets a
+peer read another request's KV. What a connection may cost is bounded: one request line of limited length
+and ids, a socket timeout, a cap on connections served at once. A malformed request drops its connection
+with one log line.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import socket
 import socketserver
 import threading
+from collections.abc import Callable
 
 import torch
 
 from tandem.workers.kv_transfer.base import KVTransfer, KVTransferError, coalesce
 
+log = logging.getLogger(__name__)
+
+# A request line names at most every block once; each id takes at most this many bytes in JSON ("123456, ").
+_BYTES_PER_ID = 12
+_LINE_OVERHEAD = 256  # the braces, keys and a lease id
+_SOCKET_TIMEOUT_S = 30.0  # a peer that stops sending or reading
+_MAX_CONNECTIONS = 64  # served at once; more are closed at once (a decode worker opens one per pull)
+
+
+class _Refused(ValueError):
+    """A request this server does not answer (malformed, out of range, not under the named lease)."""
+
 
 class _Handler(socketserver.StreamRequestHandler):
+    timeout = _SOCKET_TIMEOUT_S
+
     def handle(self) -> None:
         transfer: TcpTransfer = self.server.transfer  # type: ignore[attr-defined]
         self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        for line in self.rfile:  # one connection may carry several pulls
-            try:
-                ids = [int(b) for b in json.loads(line)["block_ids"]]
-                if any(not 0 <= b < transfer.kv_cache.shape[0] for b in ids):
-                    raise ValueError("block id out of range")
-            except (ValueError, KeyError, TypeError):
-                return  # a malformed request: drop the connection, the client sees a short read
-            for start, _, count in coalesce(ids, ids):
-                self.wfile.write(transfer.block_bytes_view(start, count))
-            self.wfile.flush()
+        num_blocks = transfer.kv_cache.shape[0]
+        try:
+            while True:  # one connection may carry several pulls
+                line = self.rfile.readline(num_blocks * _BYTES_PER_ID + _LINE_OVERHEAD)
+                if not line:
+                    return
+                ids = self._parse(line, transfer, num_blocks)
+                for start, _, count in coalesce(ids, ids):
+                    self.wfile.write(transfer.block_bytes_view(start, count))
+                self.wfile.flush()
+        except _Refused as exc:  # the client sees a short read
+            log.info("KV pull from %s refused: %s", self.client_address[0], exc)
+        except OSError as exc:  # the peer went away or stalled (a pull that timed out on its side)
+            log.debug("KV pull connection from %s ended: %r", self.client_address[0], exc)
+
+    @staticmethod
+    def _parse(line: bytes, transfer: TcpTransfer, num_blocks: int) -> list[int]:
+        if not line.endswith(b"\n"):
+            raise _Refused("request line too long")
+        try:
+            request = json.loads(line)
+        except (ValueError, RecursionError) as exc:
+            raise _Refused(f"not JSON: {type(exc).__name__}") from None
+        ids = request.get("block_ids") if isinstance(request, dict) else None
+        if not isinstance(ids, list) or not ids or len(ids) > num_blocks:
+            raise _Refused("block_ids must be a list of 1 to as many blocks as the cache holds")
+        if any(type(b) is not int or not 0 <= b < num_blocks for b in ids):
+            raise _Refused("block ids must be integers within the cache")
+        lease_id = request.get("lease_id")
+        if transfer.authorize is not None and not (isinstance(lease_id, str)
+                                                   and transfer.authorize(lease_id, ids)):
+            raise _Refused("the blocks are not under the named lease")
+        return ids
 
 
 class _Server(socketserver.ThreadingTCPServer):
     daemon_threads = True
     allow_reuse_address = True
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._slots = threading.BoundedSemaphore(_MAX_CONNECTIONS)
+
+    def process_request(self, request, client_address) -> None:
+        if not self._slots.acquire(blocking=False):
+            log.warning("KV transfer server: %d connections already served, one from %s closed",
+                        _MAX_CONNECTIONS, client_address[0])
+            self.shutdown_request(request)
+            return
+        super().process_request(request, client_address)
+
+    def process_request_thread(self, request, client_address) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
 
 class TcpTransfer(KVTransfer):
     backend = "tcp"
 
-    def __init__(self, kv_cache: torch.Tensor, agent_name: str, host: str = "127.0.0.1"):
+    def __init__(self, kv_cache: torch.Tensor, agent_name: str, host: str = "127.0.0.1",
+                 authorize: Callable[[str, list[int]], bool] | None = None):
         super().__init__(kv_cache, agent_name)
+        # (lease id, block ids) -> whether a live lease of that id holds every one of them; None answers any
+        # request (a transfer with no engine behind it: benchmarks and transfer tests).
+        self.authorize = authorize
         self._server = _Server((host, 0), _Handler)
         self._server.transfer = self  # type: ignore[attr-defined]
         self._thread = threading.Thread(target=self._server.serve_forever, name="kv-tcp", daemon=True)
@@ -66,14 +133,14 @@ class TcpTransfer(KVTransfer):
         return memoryview(span.view(torch.uint8).numpy()).cast("B")
 
     def read_blocks(self, remote: dict, remote_block_ids: list[int], local_block_ids: list[int],
-                    timeout_s: float) -> int:
+                    timeout_s: float, lease_id: str | None = None) -> int:
         if remote.get("block_bytes") != self.block_bytes:
             raise KVTransferError(f"block size mismatch: remote {remote.get('block_bytes')} B, local {self.block_bytes} B")
         total = 0
         try:
             with socket.create_connection((remote["host"], remote["port"]), timeout=timeout_s) as sock:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                sock.sendall(json.dumps({"block_ids": remote_block_ids}).encode() + b"\n")
+                sock.sendall(json.dumps({"lease_id": lease_id, "block_ids": remote_block_ids}).encode() + b"\n")
                 for _, local_start, count in coalesce(remote_block_ids, local_block_ids):
                     total += self._receive_into(sock, local_start, count)
         except OSError as exc:
