@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tandem.config import DeploymentEngineSpec, EngineConfig, LLMDeploymentSpec, PodSettings, PoolSpec
+from tandem.internal_auth import INTERNAL_TOKEN_ENV
 from tandem.operator import names
 from tandem.operator.names import HTTP_PORT
 from tandem.operator.sizing import PoolSizes
@@ -28,6 +29,7 @@ ROUTER_GRACE_SECONDS = 60
 ENGINE_FLAG_FIELDS = ("dtype", "max_model_len", "block_size", "max_num_seqs", "max_num_batched_tokens",
                       "kv_cache_memory_gb", "enable_prefix_caching")
 # Writable places for a read-only root filesystem: Python, Triton and HF caches all go under /tmp.
+INTERNAL_TOKEN_KEY = "token"  # the key of the token in names.internal_secret_name's Secret
 WRITABLE_ENV = [{"name": "HOME", "value": "/tmp"}, {"name": "XDG_CACHE_HOME", "value": "/tmp/.cache"},
                 {"name": "TRITON_CACHE_DIR", "value": "/tmp/.triton"}, {"name": "PYTHONDONTWRITEBYTECODE", "value": "1"}]
 
@@ -94,6 +96,13 @@ def engine_args(engine: DeploymentEngineSpec) -> list[str]:
 
 def _env(settings: PodSettings) -> list[dict]:
     return [e.model_dump(by_alias=True, exclude_none=True) for e in settings.env or []]
+
+
+def internal_token_env(owner: Owner) -> dict:
+    """The router's and the workers' shared secret on the workers' internal endpoints, from the Secret the
+    operator creates once per deployment (reconcile.ensure_internal_secret)."""
+    return {"name": INTERNAL_TOKEN_ENV, "valueFrom": {"secretKeyRef": {
+        "name": names.internal_secret_name(owner.name), "key": INTERNAL_TOKEN_KEY}}}
 
 
 def _resources(settings: PodSettings) -> dict:
@@ -189,7 +198,7 @@ def worker_deployment(owner: Owner, spec: LLMDeploymentSpec, pool: str, replicas
     args = ["worker", "--role", pool, "--model", model_arg, "--served-model-name", spec.model.name,
             "--host", "0.0.0.0", "--port", str(HTTP_PORT), "--kv-transfer", spec.kv_transfer.backend,
             "--kv-transfer-lanes", str(spec.kv_transfer.lanes), *engine_args(spec.engine), *(settings.extra_args or [])]
-    env = _env(settings)
+    env = [internal_token_env(owner), *_env(settings)]
     if spec.kv_transfer.ucx_transports:
         env.append({"name": "UCX_TLS", "value": ",".join(spec.kv_transfer.ucx_transports)})
     # UCX's shared-memory transport and torch's IPC need a real /dev/shm, not the runtime's 64 MiB default.
@@ -254,7 +263,7 @@ def router_deployment(owner: Owner, spec: LLMDeploymentSpec) -> dict:
         # One prefill replica's capacity: what admission predicts waits with until this router has measured its own,
         # so that a router started into traffic (a rolling update, a scale-up) does not admit blind meanwhile.
         args += ["--initial-prefill-tps", str(prefill_tps)]
-    env = [*_env(router), {"name": "TANDEM_CONFIG_DIR", "value": CONFIG_MOUNT}]
+    env = [internal_token_env(owner), *_env(router), {"name": "TANDEM_CONFIG_DIR", "value": CONFIG_MOUNT}]
     volumes = [*volumes, {"name": "config", "configMap": {"name": names.config_map_name(owner.name)}}]
     mounts = [*mounts, {"name": "config", "mountPath": CONFIG_MOUNT, "readOnly": True}]
     if router.tenants_secret:

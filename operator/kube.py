@@ -23,6 +23,7 @@ PLURALS = {
     ("apps/v1", "Deployment"): "deployments",
     ("v1", "Service"): "services",
     ("v1", "ConfigMap"): "configmaps",
+    ("v1", "Secret"): "secrets",  # the internal-endpoint token only: created once, never applied
     ("v1", "ServiceAccount"): "serviceaccounts",
     ("rbac.authorization.k8s.io/v1", "Role"): "roles",
     ("rbac.authorization.k8s.io/v1", "RoleBinding"): "rolebindings",

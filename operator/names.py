@@ -26,6 +26,11 @@ def config_map_name(name: str) -> str:
     return f"{name}-config"
 
 
+def internal_secret_name(name: str) -> str:
+    """The Secret holding the deployment's internal-endpoint token (tandem.internal_auth)."""
+    return f"{name}-internal"
+
+
 def discovery_role_name(name: str) -> str:
     return f"{name}-router-discovery"
 

@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import datetime
+import secrets
 import threading
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from tandem.operator import names
-from tandem.operator.builders import Owner, build_objects
-from tandem.operator.kube import Kube, KubeError, Outcome
+from tandem.operator.builders import INTERNAL_TOKEN_KEY, Owner, build_objects
+from tandem.operator.kube import ForeignObjectError, Kube, KubeError, Outcome
 from tandem.operator.scaling import planned_sizes
 from tandem.operator.status import Problem, compute_status, same_status
 from tandem.operator.validation import SpecError, built_object_reasons, validate_spec
@@ -36,6 +37,7 @@ def reconcile(kube: Kube, body: Mapping[str, Any], force: bool = False) -> list[
     refer to exist (a RoleBinding's dry run is refused while its Role is not there)."""
     owner = owner_of(body)
     spec, sizes = validate_spec(body.get("spec"), owner.name)
+    ensure_internal_secret(kube, owner)
     sizes = planned_sizes(spec, sizes, body.get("status"))
     objects = build_objects(owner, spec, sizes)
     reasons = built_object_reasons(objects)
@@ -54,6 +56,25 @@ def reconcile(kube: Kube, body: Mapping[str, Any], force: bool = False) -> list[
     if reasons:
         raise RefusedSpec(reasons)
     return [(kube.carry_out(step), step.desired) for step in steps]
+
+
+def ensure_internal_secret(kube: Kube, owner: Owner) -> None:
+    """Create the deployment's internal-endpoint token once (tandem.internal_auth). Never applied again: a new token
+    on every reconcile would restart every pod, and pods started with different tokens could not talk. Owned by
+    the LLMDeployment, so it goes with it. A Secret of that name that is not this deployment's is refused as any
+    other foreign object is."""
+    name = names.internal_secret_name(owner.name)
+    current = kube.get("v1", "Secret", owner.namespace, name)
+    if current is not None:
+        refs = current.get("metadata", {}).get("ownerReferences") or []
+        if not any(ref.get("uid") == owner.uid for ref in refs):
+            raise ForeignObjectError(f"Secret {owner.namespace}/{name} exists and does not belong to this "
+                                     "LLMDeployment; rename or delete it")
+        return
+    kube.create({"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
+                 "metadata": {"name": name, "namespace": owner.namespace,
+                              "labels": names.labels(owner.name, "router"), "ownerReferences": [owner.reference()]},
+                 "stringData": {INTERNAL_TOKEN_KEY: secrets.token_urlsafe(32)}})
 
 
 def observe(kube: Kube, namespace: str, name: str) -> tuple[dict[str, dict], dict | None]:

@@ -17,6 +17,7 @@ from tandem.config import API_KEY_ENV, RouterConfig
 from tandem.graceful import GracefulServer
 from tandem.hashing import model_seed
 from tandem.heap import settle_heap
+from tandem.internal_auth import internal_headers
 from tandem.metrics import RouterMetrics
 from tandem.model_source import default_served_name
 from tandem.router.admission import (
@@ -87,7 +88,8 @@ class Router:
         self.served_name = config.served_model_name or default_served_name(config.model)
         self.max_model_len = DEFAULT_MAX_MODEL_LEN
         self.metrics = RouterMetrics(self.served_name)
-        self.http = httpx.AsyncClient(limits=httpx.Limits(max_connections=None, max_keepalive_connections=1024))
+        self.http = httpx.AsyncClient(limits=httpx.Limits(max_connections=None, max_keepalive_connections=1024),
+                                      headers=internal_headers())
         self.prefill = WorkerPool("prefill", self.http, self.metrics, config.eject_after_failures)
         self.decode = WorkerPool("decode", self.http, self.metrics, config.eject_after_failures)
         tenants = load_tenants(os.environ.get("TANDEM_TENANTS_DIR"))

@@ -20,6 +20,7 @@ from typing import Literal
 import aiohttp
 import orjson
 
+from tandem.internal_auth import internal_headers
 from tandem.router.worker_channel import CLOSED, TIMED_OUT, ChannelClosed, WorkerChannel
 from tandem.sse import parse_sse_line
 
@@ -101,7 +102,8 @@ class WorkerClient:
     def session(self) -> aiohttp.ClientSession:
         # Created on first use: an aiohttp session belongs to the event loop it was made in.
         if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=self.timeout)
+            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=self.timeout,
+                                                  headers=internal_headers())
         return self._session
 
     async def post_json(self, worker: str, path: str, payload: dict, timeout_s: float | None = None) -> dict:

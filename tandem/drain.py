@@ -10,11 +10,13 @@ import time
 
 import httpx
 
+from tandem.internal_auth import internal_headers
+
 
 def drain(url: str, timeout_s: float, poll_s: float = 0.5) -> int:
     url = url.rstrip("/")
     try:
-        httpx.post(f"{url}/internal/drain", timeout=5).raise_for_status()
+        httpx.post(f"{url}/internal/drain", timeout=5, headers=internal_headers()).raise_for_status()
     except httpx.HTTPError as exc:
         print(f"tandem drain: {url} did not accept the drain ({exc}); nothing to wait for")
         return 0
@@ -22,7 +24,7 @@ def drain(url: str, timeout_s: float, poll_s: float = 0.5) -> int:
     in_flight = None
     while time.monotonic() < deadline:
         try:
-            in_flight = httpx.get(f"{url}/internal/load", timeout=5).json()["in_flight"]
+            in_flight = httpx.get(f"{url}/internal/load", timeout=5, headers=internal_headers()).json()["in_flight"]
         except (httpx.HTTPError, ValueError, KeyError):
             break  # the worker is gone: nothing left to wait for
         if in_flight == 0:

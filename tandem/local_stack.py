@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import signal
 import sys
 import time
 
 from tandem.cli_args import options_to_args
 from tandem.config import API_KEY_ENV, EngineConfig, RouterConfig
+from tandem.internal_auth import INTERNAL_TOKEN_ENV
 from tandem.launcher import ServiceProcess, port_in_use
 from tandem.model_source import default_served_name
 from tandem.workers.kernels.cpu_extension import COMPILING
@@ -108,7 +110,9 @@ def run_local_stack(engine: EngineConfig, *, prefill: int, decode: int, colocate
         return 2
     worker_args = options_to_args(engine)
     roles = ["both"] * decode if colocated else ["prefill"] * prefill + ["decode"] * decode
-    workers = [ServiceProcess(["worker", "--role", role, *worker_args], name=f"{role}-{i}")
+    # The internal endpoints' shared secret (tandem.internal_auth), one per stack unless the caller set one.
+    internal = {INTERNAL_TOKEN_ENV: os.environ.get(INTERNAL_TOKEN_ENV) or secrets.token_urlsafe(32)}
+    workers = [ServiceProcess(["worker", "--role", role, *worker_args], name=f"{role}-{i}", env=internal)
                for i, role in enumerate(roles)]
     prefill_urls = [w.url for w, r in zip(workers, roles) if r == "prefill"]
     decode_urls = [w.url for w, r in zip(workers, roles) if r != "prefill"]
@@ -119,7 +123,8 @@ def run_local_stack(engine: EngineConfig, *, prefill: int, decode: int, colocate
     if engine.served_model_name:
         router_args += ["--served-model-name", engine.served_model_name]
     # The key travels in the environment, not on the router's command line where `ps` would show it.
-    router = ServiceProcess(router_args, port=port, name="router", env={API_KEY_ENV: api_key} if api_key else None)
+    router = ServiceProcess(router_args, port=port, name="router",
+                            env={**internal, **({API_KEY_ENV: api_key} if api_key else {})})
     auth = " -H 'authorization: Bearer <your key>'" if api_key or os.environ.get(API_KEY_ENV) else ""
     everything = [*workers, router]
 

@@ -102,6 +102,11 @@ def test_tandem_serve_with_the_openai_sdk():
         assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == chat.choices[0].message.content
         paths = httpx.get(serve.url + "/metrics").text
         assert 'path="disagg"' in paths and 'path="colocated"' in paths
+        # Those answers went through the internal endpoints with the stack's own secret: without it, refused.
+        for role in ("prefill", "decode"):
+            worker_url = f"http://127.0.0.1:{child_port(serve.proc.pid, f'--role {role}')}"
+            assert httpx.get(worker_url + "/health").status_code == 200
+            assert httpx.get(worker_url + "/internal/load").status_code == 401
 
         # A worker that dies is started again, as Kubernetes would restart its pod; the stack stays up.
         decode_pid = child_pid(serve.proc.pid, "--role decode")
@@ -122,6 +127,13 @@ def child_pid(parent: int, marker: str) -> int | None:
                 if marker in cmd.read().replace(b"\0", b" ").decode():
                     return pid
     return None
+
+
+def child_port(parent: int, marker: str) -> int:
+    """The --port of the child process of `parent` whose command line contains `marker`."""
+    with open(f"/proc/{child_pid(parent, marker)}/cmdline", "rb") as cmd:
+        args = cmd.read().decode().split("\0")
+    return int(args[args.index("--port") + 1])
 
 
 def ready(proc: ServiceProcess) -> dict:

@@ -16,6 +16,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from tandem.body_limit import BodySizeLimit
 from tandem.config import WorkerConfig
 from tandem.errors import APIError, add_openai_error_handlers, error_body
+from tandem.internal_auth import InternalAuth, internal_headers, internal_token
 from tandem.json_response import FastJSONResponse
 from tandem.metrics import EngineMetrics
 from tandem.model_routes import add_model_routes
@@ -54,13 +55,14 @@ class ServingContext:
         self.layout = layout
         self.kv_transfer = kv_transfer
         self.advertise_url = config.advertise_url or f"http://{config.host}:{config.port}"
-        self.http = httpx.AsyncClient()
+        self.http = httpx.AsyncClient(headers=internal_headers())  # to peer workers' internal endpoints
         self.agents = AgentDirectory(self.http)
 
 
 def build_app(ctx: ServingContext) -> FastAPI:
     app = FastAPI(title="Tandem worker", version="0.1.0")
     app.add_middleware(BodySizeLimit, max_bytes=ctx.config.max_body_bytes)
+    app.add_middleware(InternalAuth, token=internal_token())
 
     add_openai_error_handlers(app)
 

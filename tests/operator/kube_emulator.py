@@ -38,6 +38,7 @@ RESOURCES = {  # resource -> (kind, namespaced, subresources)
     "apps/v1/deployments": ("Deployment", True, {"status", "scale"}),
     "v1/services": ("Service", True, {"status"}),
     "v1/configmaps": ("ConfigMap", True, set()),
+    "v1/secrets": ("Secret", True, set()),
     "v1/serviceaccounts": ("ServiceAccount", True, set()),
     "v1/events": ("Event", True, set()),
     "v1/namespaces": ("Namespace", False, set()),

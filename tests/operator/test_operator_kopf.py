@@ -92,6 +92,15 @@ async def test_example_creates_pools_router_services_config_and_rbac(cluster):
     binding = cluster.get("rbac.authorization.k8s.io/v1/rolebindings", "smollm2-router-discovery")
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "smollm2-router", "namespace": "ns1"}]
 
+    # The internal endpoints' token: one Secret, owned, read by the router and both pools from the same key.
+    secret = cluster.get("v1/secrets", "smollm2-internal")
+    token = (secret.get("stringData") or {}).get("token") or secret.get("data", {}).get("token")
+    assert token and len(token) >= 32 and secret["metadata"]["ownerReferences"][0]["uid"] == uid
+    token_env = {"name": "TANDEM_INTERNAL_TOKEN",
+                 "valueFrom": {"secretKeyRef": {"name": "smollm2-internal", "key": "token"}}}
+    for name in ("smollm2-prefill", "smollm2-decode", "smollm2-router"):
+        assert token_env in deployments[name]["spec"]["template"]["spec"]["containers"][0]["env"]
+
     # Everything is owned by the LLMDeployment (garbage-collected with it) and is exactly what the
     # builders produce for this spec.
     spec, sizes = validate_spec(yaml.safe_load(EXAMPLE.read_text())["spec"], "smollm2")
@@ -125,6 +134,7 @@ async def test_example_creates_pools_router_services_config_and_rbac(cluster):
 async def test_changing_the_ratio_patches_replicas(cluster):
     await cluster.apply_example()
     await _all_owned(cluster)
+    token = cluster.get("v1/secrets", "smollm2-internal")
     await cluster.patch(CR, "smollm2", {"spec": {"ratio": "1:2", "replicas": 6}})
 
     def resized():
@@ -146,6 +156,8 @@ async def test_changing_the_ratio_patches_replicas(cluster):
     await cluster.patch(CR, "smollm2", {"spec": {"engine": {"maxNumSeqs": 32}}})
     await cluster.wait_for("--max-num-seqs 32 in the decode pod template", lambda: _flag(
         _args(cluster.get(DEPLOYMENTS, "smollm2-decode")), "--max-num-seqs") == "32")
+    # The internal token is made once: new pods and the routers already running keep agreeing on it.
+    assert cluster.get("v1/secrets", "smollm2-internal") == token
 
 
 def _deployment_status(replicas: int, ready: int, progressing: str = "NewReplicaSetAvailable",
@@ -280,6 +292,17 @@ async def test_an_object_of_the_same_name_that_is_not_ours_is_left_alone(cluster
     await _all_owned(cluster, timeout=25)
     await cluster.wait_for("Degraded cleared", lambda: _conditions(cluster)["Degraded"]["reason"] != "ApplyFailed",
                            timeout=20)
+
+
+async def test_a_token_secret_of_the_same_name_that_is_not_ours_is_not_used(cluster):
+    """Its token would be whoever made it's: the deployment waits, Degraded, rather than trust it."""
+    theirs = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "smollm2-internal", "namespace": "ns1"},
+              "stringData": {"token": "chosen-by-someone-else"}}
+    await cluster.create("v1/secrets", theirs)
+    await cluster.apply_example()
+    await cluster.wait_for("Degraded", lambda: _conditions(cluster).get("Degraded", {}).get("reason") == "ApplyFailed")
+    assert "Secret ns1/smollm2-internal exists and does not belong" in _conditions(cluster)["Degraded"]["message"]
+    assert cluster.all(DEPLOYMENTS) == {}
 
 
 async def test_a_deleted_object_that_cannot_be_put_back_at_once_is_put_back_later(cluster):
