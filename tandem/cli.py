@@ -120,14 +120,44 @@ def _plan_parser(sub) -> argparse.ArgumentParser:
 
 
 def _options_error(exc) -> str:
-    """A pydantic ValidationError as one line per bad option, without pydantic's boilerplate."""
-    return "; ".join(f"{'.'.join(map(str, e['loc'])) or 'options'}: {e['msg'].removeprefix('Value error, ')}"
-                     for e in exc.errors())
+    """A pydantic ValidationError as one line per bad option, named as on the command line, without pydantic's
+    boilerplate."""
+    def option(loc) -> str:
+        if not loc:
+            return "options"
+        first = loc[0]
+        return ".".join([f"--{first.replace('_', '-')}" if isinstance(first, str) else str(first), *map(str, loc[1:])])
+
+    return "; ".join(f"{option(e['loc'])}: {e['msg'].removeprefix('Value error, ')}" for e in exc.errors())
 
 
 def _worker_config(ns: argparse.Namespace) -> WorkerConfig:
     engine = model_from_options(EngineConfig, ns)
     return model_from_options(WorkerConfig, ns, engine=engine)
+
+
+def _checked(parser: argparse.ArgumentParser, build):
+    """build()'s config; else one line naming every bad option, or the model that is not there, and exit 2: said
+    before anything loads or starts, not in a traceback (or, for `serve`, in a child's log once others started)."""
+    from pydantic import ValidationError
+
+    from tandem.model_source import default_served_name
+
+    try:
+        config = build()
+        default_served_name(config.model if hasattr(config, "model") else config.engine.model)
+    except ValidationError as exc:
+        parser.exit(2, f"{parser.prog}: {_options_error(exc)}\n")
+    except ValueError as exc:  # the model
+        parser.exit(2, f"{parser.prog}: {exc}\n")
+    return config
+
+
+def _port_free(parser: argparse.ArgumentParser, host: str, port: int) -> None:
+    from tandem.launcher import port_in_use
+
+    if port and port_in_use(host, port):
+        parser.exit(2, f"{parser.prog}: port {port} on {host} is in use; choose another with --port\n")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -163,19 +193,26 @@ def _main(argv: list[str] | None) -> int:
     if ns.command == "worker":
         from tandem.workers.main import run_worker
 
-        return run_worker(_worker_config(ns), log_level=ns.log_level)
+        return run_worker(_checked(sub.choices["worker"], lambda: _worker_config(ns)), log_level=ns.log_level)
     if ns.command == "serve":
         from tandem.local_stack import run_local_stack
 
         if ns.decode < 1 or ns.prefill < 0:
             parser.error("serve: needs --decode >= 1 and --prefill >= 0")
-        return run_local_stack(model_from_options(EngineConfig, ns), prefill=ns.prefill, decode=ns.decode,
+        serve_parser = sub.choices["serve"]
+        engine = _checked(serve_parser, lambda: model_from_options(EngineConfig, ns))
+        # The router's own options too: checked here, not by the router process once the workers have started.
+        _checked(serve_parser, lambda: RouterConfig(model=engine.model, host=ns.host, port=ns.port,
+                                                   disagg_min_tokens=ns.disagg_min_tokens))
+        return run_local_stack(engine, prefill=ns.prefill, decode=ns.decode,
                                colocated=ns.colocated or ns.prefill == 0, disagg_min_tokens=ns.disagg_min_tokens,
                                host=ns.host, port=ns.port, api_key=ns.api_key)
     if ns.command == "router":
         from tandem.router.main import run_router
 
-        return run_router(model_from_options(RouterConfig, ns), log_level=ns.log_level)
+        config = _checked(sub.choices["router"], lambda: model_from_options(RouterConfig, ns))
+        _port_free(sub.choices["router"], config.host, config.port)  # said now, as `serve` and `worker` say it
+        return run_router(config, log_level=ns.log_level)
     if ns.command == "drain":
         from tandem.drain import drain
 

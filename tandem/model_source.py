@@ -41,6 +41,8 @@ def resolve_model_source(source: str) -> str:
         if not os.path.isfile(os.path.join(path, "config.json")):
             raise ValueError(f"model folder {source!r} has no config.json (expected a HuggingFace checkpoint)")
         return path
+    if path.endswith(".gguf") or os.sep in path:  # meant as a file or folder: say that it is not there
+        raise ValueError(f"model {source!r}: no such file or folder")
     raise ValueError(
         f"model {source!r} is neither {DEFAULT_MODEL_ALIAS!r}, a .gguf file nor a HuggingFace checkpoint folder"
     )

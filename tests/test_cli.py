@@ -89,3 +89,38 @@ def test_a_misspelt_option_is_said_by_its_command(capsys):
     assert exited.value.code == 2
     err = capsys.readouterr().err
     assert "tandem worker: error: unrecognized arguments: --modle smollm2" in err and "--model" in err
+
+
+def test_bad_options_and_models_are_one_line_before_anything_starts(capsys, tmp_path):
+    """Each command says what is wrong in one line and exits 2, before loading a model or starting a process: a
+    pydantic traceback before, and for `serve` a router option was only refused by the router process once the
+    workers had started (found by a newcomer's walkthrough)."""
+    import socket
+
+    import pytest
+
+    from tandem.cli import main
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen(1)
+    cases = {
+        ("worker", "--model", "nonexistent"): "tandem worker: model 'nonexistent' is neither 'smollm2'",
+        ("worker", "--model", str(tmp_path / "gone.gguf")): f"tandem worker: model '{tmp_path / 'gone.gguf'}': no such",
+        ("router", "--model", "nonexistent", "--decode", "http://127.0.0.1:1"): "tandem router: model 'nonexistent'",
+        ("router", "--decode", "http://127.0.0.1:1", "--port", str(taken.getsockname()[1])):
+            f"tandem router: port {taken.getsockname()[1]} on 127.0.0.1 is in use",
+        ("serve", "--kv-cache-memory-gb", "0"): "tandem serve: --kv-cache-memory-gb: Input should be greater than 0",
+        ("serve", "--max-num-seqs", "0"): "tandem serve: --max-num-seqs: Input should be greater than or equal to 1",
+        ("serve", "--port", "99999"): "tandem serve: --port: Input should be less than or equal to 65535",
+        ("serve", "--disagg-min-tokens", "-5"): "tandem serve: --disagg-min-tokens: Input should be greater",
+    }
+    try:
+        for argv, said in cases.items():
+            with pytest.raises(SystemExit) as exited:
+                main(list(argv))
+            err = capsys.readouterr().err
+            assert exited.value.code == 2, argv
+            assert err.startswith(said) and len(err.splitlines()) == 1, (argv, err)
+    finally:
+        taken.close()

@@ -314,6 +314,8 @@ def test_load_model_names_dtypes_and_missing_tokenizer(tiny_llama_dir, tmp_path,
 def test_resolve_model_source_errors(tmp_path, smollm2_gguf_path):
     assert resolve_model_source("smollm2") == smollm2_gguf_path
     with pytest.raises(ValueError, match="neither"):
+        resolve_model_source("smollm3")  # no path: which kinds of source there are
+    with pytest.raises(ValueError, match="no such file or folder"):
         resolve_model_source(str(tmp_path / "nope"))
     with pytest.raises(ValueError, match="config.json"):
         resolve_model_source(str(tmp_path))
@@ -329,7 +331,7 @@ def test_the_default_served_name_is_the_alias_or_the_checkpoint_name(tmp_path, s
     assert default_served_name("smollm2") == "smollm2"
     assert default_served_name(smollm2_gguf_path) == "SmolLM2-135M-Instruct.Q4_1"
     assert default_served_name(str(tiny_llama_dir) + "/") == os.path.basename(str(tiny_llama_dir))
-    with pytest.raises(ValueError, match="neither"):
+    with pytest.raises(ValueError, match="no such file or folder"):
         default_served_name(str(tmp_path / "nope.gguf"))
 
 
