@@ -104,6 +104,27 @@ def test_a_closed_channel_stops_its_requests_on_the_worker(worker):
     assert metric(worker, "tandem_requests_finished_total", 'finish_reason="abort"') == aborted_before + 1
 
 
+def test_a_message_id_already_in_flight_is_refused(worker):
+    """An id is what a cancel names: a second request under an id in flight would leave the first uncancellable
+    (found by a robustness helper). Refused; the first goes on and ends as usual."""
+    async def run():
+        async with aiohttp.ClientSession() as session, session.ws_connect(f"{worker.url}/internal/ws") as ws:
+            await ws.send_bytes(orjson.dumps({"id": 42, "path": "/internal/decode",
+                                              "body": decode_body("dup-first", PROMPTS[0], max_tokens=6)}))
+            await ws.send_bytes(orjson.dumps({"id": 42, "path": "/internal/decode",
+                                              "body": decode_body("dup-second", PROMPTS[1], max_tokens=2)}))
+            answers = []
+            while not any(a.get("done") for a in answers):
+                answers.append(orjson.loads((await ws.receive()).data))
+            return answers
+
+    answers = asyncio.run(run())
+    refused = [a for a in answers if a.get("status") == 400]
+    assert len(refused) == 1 and "already in flight" in refused[0]["body"]["error"]["message"]
+    tokens = [t for a in answers if "event" in a for t in a["event"].get("token_ids", [])]
+    assert len(tokens) == 6  # the first request's, whole
+
+
 def test_a_request_the_router_gives_up_on_is_cancelled_on_the_worker(worker):
     """The caller stops reading (its client left): the channel tells the worker, which stops the request as it
     stops an HTTP request whose client closed the connection; the channel itself stays open for the others."""

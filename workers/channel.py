@@ -54,6 +54,9 @@ def add_channel_route(app: FastAPI, routes: ChannelRoutes) -> None:
                     task = serving.get(message["id"])
                     if task is not None:
                         cancel_once_started(task)
+                elif message["id"] in serving:  # its cancel would reach only one of the two
+                    await send(ws, {"id": message["id"], "status": 400,
+                                    "body": error_body(400, "a request with this id is already in flight")})
                 else:
                     request_id = message["id"]
                     task = serving[request_id] = asyncio.get_running_loop().create_task(
