@@ -35,13 +35,18 @@ from tandem.router.admission import AdmissionRequest, Reject, RejectReason
 from tandem.router.api_keys import ApiKeyGate, bearer_token, header_value
 from tandem.router.fast_lane import FastLane, validation_error_response
 from tandem.router.orchestrator import Trace, no_workers
-from tandem.sse import CancelOnDisconnect, ClientDisconnected, EventStreamResponse, openai_stream
+from tandem.sse import (
+    CLIENT_CLOSED_REQUEST,
+    CancelOnDisconnect,
+    ClientDisconnected,
+    EventStreamResponse,
+    openai_stream,
+)
 
 log = logging.getLogger(__name__)
 
 SLO_HEADER = "x-tandem-slo-class"
 SLO_HEADER_RAW = SLO_HEADER.encode()  # as ASGI gives header names: lower-case bytes
-CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left before its answer
 
 
 def build_app(router) -> FastLane | ApiKeyGate:

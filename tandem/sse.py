@@ -135,6 +135,9 @@ class ClientDisconnected(Exception):
     """The client closed its connection before its answer was ready."""
 
 
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left before its answer (nobody reads it)
+
+
 class CancelOnDisconnect:
     """Runs the block in this task, cancelled if the client disconnects meanwhile (ClientDisconnected is raised
     instead of the CancelledError). For an answer built whole before it is sent, a non-streamed completion:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 import re
 import threading
 import time
@@ -482,3 +483,21 @@ def test_an_answer_begun_by_the_client_goes_on(client):
     # The new turn adds "<|im_end|>\n<|im_start|>assistant\n" after the message; left open, none of it.
     assert opened.usage.prompt_tokens < new_turn.usage.prompt_tokens
     assert opened.choices[0].message.content.strip().startswith("Paris")
+
+
+def test_a_client_that_leaves_during_a_long_prefill_stops_it_at_the_next_step():
+    """A non-streamed request whose client leaves before any output: the worker noticed only at the first token,
+    once the whole prompt was computed (found by a robustness helper). Now the next step's abort stops it: of a
+    4,000-token prompt computed 128 tokens a step, far from all of it is computed."""
+    proc = ServiceProcess(["worker", "--role", "both", "--model", "smollm2", "--num-kv-blocks", "300",
+                           "--max-model-len", "4200", "--max-num-batched-tokens", "128"], name="prefill-leaver")
+    with proc:
+        before = metric(proc, "tandem_computed_prompt_tokens_total", default=0)
+        prompt = [random.Random(5).randrange(100, 40000) for _ in range(4000)]
+        with pytest.raises(httpx.TimeoutException):
+            httpx.post(proc.url + "/v1/completions", json={"model": "smollm2", "prompt": prompt, "max_tokens": 1},
+                       timeout=0.5)
+        assert wait_for(lambda: httpx.get(proc.url + "/internal/load").json()["in_flight"] == 0, timeout=30)
+        computed = metric(proc, "tandem_computed_prompt_tokens_total", default=0) - before
+        assert computed < 3000, computed
+        assert metric(proc, "tandem_requests_finished_total", 'finish_reason="abort"') == 1

@@ -29,7 +29,13 @@ from tandem.openai_protocol import (
     check_token_ids,
 )
 from tandem.protocol import LayoutFingerprint, SamplingParams
-from tandem.sse import EventStreamResponse, openai_stream
+from tandem.sse import (
+    CLIENT_CLOSED_REQUEST,
+    CancelOnDisconnect,
+    ClientDisconnected,
+    EventStreamResponse,
+    openai_stream,
+)
 from tandem.tokenizer import Tokenizer
 from tandem.workers.async_engine import AsyncEngine, EngineDeadError
 from tandem.workers.internal_api import AgentDirectory, add_internal_routes
@@ -123,10 +129,13 @@ async def respond(ctx: ServingContext, request: Request, body: CompletionRequest
     if body.stream:
         return EventStreamResponse(openai_stream(fmt, outputs, body.usage_in_stream, stream_error_body))
     try:
-        async for out in outputs:
-            fmt.add(out)
-            if await request.is_disconnected():
-                break  # leaving the iterator aborts the request and frees its blocks
+        # Watched from the start: a client that leaves during a long prompt's prefill, before any output, stops it
+        # at the next step rather than at the prefill's end (closing the iterator aborts the request).
+        async with CancelOnDisconnect(request.receive):
+            async for out in outputs:
+                fmt.add(out)
+    except ClientDisconnected:
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
     except ValueError as exc:
         raise APIError(400, str(exc)) from None
     finally:
