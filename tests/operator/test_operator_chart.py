@@ -25,7 +25,7 @@ DASHBOARDS = sorted((CHART / "dashboards").glob("*.json"))
 # Metrics the dashboards may use that Tandem does not export: kube-state-metrics' Deployment replicas.
 EXTERNAL_METRICS = {"kube_deployment_status_replicas_ready", "kube_deployment_spec_replicas"}
 # Kinds with no schema in kubernetes-validate (they come from CRDs): checked by hand below.
-CRD_KINDS = {"ServiceMonitor", "PodMonitor", "KopfPeering", "ClusterKopfPeering"}
+CRD_KINDS = {"ServiceMonitor", "PodMonitor", "PrometheusRule", "KopfPeering", "ClusterKopfPeering"}
 
 
 def _helm_renderer():
@@ -62,7 +62,7 @@ VALUE_SETS = {
                          "networkPolicy": {"namespaces": ["llm"],
                                            "metricsNamespaceSelector": {"matchLabels": {"team": "monitoring"}}}},
     "monitoring": {"monitoring": {"serviceMonitor": {"enabled": True, "labels": {"release": "prom"}},
-                                  "podMonitor": {"enabled": True}},
+                                  "podMonitor": {"enabled": True}, "prometheusRule": {"enabled": True}},
                    "networkPolicy": {"metricsNamespaceSelector": {"matchLabels": {
                        "kubernetes.io/metadata.name": "monitoring"}}},
                    "dashboards": {"annotations": {"grafana_folder": "Tandem"}}},
@@ -260,3 +260,23 @@ def test_dashboards_cover_what_operators_watch(name):
     assert REQUIRED[name] <= used
     quantiles = [e for _, e in dashboard_expressions(CHART / "dashboards" / name) if "histogram_quantile" in e]
     assert all(re.search(r"histogram_quantile\(0\.(5|99), sum by \(le", e) for e in quantiles)
+
+
+@needs_helm
+def test_alerts_name_only_exported_metrics_and_pass_promtool(tmp_path):
+    """The optional PrometheusRule: each alert's expression parses, names only metrics Tandem exports, and the
+    group passes promtool's rule check (when promtool is installed)."""
+    (rule,) = [o for o in _objects(VALUE_SETS["monitoring"]) if o["kind"] == "PrometheusRule"]
+    alerts = {r["alert"]: r for group in rule["spec"]["groups"] for r in group["rules"]}
+    assert {"TandemNoWorkers", "TandemWorkerOutOfRotation", "TandemGoodputLow", "TandemRefusingForCapacity",
+            "TandemKVTransferFallbacks"} <= set(alerts)
+    known = all_metric_names()
+    for name, alert in alerts.items():
+        assert metric_names(alert["expr"]) <= known, name
+        assert alert["labels"]["severity"] in ("critical", "warning", "info") and alert["annotations"]["summary"]
+    assert not [o for o in _objects({}) if o["kind"] == "PrometheusRule"]  # off unless asked for
+    if shutil.which("promtool"):
+        rules_file = tmp_path / "rules.yaml"
+        rules_file.write_text(yaml.safe_dump({"groups": rule["spec"]["groups"]}))
+        done = subprocess.run(["promtool", "check", "rules", str(rules_file)], capture_output=True, text=True)
+        assert done.returncode == 0, done.stdout + done.stderr
