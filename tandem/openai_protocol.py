@@ -11,7 +11,7 @@ import time
 from typing import Annotated, ClassVar, Literal
 
 import jinja2
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.json_schema import SkipJsonSchema
 
 from tandem.errors import APIError
@@ -284,6 +284,13 @@ class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+
+    @model_validator(mode="after")
+    def _content_given(self):
+        # OpenAI's schema: only an assistant's message may leave its content out (one that called tools).
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"a {self.role} message needs content")
+        return self
 
     def text(self) -> str:
         if isinstance(self.content, list):
