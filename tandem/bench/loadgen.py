@@ -32,11 +32,14 @@ IGNORE_EOS_SERVERS = ("tandem", "vllm")
 
 
 async def server_info(client: httpx.AsyncClient, url: str) -> dict:
-    """What /v1/models says: the first model's id, owner and context length; {} when it cannot be read."""
+    """What /v1/models says: the first model's id, owner and context length; {} when it cannot be read (a server
+    without that route). ValueError when nothing answers at `url`: a sweep would only record failures."""
     try:
         response = await client.get(url + "/v1/models")
         response.raise_for_status()
         models = response.json().get("data") or []
+    except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+        raise ValueError(f"nothing answers at {url} ({type(exc).__name__}): is the server up?") from None
     except (httpx.HTTPError, ValueError, AttributeError):
         return {}
     if not models:

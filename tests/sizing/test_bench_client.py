@@ -105,3 +105,17 @@ def test_chat_refuses_token_id_prompts():
     with pytest.raises(ValueError, match="text prompt"):
         request_body("chat", "m", [1, 2, 3], 4, ignore_eos=False)
     assert "ignore_eos" not in request_body("completions", "m", [1], 4, ignore_eos=False)
+
+
+def test_a_sweep_against_no_server_stops_before_it_starts(tmp_path, capsys):
+    """Found by a newcomer's walkthrough: the whole sweep ran, every request failed, and results were written."""
+    from tandem.bench.command import run_bench_command
+    from tandem.bench.config import BenchConfig
+    from tandem.launcher import free_port
+
+    url = f"http://127.0.0.1:{free_port()}"
+    for model in (None, "smollm2"):
+        config = BenchConfig(url=url, model=model, out=str(tmp_path / "out"), requests=2, concurrency=[1])
+        assert run_bench_command(config) == 2
+        assert f"nothing answers at {url}" in capsys.readouterr().err
+        assert not (tmp_path / "out").exists()
