@@ -292,7 +292,9 @@ async def dispatch(router, rid: str, ids: list[int], params: SamplingParams, tic
         bill.settle(rid, first_at is not None, produced, failed=failed or refused)
         if failed:
             metrics.by_class(metrics.failed, slo_name).inc()
-        elif not finished and not refused:  # its client left (or the server stopped) before the end
+        elif refused:  # a worker's 4xx for the request itself: a refusal, counted where the router's own are
+            metrics.by_class(metrics.rejections, slo_name, reason="worker_refused").inc()
+        elif not finished:  # its client left (or the server stopped) before the end
             metrics.by_class(metrics.abandoned, slo_name).inc()
         elif finished:
             metrics.by_class(metrics.e2e, slo_name).observe(last_at - arrival)

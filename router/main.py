@@ -110,7 +110,7 @@ class Router:
             for ended in (self.metrics.failed, self.metrics.abandoned):  # series at 0: dashboards add them up
                 self.metrics.by_class(ended, name)
             # Series at 0 too, so that the rejection panels show 0 rather than "no data" until a first refusal.
-            for reason in (*(r.value for r in RejectReason), "no_workers"):
+            for reason in (*(r.value for r in RejectReason), "no_workers", "worker_refused"):
                 self.metrics.by_class(self.metrics.rejections, name, reason=reason)
         for role in ("prefill", "decode"):
             self.metrics.plain(self.metrics.overload_diversions, role=role)

@@ -211,6 +211,8 @@ def test_a_request_the_engine_refuses_is_neither_failed_nor_answered(router_app)
     assert r.status_code == 400 and "seed out of range" in r.text
     for ended in ("requests", "failed_requests", "abandoned_requests"):
         assert sample(router, f"tandem_router_{ended}_total") == 0, ended
+    # Counted with the router's own refusals (it was counted nowhere: found by a metrics review helper).
+    assert sample(router, "tandem_router_rejections_total", reason="worker_refused", slo_class="batch") == 1
     assert bucket.level == pytest.approx(1000, abs=0.01)  # nothing served: its tenant's charge given back
     assert_forgotten(router)
 
