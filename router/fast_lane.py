@@ -29,7 +29,7 @@ def validation_error_response(errors: list[dict]) -> JSONResponse:
     """The first pydantic error of a request body as an OpenAI-style 400 naming the parameter."""
     first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
     param = error_param(first.get("loc", ()))
-    message = first.get("msg", "invalid request")
+    message = first.get("msg", "invalid request").removeprefix("Value error, ")  # pydantic's, before our checks'
     if first.get("type") == "json_invalid":
         message = f"request body is not valid JSON: {message}"
     elif param is None and first.get("type") in ("model_type", "model_attributes_type", "dict_type", "missing"):

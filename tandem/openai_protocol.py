@@ -248,6 +248,21 @@ class CompletionRequest(_CommonParams):
     best_of: int | None = None  # not implemented: refused unless 1
     suffix: str | None = None  # not implemented: refused unless empty
 
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _one_of_the_prompt_shapes(cls, value):
+        # Said whole: pydantic would report the union's first member only ("Input should be a valid string"), which
+        # sends someone whose list of token id lists holds one bad item the wrong way.
+        def ids(item) -> bool:
+            return isinstance(item, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in item)
+
+        shapes = (isinstance(value, str), isinstance(value, list) and all(isinstance(p, str) for p in value),
+                  ids(value), isinstance(value, list) and all(ids(p) for p in value))
+        if not any(shapes):
+            raise ValueError("must be a string, a list of strings, a list of token ids, or a list of lists of "
+                             "token ids")
+        return value
+
     def prompts(self) -> list[str | list[int]]:
         """The prompts this request carries: one, or a batch (a list of texts or of token id lists)."""
         p = self.prompt

@@ -30,4 +30,5 @@ def validate_payload(payload, model: type[BaseModel]) -> BaseModel:
     except ValidationError as exc:
         first = exc.errors()[0]
         param = error_param(first["loc"])
-        raise APIError(400, f"{param}: {first['msg']}" if param else first["msg"], param=param) from None
+        message = first["msg"].removeprefix("Value error, ")  # pydantic's prefix for our own checks' messages
+        raise APIError(400, f"{param}: {message}" if param else message, param=param) from None
