@@ -199,6 +199,9 @@ def _main(argv: list[str] | None) -> int:
 
         if ns.decode < 1 or ns.prefill < 0:
             parser.error("serve: needs --decode >= 1 and --prefill >= 0")
+        given = argv if argv is not None else sys.argv[1:]
+        if ns.colocated and any(a == "--prefill" or a.startswith("--prefill=") for a in given):
+            parser.error("serve: --colocated runs no prefill pool: drop --prefill (or --colocated)")
         serve_parser = sub.choices["serve"]
         engine = _checked(serve_parser, lambda: model_from_options(EngineConfig, ns))
         # The router's own options too: checked here, not by the router process once the workers have started.

@@ -52,7 +52,7 @@ class Supervisor:
             self.quick_exits[process.name] = self.quick_exits[process.name] + 1 if quick else 0
             delay = min(MAX_BACKOFF_S, 2.0 ** min(self.quick_exits[process.name], 10) - 1)
             tail = process.log_tail(1500) if self.quick_exits[process.name] <= 1 else "(as before)"
-            print(f"{process.name} exited with {process.proc.returncode}:\n{tail}", file=sys.stderr)
+            print(f"{process.name} {how_it_ended(process.proc.returncode)}:\n{tail}", file=sys.stderr)
             if delay:
                 print(f"{process.name} keeps exiting; next try in {delay:.0f} s (its log: {process.log.name})",
                       file=sys.stderr, flush=True)
@@ -67,10 +67,20 @@ def supervise(processes: list[ServiceProcess]) -> int:
         time.sleep(0.5)
 
 
+def how_it_ended(returncode: int) -> str:
+    """"exited with 1", or "was killed by SIGKILL" for a process a signal ended (Popen's returncode -9)."""
+    if returncode < 0:
+        try:
+            return f"was killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            pass
+    return f"exited with {returncode}"
+
+
 def start_failure(exc: Exception, process: ServiceProcess) -> str:
     """What a newcomer needs of a process that did not start: its last lines, and where the rest is."""
     lines = [line for line in process.log_tail().splitlines() if line.strip()]
-    how = "was not ready in time" if isinstance(exc, TimeoutError) else f"exited with {process.proc.returncode}"
+    how = "was not ready in time" if isinstance(exc, TimeoutError) else how_it_ended(process.proc.returncode)
     return f"{process.name} did not start: it {how}; the end of its log, {process.log.name}:\n  " + \
         "\n  ".join(lines[-6:])
 

@@ -115,6 +115,9 @@ def test_bad_options_and_models_are_one_line_before_anything_starts(capsys, tmp_
         ("serve", "--port", "99999"): "tandem serve: --port: Input should be less than or equal to 65535",
         ("serve", "--disagg-min-tokens", "-5"): "tandem serve: --disagg-min-tokens: Input should be greater",
     }
+    with pytest.raises(SystemExit) as exited:  # an option that would be ignored is refused too
+        main(["serve", "--colocated", "--prefill", "2"])
+    assert exited.value.code == 2 and "--colocated runs no prefill pool" in capsys.readouterr().err
     try:
         for argv, said in cases.items():
             with pytest.raises(SystemExit) as exited:
@@ -124,3 +127,9 @@ def test_bad_options_and_models_are_one_line_before_anything_starts(capsys, tmp_
             assert err.startswith(said) and len(err.splitlines()) == 1, (argv, err)
     finally:
         taken.close()
+
+
+def test_a_process_a_signal_ended_is_said_so():
+    from tandem.local_stack import how_it_ended
+
+    assert how_it_ended(-9) == "was killed by SIGKILL" and how_it_ended(1) == "exited with 1"
