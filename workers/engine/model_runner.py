@@ -82,8 +82,12 @@ class ModelRunner:
             from tandem.workers.kernels.paged_attention import compile_eager_builds
 
             started = time.perf_counter()
-            launches = compile_eager_builds(self.kv_cache[:, 0, 0], self.kv_cache[:, 0, 1], mc.num_heads)
-            log.info("attention kernel: %d eager builds ready in %.1f s", launches, time.perf_counter() - started)
+            try:
+                launches = compile_eager_builds(self.kv_cache[:, 0, 0], self.kv_cache[:, 0, 1], mc.num_heads)
+                log.info("attention kernel: %d eager builds ready in %.1f s", launches, time.perf_counter() - started)
+            except Exception as exc:  # noqa: BLE001 - costs each build's compile on its first step, not the worker
+                log.warning("compiling the attention kernel's eager builds at start failed; they compile on first "
+                            "use: %r", exc)
         self.decode_graphs: DecodeGraphs | None = None
         if on_triton_gpu and not config.enforce_eager:
             try:
