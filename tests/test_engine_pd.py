@@ -3,6 +3,7 @@ NIXL / TCP transfers between two engines in one process), and the tokens equal c
 
 from __future__ import annotations
 
+import contextlib
 import random
 import re
 import threading
@@ -120,12 +121,18 @@ def test_expired_lease_falls_back_to_recompute(pd_pair, colocated, left_s):
     assert decode.num_kv_blocks_used == 0
 
 
-def test_lease_ttl_frees_blocks_and_is_counted(tiny):
+def leased_on_a_clock(tiny, name: str, seed: int):
+    """(prefill engine, its lease table's clock [seconds], the lease of a 40-token prompt prefilled on it): a
+    5 s TTL that the test moves the clock through."""
     prefill = engine(tiny, "prefill", kv_lease_ttl_s=5.0)
     clock = [1000.0]
     prefill.leases.clock = lambda: clock[0]
-    _, outs = run(prefill, "ttl", prompt_of(40, seed=3), prefill_only=True)
-    lease = outs[-1].kv_lease
+    _, outs = run(prefill, name, prompt_of(40, seed=seed), prefill_only=True)
+    return prefill, clock, outs[-1].kv_lease
+
+
+def test_lease_ttl_frees_blocks_and_is_counted(tiny):
+    prefill, clock, lease = leased_on_a_clock(tiny, "ttl", seed=3)
     assert prefill.leases.num_pinned_blocks == 3 and prefill.num_kv_blocks_used == 3
     clock[0] += 4.0
     assert prefill.expire_leases() == 0
@@ -138,11 +145,7 @@ def test_lease_ttl_frees_blocks_and_is_counted(tiny):
 
 def test_a_lease_covers_its_own_blocks_while_it_lives(tiny):
     """What the TCP KV server asks before it sends blocks (LeaseTable.covers, wired in workers/main.py)."""
-    prefill = engine(tiny, "prefill", kv_lease_ttl_s=5.0)
-    clock = [1000.0]
-    prefill.leases.clock = lambda: clock[0]
-    _, outs = run(prefill, "covers", prompt_of(40, seed=4), prefill_only=True)
-    lease = outs[-1].kv_lease
+    prefill, clock, lease = leased_on_a_clock(tiny, "covers", seed=4)
     blocks = lease.block_ids
     assert prefill.leases.covers(lease.lease_id, blocks) and prefill.leases.covers(lease.lease_id, blocks[1:])
     assert not prefill.leases.covers(lease.lease_id, [*blocks, max(blocks) + 1])
@@ -501,37 +504,58 @@ def test_aborting_a_done_prefill_releases_its_lease(pd_pair):
     assert not prefill.abort_request("left-after-prefill")  # once
 
 
+@contextlib.contextmanager
+def over_tcp(prefill: LLMEngine, decode: LLMEngine, tag: str):
+    """The two engines' KV transfers (TCP) for one test, closed after it."""
+    prefill.kv_transfer = create_kv_transfer("tcp", prefill.runner.kv_cache, f"p-{tag}")
+    decode.kv_transfer = create_kv_transfer("tcp", decode.runner.kv_cache, f"d-{tag}")
+    try:
+        yield
+    finally:
+        prefill.kv_transfer.close()
+        decode.kv_transfer.close()
+
+
+def run_together(prefill: LLMEngine, decode: LLMEngine, params: SamplingParams, imported: dict[str, list[int]],
+                 local: dict[str, list[int]] | None = None, steps: int = 300) -> dict[str, list[int]]:
+    """Adds the `local` requests (computed on `decode`), then the `imported` ones (prefilled on `prefill`, their KV
+    pulled), and steps `decode` until every one has finished, or fails; each one's tokens, an imported one's from
+    the prefill's first token on."""
+    tokens: dict[str, list[int]] = {}
+    for name, prompt in (local or {}).items():
+        decode.add_request(name, prompt, params)
+        tokens[name] = []
+    leases = []
+    for name, prompt in imported.items():
+        first, source, lease_id = prefilled(prefill, name, prompt)
+        tokens[name] = [first]
+        leases.append(lease_id)
+        decode.add_request(name, prompt, params, first_token_id=first, kv_source=source)
+    finished: set[str] = set()
+    for _ in range(steps):
+        for out in decode.step():
+            tokens[out.request_id] += out.new_token_ids
+            finished.update([out.request_id] if out.finished else [])
+        if finished == set(tokens):
+            break
+    for lease_id in leases:
+        prefill.release_lease(lease_id)
+    assert finished == set(tokens), f"never finished: {sorted(set(tokens) - finished)}"
+    return tokens
+
+
 def test_a_request_whose_kv_was_imported_is_not_stuck_behind_one_that_does_not_fit(tiny, colocated):
     """The decode request's pull takes blocks while a request ahead of it waits; that one then no longer fits,
     and only the imported request, once done, can give the blocks back. Both finish, with colocated tokens."""
     prefill = engine(tiny, "prefill")
     decode = engine(tiny, "decode", num_kv_blocks=10, max_num_batched_tokens=64)
-    prefill.kv_transfer = create_kv_transfer("tcp", prefill.runner.kv_cache, "p-stuck")
-    decode.kv_transfer = create_kv_transfer("tcp", decode.runner.kv_cache, "d-stuck")
-    try:
-        params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
-        ahead, imported = prompt_of(126, seed=21), prompt_of(48, seed=22)  # 8 blocks with its output; 3
-        first, outs = run(prefill, "imported", imported, params, prefill_only=True)
-        lease = outs[-1].kv_lease
-        decode.add_request("ahead", ahead, params)
-        decode.add_request("imported", imported, params, first_token_id=first[0],
-                           kv_source=RemoteKV(prefill.kv_transfer.agent_info(), lease.block_ids, lease.expires_at))
-        tokens = {"ahead": [], "imported": first[:]}
-        finished = set()
-        for _ in range(200):
-            for out in decode.step():
-                tokens[out.request_id] += out.new_token_ids
-                if out.finished:
-                    finished.add(out.request_id)
-            if finished == {"ahead", "imported"}:
-                break
-        assert finished == {"ahead", "imported"}
-        assert tokens["ahead"] == run(colocated, "ahead-ref", ahead, params)[0]
-        assert tokens["imported"] == run(colocated, "imported-ref", imported, params)[0]
-        assert decode.num_kv_blocks_used == 0
-    finally:
-        prefill.kv_transfer.close()
-        decode.kv_transfer.close()
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    ahead, imported = prompt_of(126, seed=21), prompt_of(48, seed=22)  # 8 blocks with its output; 3
+    with over_tcp(prefill, decode, "stuck"):
+        tokens = run_together(prefill, decode, params, {"imported": imported}, local={"ahead": ahead}, steps=200)
+    assert tokens["ahead"] == run(colocated, "ahead-ref", ahead, params)[0]
+    assert tokens["imported"] == run(colocated, "imported-ref", imported, params)[0]
+    assert decode.num_kv_blocks_used == 0
 
 
 @pytest.mark.parametrize("background", ["on", "off"])
@@ -541,34 +565,13 @@ def test_pulled_prompts_that_fill_the_cache_still_finish(tiny, colocated, backgr
     cache full of their prompts and nothing running. Found by a randomized engine fuzzer."""
     prefill = engine(tiny, "prefill")
     decode = engine(tiny, "decode", num_kv_blocks=4, block_size=16, kv_pull_in_background=background)
-    prefill.kv_transfer = create_kv_transfer("tcp", prefill.runner.kv_cache, f"p-full-{background}")
-    decode.kv_transfer = create_kv_transfer("tcp", decode.runner.kv_cache, f"d-full-{background}")
-    try:
-        params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-        prompts = {"a": prompt_of(32, seed=31), "b": prompt_of(32, seed=32)}
-        tokens, leases = {}, []
-        for name, prompt in prompts.items():
-            first, source, lease_id = prefilled(prefill, name, prompt)
-            tokens[name] = [first]
-            leases.append(lease_id)
-            decode.add_request(name, prompt, params, first_token_id=first, kv_source=source)
-        finished = set()
-        for _ in range(300):
-            for out in decode.step():
-                tokens[out.request_id] += out.new_token_ids
-                if out.finished:
-                    finished.add(out.request_id)
-            if finished == set(prompts):
-                break
-        assert finished == set(prompts)
-        for name, prompt in prompts.items():
-            assert tokens[name] == run(colocated, f"{name}-full-ref-{background}", prompt, params)[0]
-        assert decode.num_kv_blocks_used == 0
-    finally:
-        for lease_id in leases:
-            prefill.release_lease(lease_id)
-        prefill.kv_transfer.close()
-        decode.kv_transfer.close()
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    prompts = {"a": prompt_of(32, seed=31), "b": prompt_of(32, seed=32)}
+    with over_tcp(prefill, decode, f"full-{background}"):
+        tokens = run_together(prefill, decode, params, prompts)
+    for name, prompt in prompts.items():
+        assert tokens[name] == run(colocated, f"{name}-full-ref-{background}", prompt, params)[0]
+    assert decode.num_kv_blocks_used == 0
 
 
 def test_a_request_whose_kv_was_imported_is_not_stuck_behind_one_that_fits_only_in_part(tiny, colocated):
@@ -580,36 +583,14 @@ def test_a_request_whose_kv_was_imported_is_not_stuck_behind_one_that_fits_only_
     # no longer fits at its return, a case the scheduler already let the others pass.
     decode = engine(tiny, "decode", num_kv_blocks=10, max_num_batched_tokens=32, max_num_seqs=2,
                     kv_pull_in_background="off", enable_prefix_caching=False)
-    prefill.kv_transfer = create_kv_transfer("tcp", prefill.runner.kv_cache, "p-part")
-    decode.kv_transfer = create_kv_transfer("tcp", decode.runner.kv_cache, "d-part")
-    try:
-        params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
-        ahead = prompt_of(60, seed=51)  # 4 blocks with its output, 2 per 32-token chunk
-        imported = {"imported-1": prompt_of(48, seed=52), "imported-2": prompt_of(48, seed=53)}  # 4 blocks each
-        decode.add_request("ahead", ahead, params)
-        tokens, leases = {"ahead": []}, []
-        for name, prompt in imported.items():
-            first, source, lease_id = prefilled(prefill, name, prompt)
-            tokens[name] = [first]
-            leases.append(lease_id)
-            decode.add_request(name, prompt, params, first_token_id=first, kv_source=source)
-        finished = set()
-        for _ in range(200):
-            for out in decode.step():
-                tokens[out.request_id] += out.new_token_ids
-                finished.update([out.request_id] if out.finished else [])
-            if len(finished) == 3:
-                break
-        assert finished == {"ahead", *imported}
-        assert tokens["ahead"] == run(colocated, "ahead-part-ref", ahead, params)[0]
-        for name, prompt in imported.items():
-            assert tokens[name] == run(colocated, f"{name}-part-ref", prompt, params)[0]
-        assert decode.num_kv_blocks_used == 0
-    finally:
-        for lease_id in leases:
-            prefill.release_lease(lease_id)
-        prefill.kv_transfer.close()
-        decode.kv_transfer.close()
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    ahead = prompt_of(60, seed=51)  # 4 blocks with its output, 2 per 32-token chunk
+    imported = {"imported-1": prompt_of(48, seed=52), "imported-2": prompt_of(48, seed=53)}  # 4 blocks each
+    with over_tcp(prefill, decode, "part"):
+        tokens = run_together(prefill, decode, params, imported, local={"ahead": ahead}, steps=200)
+    for name, prompt in {"ahead": ahead, **imported}.items():
+        assert tokens[name] == run(colocated, f"{name}-part-ref", prompt, params)[0]
+    assert decode.num_kv_blocks_used == 0
 
 
 def test_cached_tokens_are_the_first_admissions_after_a_preemption(tiny):
