@@ -192,7 +192,8 @@ _SCRAPE_ANNOTATIONS = {"prometheus.io/scrape": "true", "prometheus.io/port": str
 # -- the owned objects -----------------------------------------------------------------------------------
 
 
-def worker_deployment(owner: Owner, spec: LLMDeploymentSpec, pool: str, replicas: int) -> dict:
+def worker_deployment(owner: Owner, spec: LLMDeploymentSpec, pool: str, replicas: int,
+                      internal_secret: str | None = None) -> dict:
     settings: PoolSpec = getattr(spec, pool)
     model_arg, volumes, mounts = model_location(spec)
     args = ["worker", "--role", pool, "--model", model_arg, "--served-model-name", spec.model.name,
@@ -213,7 +214,7 @@ def worker_deployment(owner: Owner, spec: LLMDeploymentSpec, pool: str, replicas
     pod = _pod_spec(owner, pool, container, settings, volumes, settings.termination_grace_period_seconds, None)
     # GPUs are rarely spare: replace workers one at a time instead of surging an extra one.
     strategy = {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}}
-    return _deployment(owner, pool, replicas, pod, strategy, dict(_SCRAPE_ANNOTATIONS))
+    return _deployment(owner, pool, replicas, pod, strategy, _with_secret({**_SCRAPE_ANNOTATIONS}, internal_secret))
 
 
 ROUTER_READS = "slo-classes.json"  # the ConfigMap's file the router reads ($TANDEM_CONFIG_DIR)
@@ -237,7 +238,16 @@ def _slo_classes_file(spec: LLMDeploymentSpec) -> str:
 MULTI_ROUTER_KEY_EPS = 0.25
 
 
-def router_deployment(owner: Owner, spec: LLMDeploymentSpec) -> dict:
+def _with_secret(annotations: dict, internal_secret: str | None) -> dict:
+    """Pod annotations naming the internal-token Secret's uid: a Secret made again (deleted, then recreated by
+    reconcile.ensure_internal_secret with a new token) rolls the router and both pools, which read the token only
+    when their pods start; without it, old and new pods would hold different tokens for good."""
+    if internal_secret:
+        annotations[names.INTERNAL_SECRET_ANNOTATION] = internal_secret
+    return annotations
+
+
+def router_deployment(owner: Owner, spec: LLMDeploymentSpec, internal_secret: str | None = None) -> dict:
     router = spec.router
     model_arg, volumes, mounts = model_location(spec)  # the router tokenizes prompts with the model's tokenizer
     # The name clients send, and the seed of the prefix hashes: the workers' own (worker_deployment).
@@ -278,7 +288,7 @@ def router_deployment(owner: Owner, spec: LLMDeploymentSpec) -> dict:
     # Changed SLO classes must restart the routers: their hash is part of the pod template. Only the file the
     # router reads: pool sizes change with every scaling decision, and must not roll the routers each time.
     annotations = {**_SCRAPE_ANNOTATIONS, names.CONFIG_HASH_ANNOTATION: short_hash({ROUTER_READS: _slo_classes_file(spec)})}
-    return _deployment(owner, "router", router.replicas, pod, strategy, annotations)
+    return _deployment(owner, "router", router.replicas, pod, strategy, _with_secret(annotations, internal_secret))
 
 
 def _port(port: int) -> dict:
@@ -327,16 +337,18 @@ def disruption_budget(owner: Owner, component: str) -> dict:
             "spec": {"maxUnavailable": 1, "selector": {"matchLabels": names.selector_labels(owner.name, component)}}}
 
 
-def build_objects(owner: Owner, spec: LLMDeploymentSpec, sizes: PoolSizes) -> list[dict]:
-    """Every object the LLMDeployment owns, in the order they should be applied (dependencies first)."""
+def build_objects(owner: Owner, spec: LLMDeploymentSpec, sizes: PoolSizes, internal_secret: str | None = None
+                  ) -> list[dict]:
+    """Every object the LLMDeployment owns, in the order they should be applied (dependencies first).
+    `internal_secret`: the uid of the internal-token Secret, which the pods' templates carry (_with_secret)."""
     return [
         *router_rbac(owner),
         config_map(owner, spec, sizes),
         pool_service(owner, "prefill"),
         pool_service(owner, "decode"),
         router_service(owner, spec),
-        worker_deployment(owner, spec, "prefill", sizes.prefill),
-        worker_deployment(owner, spec, "decode", sizes.decode),
-        router_deployment(owner, spec),
+        worker_deployment(owner, spec, "prefill", sizes.prefill, internal_secret),
+        worker_deployment(owner, spec, "decode", sizes.decode, internal_secret),
+        router_deployment(owner, spec, internal_secret),
         *(disruption_budget(owner, component) for component in names.COMPONENTS),
     ]

@@ -10,6 +10,7 @@ MANAGER = "tandem-operator"  # app.kubernetes.io/managed-by and the server-side-
 OWNER_LABEL = f"{CRD_GROUP}/llmdeployment"
 HASH_ANNOTATION = f"{CRD_GROUP}/desired-hash"
 CONFIG_HASH_ANNOTATION = f"{CRD_GROUP}/config-hash"
+INTERNAL_SECRET_ANNOTATION = f"{CRD_GROUP}/internal-secret"  # the internal-token Secret's uid
 
 POOLS = ("prefill", "decode")
 COMPONENTS = ("prefill", "decode", "router")

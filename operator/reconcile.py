@@ -37,9 +37,9 @@ def reconcile(kube: Kube, body: Mapping[str, Any], force: bool = False) -> list[
     refer to exist (a RoleBinding's dry run is refused while its Role is not there)."""
     owner = owner_of(body)
     spec, sizes = validate_spec(body.get("spec"), owner.name)
-    ensure_internal_secret(kube, owner)
+    secret_uid = ensure_internal_secret(kube, owner)
     sizes = planned_sizes(spec, sizes, body.get("status"))
-    objects = build_objects(owner, spec, sizes)
+    objects = build_objects(owner, spec, sizes, secret_uid)
     reasons = built_object_reasons(objects)
     if reasons:
         raise RefusedSpec(reasons)
@@ -58,11 +58,11 @@ def reconcile(kube: Kube, body: Mapping[str, Any], force: bool = False) -> list[
     return [(kube.carry_out(step), step.desired) for step in steps]
 
 
-def ensure_internal_secret(kube: Kube, owner: Owner) -> None:
+def ensure_internal_secret(kube: Kube, owner: Owner) -> str:
     """Create the deployment's internal-endpoint token once (tandem.internal_auth). Never applied again: a new token
     on every reconcile would restart every pod, and pods started with different tokens could not talk. Owned by
     the LLMDeployment, so it goes with it. A Secret of that name that is not this deployment's is refused as any
-    other foreign object is."""
+    other foreign object is. Returns its uid."""
     name = names.internal_secret_name(owner.name)
     current = kube.get("v1", "Secret", owner.namespace, name)
     if current is not None:
@@ -70,11 +70,12 @@ def ensure_internal_secret(kube: Kube, owner: Owner) -> None:
         if not any(ref.get("uid") == owner.uid for ref in refs):
             raise ForeignObjectError(f"Secret {owner.namespace}/{name} exists and does not belong to this "
                                      "LLMDeployment; rename or delete it")
-        return
-    kube.create({"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
+        return current["metadata"]["uid"]
+    created = kube.create({"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
                  "metadata": {"name": name, "namespace": owner.namespace,
                               "labels": names.labels(owner.name, "router"), "ownerReferences": [owner.reference()]},
                  "stringData": {INTERNAL_TOKEN_KEY: secrets.token_urlsafe(32)}})
+    return created["metadata"]["uid"]
 
 
 def observe(kube: Kube, namespace: str, name: str) -> tuple[dict[str, dict], dict | None]:

@@ -94,7 +94,7 @@ async def test_example_creates_pools_router_services_config_and_rbac(cluster):
 
     # The internal endpoints' token: one Secret, owned, read by the router and both pools from the same key.
     secret = cluster.get("v1/secrets", "smollm2-internal")
-    token = (secret.get("stringData") or {}).get("token") or secret.get("data", {}).get("token")
+    token = token_of(secret)
     assert token and len(token) >= 32 and secret["metadata"]["ownerReferences"][0]["uid"] == uid
     token_env = {"name": "TANDEM_INTERNAL_TOKEN",
                  "valueFrom": {"secretKeyRef": {"name": "smollm2-internal", "key": "token"}}}
@@ -104,7 +104,8 @@ async def test_example_creates_pools_router_services_config_and_rbac(cluster):
     # Everything is owned by the LLMDeployment (garbage-collected with it) and is exactly what the
     # builders produce for this spec.
     spec, sizes = validate_spec(yaml.safe_load(EXAMPLE.read_text())["spec"], "smollm2")
-    for expected in build_objects(Owner("smollm2", "ns1", uid), spec, sizes):
+    secret_uid = cluster.get("v1/secrets", "smollm2-internal")["metadata"]["uid"]
+    for expected in build_objects(Owner("smollm2", "ns1", uid), spec, sizes, secret_uid):
         resource = next(r for r in OWNED if r.endswith("/" + expected["kind"].lower() + "s")
                         or (expected["kind"] == "PodDisruptionBudget" and r.endswith("poddisruptionbudgets")))
         stored = cluster.get(resource, expected["metadata"]["name"])
@@ -292,6 +293,33 @@ async def test_an_object_of_the_same_name_that_is_not_ours_is_left_alone(cluster
     await _all_owned(cluster, timeout=25)
     await cluster.wait_for("Degraded cleared", lambda: _conditions(cluster)["Degraded"]["reason"] != "ApplyFailed",
                            timeout=20)
+
+
+def token_of(secret: dict) -> str | None:
+    """The token as the emulator keeps it (stringData, as posted) or as an API server would (data)."""
+    return (secret.get("stringData") or {}).get("token") or (secret.get("data") or {}).get("token")
+
+
+async def test_a_token_secret_made_again_rolls_the_router_and_both_pools(cluster):
+    """Pods read the token when they start: a Secret deleted and made again (a new token) must restart every
+    component, or old and new pods would refuse each other's internal calls for good."""
+    await cluster.apply_example()
+    await _all_owned(cluster)
+
+    def secret_annotations() -> set:
+        return {d["spec"]["template"]["metadata"]["annotations"].get("serving.tandem.dev/internal-secret")
+                for d in cluster.all(DEPLOYMENTS).values()}
+
+    first = cluster.get("v1/secrets", "smollm2-internal")
+    assert secret_annotations() == {first["metadata"]["uid"]}
+    await cluster.delete("v1/secrets", "smollm2-internal")
+    await cluster.patch(CR, "smollm2", {"spec": {"engine": {"maxNumSeqs": 32}}})  # any reconcile makes it again
+    await cluster.wait_for("a new Secret", lambda: (cluster.get("v1/secrets", "smollm2-internal") or {}).get(
+        "metadata", {}).get("uid") not in (None, first["metadata"]["uid"]))
+    again = cluster.get("v1/secrets", "smollm2-internal")
+    assert token_of(again) != token_of(first)
+    await cluster.wait_for("every pod template on the new Secret",
+                           lambda: secret_annotations() == {again["metadata"]["uid"]})
 
 
 async def test_a_token_secret_of_the_same_name_that_is_not_ours_is_not_used(cluster):
