@@ -20,6 +20,7 @@ import time
 
 import httpx
 
+from tandem.internal_auth import internal_headers
 from tandem.launcher import ServiceProcess
 from tandem.sse import parse_sse_line
 
@@ -29,7 +30,7 @@ SAMPLING = {"temperature": 0, "max_tokens": 2, "ignore_eos": True}
 def stream_times(url: str, body: dict, start: float) -> list[float]:
     """Seconds from `start` at which each decode chunk with tokens arrived."""
     times = []
-    with httpx.stream("POST", url + "/internal/decode", json=body, timeout=600) as r:
+    with httpx.stream("POST", url + "/internal/decode", json=body, timeout=600, headers=internal_headers()) as r:
         r.raise_for_status()
         for line in r.iter_lines():
             chunk = parse_sse_line(line)
@@ -47,12 +48,12 @@ def colocated(url: str, rid: str, prompt: list[int]) -> tuple[float, float]:
 def disaggregated(p_url: str, d_url: str, rid: str, prompt: list[int]) -> tuple[float, float, str]:
     start = time.perf_counter()
     pre = httpx.post(p_url + "/internal/prefill", json={"request_id": rid, "prompt_token_ids": prompt,
-                                                        "sampling": SAMPLING}, timeout=600).json()
+                                                        "sampling": SAMPLING}, timeout=600, headers=internal_headers()).json()
     ttft = time.perf_counter() - start
     body = {"request_id": rid, "prompt_token_ids": prompt, "first_token_id": pre["first_token_id"],
             "kv_handle": pre["kv_handle"], "sampling": SAMPLING}
     second = None
-    with httpx.stream("POST", d_url + "/internal/decode", json=body, timeout=600) as r:
+    with httpx.stream("POST", d_url + "/internal/decode", json=body, timeout=600, headers=internal_headers()) as r:
         for line in r.iter_lines():
             chunk = parse_sse_line(line)
             if chunk and chunk.get("token_ids"):

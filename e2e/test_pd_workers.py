@@ -13,6 +13,7 @@ import time
 import httpx
 import pytest
 
+from tandem.internal_auth import internal_headers
 from tandem.launcher import ServiceProcess
 from tandem.sse import parse_sse_line
 from tandem.workers.kv_transfer import nixl_available
@@ -40,7 +41,7 @@ def prompt_of(length: int) -> list[int]:
 
 def prefill(url: str, rid: str, prompt: list[int]) -> dict:
     r = httpx.post(url + "/internal/prefill", json={"request_id": rid, "prompt_token_ids": prompt,
-                                                    "sampling": SAMPLING}, timeout=120)
+                                                    "sampling": SAMPLING}, timeout=120, headers=internal_headers())
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -50,7 +51,7 @@ def decode(url: str, rid: str, prompt: list[int], first: int | None = None, hand
     body = {"request_id": rid, "prompt_token_ids": prompt, "first_token_id": first, "kv_handle": handle,
             "sampling": SAMPLING}
     tokens, source = [], None
-    with httpx.stream("POST", url + "/internal/decode", json=body, timeout=120) as r:
+    with httpx.stream("POST", url + "/internal/decode", json=body, timeout=120, headers=internal_headers()) as r:
         if r.status_code != 200:
             r.read()
             return r, None
@@ -135,7 +136,7 @@ def test_wrong_fingerprint_is_refused_with_the_mismatch_named(pd):
     # Nobody will read the refused handle's blocks: the decode worker released its lease (asynchronously).
     wait_unpinned(p.url)
     assert metric(p.url, "tandem_kv_pinned_blocks") == 0
-    assert httpx.post(p.url + "/internal/kv/release", json={"lease_id": handle["lease_id"]}).status_code == 404
+    assert httpx.post(p.url + "/internal/kv/release", json={"lease_id": handle["lease_id"]}, headers=internal_headers()).status_code == 404
 
 
 def test_a_prefill_whose_caller_left_over_http_frees_its_blocks(pd):
@@ -147,7 +148,7 @@ def test_a_prefill_whose_caller_left_over_http_frees_its_blocks(pd):
     body = {"request_id": f"left-{backend}", "prompt_token_ids": prompt_of(1500), "sampling": SAMPLING}
     finished, expired = metric(p.url, "tandem_requests_finished_total"), metric(p.url, "tandem_kv_lease_expirations_total")
     with pytest.raises(httpx.TimeoutException):
-        httpx.post(p.url + "/internal/prefill", json=body, timeout=0.05)  # gone before the prefill is done
+        httpx.post(p.url + "/internal/prefill", json=body, timeout=0.05, headers=internal_headers())  # gone before the prefill is done
     deadline = time.monotonic() + 20
     while metric(p.url, "tandem_requests_finished_total") == finished and time.monotonic() < deadline:
         time.sleep(0.1)  # the prefill runs to its end meanwhile
@@ -170,7 +171,7 @@ def test_expired_lease_and_dead_prefill_fall_back_with_identical_tokens(backend,
         rest, source = decode(d.url, f"exp-{backend}", prompt, pre["first_token_id"], pre["kv_handle"])
         assert source == "lease_expired"
         assert [pre["first_token_id"], *rest] == reference(100)
-        r = httpx.post(p.url + "/internal/kv/release", json={"lease_id": pre["kv_handle"]["lease_id"]})
+        r = httpx.post(p.url + "/internal/kv/release", json={"lease_id": pre["kv_handle"]["lease_id"]}, headers=internal_headers())
         assert r.status_code == 404 and r.json()["error"]["code"] == "lease_not_found"
         assert metric(p.url, "tandem_kv_lease_expirations_total") == 1
         assert metric(p.url, "tandem_kv_pinned_blocks") == 0

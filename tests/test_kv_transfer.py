@@ -1,5 +1,6 @@
 """Both KV-transfer backends move exactly the requested blocks, and fail cleanly."""
 
+import json
 import socket
 import time
 
@@ -186,4 +187,27 @@ def test_tcp_server_closes_connections_past_its_cap_and_serves_again_once_they_e
         for sock in idle:
             sock.close()
         client.close()
+        server.close()
+
+
+def test_tcp_server_sends_a_run_that_outlasts_its_socket_timeout_to_a_reader_that_keeps_taking_it(monkeypatch):
+    """The socket timeout bounds one sendall whole: one per run of blocks cut off any run slower to send than the
+    timeout (gigabytes over a slow link) though the reader kept taking it (found by a review helper). Here the
+    timeout is 0.5 s and the run takes ~1.5 s to a reader taking 64 KiB every 10 ms."""
+    import tandem.workers.kv_transfer.tcp_backend as tcp
+
+    monkeypatch.setattr(tcp._Handler, "timeout", 0.5)
+    monkeypatch.setattr(tcp, "_WRITE_SLICE", 256 << 10)
+    kv = torch.zeros(40, 4096 * 64, dtype=torch.uint8)  # 40 blocks of 256 KiB: one run of 10 MiB
+    server = create_kv_transfer("tcp", kv, "p-slow-reader")
+    try:
+        with socket.create_connection(server.address, timeout=10) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 65536)
+            sock.sendall(json.dumps({"block_ids": list(range(40))}).encode() + b"\n")
+            got = 0
+            while got < kv.numel() and (chunk := sock.recv(65536)):
+                got += len(chunk)
+                time.sleep(0.01 * len(chunk) / 65536)
+        assert got == kv.numel()
+    finally:
         server.close()

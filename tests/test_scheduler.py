@@ -254,3 +254,29 @@ def test_constructor_validates_limits():
         Scheduler(bm, max_num_seqs=0, max_num_batched_tokens=8)
     with pytest.raises(ValueError):
         Scheduler(bm, max_num_seqs=1, max_num_batched_tokens=0)
+
+
+def test_while_others_run_a_request_holding_its_blocks_does_not_pass_one_ahead_of_it():
+    """Requests whose KV was imported (blocks held while waiting) go first only when nothing runs (the livelock
+    tests/test_engine_pd.py shows); while others run, order is kept, so that one given way (preempted) or simply
+    earlier is not passed for good by pulled requests arriving behind it (found by a review helper)."""
+    sched = make(num_blocks=64, max_num_seqs=2, budget=64)
+    running = add(sched, "running", 4, max_tokens=50)
+    complete_step(sched, sched.schedule())
+    earlier = add(sched, "earlier", 8)
+    imported = add(sched, "imported", 8)
+    assert sched.block_manager.allocate_slots(imported, 9)  # its pulled prompt and first token's slot
+    imported.num_computed_tokens = 8
+    imported.append_token(7)
+    out = sched.schedule()
+    assert [s.request_id for s in out.admitted] == ["earlier"] and running in out.seqs
+
+
+def test_when_nothing_runs_a_request_holding_its_blocks_goes_first():
+    sched = make(num_blocks=64, max_num_seqs=1, budget=64)
+    add(sched, "earlier", 8)
+    imported = add(sched, "imported", 8)
+    assert sched.block_manager.allocate_slots(imported, 9)
+    imported.num_computed_tokens = 8
+    imported.append_token(7)
+    assert [s.request_id for s in sched.schedule().admitted] == ["imported"]

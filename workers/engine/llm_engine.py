@@ -459,7 +459,7 @@ class LLMEngine:
         future = self._pull_thread.submit(_timed_read, self.kv_transfer, source, remote, local,
                                           self.config.kv_pull_timeout_s)
         self._pulls[seq.request_id] = _Pull(seq, source, future, len(local))
-        if not self._pull_in_background and len(self._pulls) == 1:
+        if not self._pull_in_background and sum(not p.future.done() for p in self._pulls.values()) == 1:
             # Bounded: a pull from a worker that just died can hang until its timeout, and every running request
             # would wait with it. Past the bound it goes on in the background, as on a GPU; and a pull queued
             # behind another (one thread: one pull at a time) is not waited for at all, it cannot have begun.
@@ -472,7 +472,7 @@ class LLMEngine:
             if not pull.future.done():
                 continue
             if pull.released is None and pull.source.release is not None and pull.future.exception() is None:
-                pull.released = pull.source.release()
+                pull.released = _start_release(pull.source)
                 if not self._pull_in_background and not pull.orphaned:  # this step waits for the pull: all of it
                     wait([pull.released], timeout=_STEP_WAIT_FOR_PULL_S)
             if pull.released is not None and not pull.released.done() and not pull.orphaned:
@@ -626,6 +626,17 @@ class LLMEngine:
         if self.scheduler.num_preemptions != self._reported_preemptions:
             metrics.preemptions.inc(self.scheduler.num_preemptions - self._reported_preemptions)
             self._reported_preemptions = self.scheduler.num_preemptions
+
+
+def _start_release(source: RemoteKV) -> Future:
+    """RemoteKV.release's future; one holding the error when it cannot even start (the worker's event loop closed
+    as it shuts down), which the pull then settles as a failed transfer rather than the engine's step raising."""
+    try:
+        return source.release()
+    except Exception as exc:  # noqa: BLE001
+        failed: Future = Future()
+        failed.set_exception(exc)
+        return failed
 
 
 def _timed_read(transfer: KVTransfer, source: RemoteKV, remote: list[int], local: list[int],

@@ -81,14 +81,16 @@ class Scheduler:
                 budget -= num_tokens
 
         if not out.preempted:
-            # First come, first served, except for requests that already hold their prompt's blocks (KV imported
-            # from a prefill worker while they waited, or kept for a recompute after a failed pull): they go
-            # first, and need no new block for their next token. Only running them gives those blocks back: held
-            # back behind a request that needs the blocks, they could wait forever, either because that request
-            # does not fit at all or because it fits only a chunk at a time, takes the step's budget, finds no
-            # room to go on, gives way and comes back, step after step.
+            # First come, first served, with two exceptions for requests that already hold their prompt's blocks
+            # (KV imported from a prefill worker while they waited, or kept for a recompute after a failed pull),
+            # since only running them gives those blocks back. Once a request does not fit, those behind it that
+            # hold blocks may still go. And when nothing runs, they go first: a request ahead of them that fits
+            # only a chunk at a time would otherwise take the step's budget, find no room to go on, give way and
+            # come back, step after step. (While others run, order is kept: a request given way is not passed
+            # for good by pulled ones arriving behind it.)
             blocked = False
-            for seq in sorted(self.waiting, key=lambda s: not s.block_table):  # stable: FCFS within each group
+            queue = self.waiting if self.running else sorted(self.waiting, key=lambda s: not s.block_table)
+            for seq in list(queue):
                 if budget == 0 or len(self.running) >= self.max_num_seqs:
                     break
                 if seq.kv_source is not None:  # its prompt's KV is on the way (or waits for room to land)

@@ -32,6 +32,9 @@ _BYTES_PER_ID = 12
 _LINE_OVERHEAD = 256  # the braces, keys and a lease id
 _SOCKET_TIMEOUT_S = 30.0  # a peer that stops sending or reading
 _MAX_CONNECTIONS = 64  # served at once; more are closed at once (a decode worker opens one per pull)
+# Written this much at a time: a socket timeout bounds one sendall whole, and a run of blocks can take far longer
+# than _SOCKET_TIMEOUT_S to send to a reader taking it steadily (gigabytes over a slow link).
+_WRITE_SLICE = 4 << 20
 
 
 class _Refused(ValueError):
@@ -52,7 +55,9 @@ class _Handler(socketserver.StreamRequestHandler):
                     return
                 ids = self._parse(line, transfer, num_blocks)
                 for start, _, count in coalesce(ids, ids):
-                    self.wfile.write(transfer.block_bytes_view(start, count))
+                    view = transfer.block_bytes_view(start, count)
+                    for offset in range(0, len(view), _WRITE_SLICE):
+                        self.wfile.write(view[offset:offset + _WRITE_SLICE])
                 self.wfile.flush()
         except _Refused as exc:  # the client sees a short read
             log.info("KV pull from %s refused: %s", self.client_address[0], exc)
@@ -93,7 +98,11 @@ class _Server(socketserver.ThreadingTCPServer):
                         _MAX_CONNECTIONS, client_address[0])
             self.shutdown_request(request)
             return
-        super().process_request(request, client_address)
+        try:
+            super().process_request(request, client_address)
+        except BaseException:  # no thread started (none left, say): its slot is not taken
+            self._slots.release()
+            raise
 
     def process_request_thread(self, request, client_address) -> None:
         try:
