@@ -269,7 +269,7 @@ def test_while_others_run_a_request_holding_its_blocks_does_not_pass_one_ahead_o
     imported.num_computed_tokens = 8
     imported.append_token(7)
     out = sched.schedule()
-    assert [s.request_id for s in out.admitted] == ["earlier"] and running in out.seqs
+    assert out.admitted == [earlier] and running in out.seqs
 
 
 def test_when_nothing_runs_a_request_holding_its_blocks_goes_first():
