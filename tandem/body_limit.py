@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import json
-
-from tandem.errors import APIError, error_body
+from tandem.errors import APIError, send_error
 
 
 class BodySizeLimit:
@@ -17,7 +15,7 @@ class BodySizeLimit:
             return await self.app(scope, receive, send)
         refused = declared_length_error(scope, self.max_bytes)
         if refused is not None:
-            return await _reply(send, refused.status, refused.message)
+            return await send_error(send, refused.status, refused.message)
         received = 0
 
         async def counted_receive():
@@ -50,9 +48,3 @@ def too_large(max_bytes: int) -> str:
     """The 413 message for a body over the cap."""
     return f"request body exceeds the {max_bytes}-byte limit"
 
-
-async def _reply(send, status: int, message: str) -> None:
-    body = json.dumps(error_body(status, message)).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
-    await send({"type": "http.response.body", "body": body})

@@ -11,6 +11,7 @@ import sys
 
 from tandem.cli_args import add_model_options, model_from_options
 from tandem.config import EngineConfig, RouterConfig, WorkerConfig
+from tandem.errors import pydantic_message
 
 
 def _add_log_level(p: argparse.ArgumentParser, default: str) -> None:
@@ -128,7 +129,7 @@ def _options_error(exc) -> str:
         first = loc[0]
         return ".".join([f"--{first.replace('_', '-')}" if isinstance(first, str) else str(first), *map(str, loc[1:])])
 
-    return "; ".join(f"{option(e['loc'])}: {e['msg'].removeprefix('Value error, ')}" for e in exc.errors())
+    return "; ".join(f"{option(e['loc'])}: {pydantic_message(e)}" for e in exc.errors())
 
 
 def _worker_config(ns: argparse.Namespace) -> WorkerConfig:

@@ -6,6 +6,7 @@ HTTP status, so the official SDKs raise their typed exceptions (BadRequestError,
 
 from __future__ import annotations
 
+import json
 import math
 from http import HTTPStatus
 
@@ -55,6 +56,19 @@ def error_body(status: int, message: str, param: str | None = None, code: str | 
     err_type = _TYPE_BY_STATUS.get(status, "server_error" if status >= 500 else "invalid_request_error")
     return {"error": {"message": message, "type": err_type, "param": param,
                       "code": code or HTTPStatus(status).phrase.lower().replace(" ", "_")}}
+
+
+async def send_error(send, status: int, message: str) -> None:
+    """An OpenAI-style JSON error straight to an ASGI `send`, for middleware that answers before the app runs."""
+    body = json.dumps(error_body(status, message)).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
+
+
+def pydantic_message(error: dict) -> str:
+    """A pydantic error's message, without the "Value error, " pydantic puts before our validators' own."""
+    return error["msg"].removeprefix("Value error, ")
 
 
 def retry_after(seconds: float) -> dict[str, str]:

@@ -11,10 +11,9 @@ laptop where nothing else reaches 127.0.0.1 (`tandem serve` sets one for its pro
 from __future__ import annotations
 
 import hmac
-import json
 import os
 
-from tandem.errors import error_body
+from tandem.errors import send_error
 
 INTERNAL_TOKEN_ENV = "TANDEM_INTERNAL_TOKEN"
 INTERNAL_TOKEN_HEADER = "x-tandem-internal-token"
@@ -48,8 +47,5 @@ class InternalAuth:
             return await self.app(scope, receive, send)
         if scope["type"] == "websocket":
             return await send({"type": "websocket.close", "code": 1008})
-        body = error_body(401, f"internal endpoint: missing or wrong {INTERNAL_TOKEN_HEADER} header "
-                               f"({INTERNAL_TOKEN_ENV} must match the worker's)")
-        await send({"type": "http.response.start", "status": 401,
-                    "headers": [(b"content-type", b"application/json")]})
-        await send({"type": "http.response.body", "body": json.dumps(body).encode()})
+        await send_error(send, 401, f"internal endpoint: missing or wrong {INTERNAL_TOKEN_HEADER} header "
+                                    f"({INTERNAL_TOKEN_ENV} must match the worker's)")

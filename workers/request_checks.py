@@ -7,7 +7,7 @@ import orjson
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
-from tandem.errors import APIError, error_param
+from tandem.errors import APIError, error_param, pydantic_message
 
 
 async def parse_body(request: Request, model: type[BaseModel]) -> BaseModel:
@@ -30,5 +30,5 @@ def validate_payload(payload, model: type[BaseModel]) -> BaseModel:
     except ValidationError as exc:
         first = exc.errors()[0]
         param = error_param(first["loc"])
-        message = first["msg"].removeprefix("Value error, ")  # pydantic's prefix for our own checks' messages
+        message = pydantic_message(first)
         raise APIError(400, f"{param}: {message}" if param else message, param=param) from None

@@ -72,15 +72,11 @@ def random_eager_step(rng, block_size: int = 16, hq: int = 32, hkv: int = 8, hea
 
 
 def launch_as_on_a_gpu(pa, query, k_cache, v_cache, meta) -> None:
-    """paged_attention with the split count it would pick on a 132-SM GPU (on CPU tensors it picks 1)."""
-    hq, hkv, head_dim = query.shape[1], k_cache.shape[2], query.shape[2]
-    config = pa._tile_config(meta.max_query_len, hq // hkv, head_dim, query.dtype)
-    tiles = meta.num_seqs * -(-meta.max_query_len // config["BLOCK_Q"])
-    if meta.max_query_len > 1:
-        tiles = min(tiles, query.shape[0] // config["BLOCK_Q"] + meta.num_seqs)
+    """paged_attention with the split count it would pick on a GPU (on CPU tensors it picks 1); the caller stands
+    in the SM count (pa._sm_count)."""
     cuda = torch.device("cuda")  # a device object only: nothing runs on it
-    splits = pa.choose_num_splits(tiles, hkv, meta.max_seq_len, cuda, config["TILE_N"])
-    pa.paged_attention(query, k_cache, v_cache, meta, head_dim**-0.5, num_splits=splits)
+    splits = pa.default_num_splits(query, k_cache.shape[2], meta, cuda)
+    pa.paged_attention(query, k_cache, v_cache, meta, query.shape[2] ** -0.5, num_splits=splits)
 
 
 def main() -> None:

@@ -360,6 +360,21 @@ def choose_num_splits(
     return triton.next_power_of_2(max(1, min(by_occupancy, by_length, _MAX_SPLITS)))
 
 
+def _grid_tiles(meta: AttentionMetadata, num_tokens: int, block_q: int) -> int:
+    """Programs along the kernel's first grid axis: one per sequence for decodes, else an upper bound on the
+    query tiles (each program finds its own tile by binary search; the extra ones exit at once)."""
+    return meta.num_seqs if meta.max_query_len == 1 else num_tokens // block_q + meta.num_seqs
+
+
+def default_num_splits(query: torch.Tensor, num_kv_heads: int, meta: AttentionMetadata, device: torch.device) -> int:
+    """The split count paged_attention picks for this batch when none is given, for `device` (the query's; the
+    compile check asks for a GPU's with CPU tensors)."""
+    config = _tile_config(meta.max_query_len, query.shape[1] // num_kv_heads, query.shape[2], query.dtype)
+    block_q = config["BLOCK_Q"]
+    real_tiles = min(_grid_tiles(meta, query.shape[0], block_q), meta.num_seqs * triton.cdiv(meta.max_query_len, block_q))
+    return choose_num_splits(real_tiles, num_kv_heads, meta.max_seq_len, device, config["TILE_N"])
+
+
 def _validate(
     query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
 ) -> None:
@@ -428,12 +443,10 @@ def paged_attention(
         return out
 
     config = _tile_config(meta.max_query_len, queries_per_kv, head_dim, query.dtype)
-    block_q, tile_n = config["BLOCK_Q"], config["TILE_N"]
     decode_only = meta.max_query_len == 1
-    grid_tiles = num_seqs if decode_only else num_tokens // block_q + num_seqs
+    grid_tiles = _grid_tiles(meta, num_tokens, config["BLOCK_Q"])
     if num_splits is None:
-        real_tiles = min(grid_tiles, num_seqs * triton.cdiv(meta.max_query_len, block_q))
-        num_splits = choose_num_splits(real_tiles, num_kv_heads, meta.max_seq_len, query.device, tile_n)
+        num_splits = default_num_splits(query, num_kv_heads, meta, query.device)
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
 
