@@ -115,6 +115,9 @@ class WorkerConfig(BaseModel):
     port: int = Field(8000, ge=0, le=65535)
     max_body_bytes: int = Field(1 << 20, ge=1, description="larger request bodies get 413")
     advertise_url: str | None = Field(None, description="URL peers use to reach this worker (default http://host:port)")
+    stall_timeout_s: float = Field(300.0, gt=0, description="/health and /ready answer 503 while one engine step "
+                                   "has run longer than this (a hung GPU call or a deadlock leaves the engine thread "
+                                   "alive): Kubernetes then restarts the pod and routers stop sending to it")
     engine: EngineConfig = Field(default_factory=EngineConfig)
 
 

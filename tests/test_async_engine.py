@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 
 import pytest
+from starlette.testclient import TestClient
 
-from tandem.config import EngineConfig
+from tandem.config import EngineConfig, WorkerConfig
 from tandem.metrics import EngineMetrics
 from tandem.protocol import SamplingParams
 from tandem.workers.async_engine import AsyncEngine, EngineDeadError
 from tandem.workers.engine.llm_engine import LLMEngine
 from tandem.workers.models.loader import load_model
+from tandem.workers.server import ServingContext, build_app
 
 
 def test_a_failed_step_fails_streams_and_calls_and_later_calls_at_once(tiny_llama_dir):
@@ -37,3 +41,54 @@ def test_a_failed_step_fails_streams_and_calls_and_later_calls_at_once(tiny_llam
         asyncio.run(run())
     finally:
         async_engine.stop()
+
+
+def test_a_step_that_never_returns_turns_health_and_ready_to_503_until_it_does(tiny_llama_dir):
+    """A hung GPU call or a deadlock leaves the engine thread alive: the stall watch is what lets Kubernetes'
+    liveness probe restart the pod and the routers' /ready polls take the worker out."""
+    loaded = load_model(tiny_llama_dir, dtype="float32")
+    engine = LLMEngine(loaded, EngineConfig(num_kv_blocks=32, block_size=16), EngineMetrics(loaded.config.name, "both"))
+    release = threading.Event()
+    real_step = engine.step
+
+    def hung_step():
+        release.wait(30)
+        return real_step()
+
+    engine.step = hung_step
+    async_engine = AsyncEngine(engine)
+    config = WorkerConfig(stall_timeout_s=0.3)
+    ctx = ServingContext(async_engine, loaded.tokenizer, "tiny", engine.max_model_len, config,
+                         engine.metrics, engine.layout, None)
+    async_engine.start()
+    try:
+        with TestClient(build_app(ctx)) as http:
+            _watch_a_hung_step(http, release)
+    finally:
+        release.set()
+        async_engine.stop()
+
+
+def _watch_a_hung_step(http: TestClient, release: threading.Event) -> None:
+    answer = None
+    try:
+        assert http.get("/health").status_code == 200  # idle: waiting for work is not a stall
+        time.sleep(0.5)
+        assert http.get("/health").status_code == 200
+        body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 2, "temperature": 0}
+        answer = threading.Thread(target=lambda: http.post("/v1/completions", json=body))
+        answer.start()
+        deadline = time.monotonic() + 10
+        while http.get("/health").status_code == 200 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        health, ready = http.get("/health"), http.get("/ready")
+        assert health.status_code == 503 and "engine step has run for" in health.json()["error"]["message"]
+        assert ready.status_code == 503 and "stall timeout 0.3 s" in ready.json()["error"]["message"]
+        release.set()
+        answer.join(30)
+        assert not answer.is_alive()
+        assert http.get("/health").status_code == 200 and http.get("/ready").status_code == 200
+    finally:  # the request ends before the client closes, which would wait on it for good
+        release.set()
+        if answer is not None:
+            answer.join(30)

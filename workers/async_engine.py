@@ -14,6 +14,7 @@ import concurrent.futures
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
@@ -58,6 +59,10 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._run, name="tandem-engine", daemon=True)
         self._stopping = False
         self.error: BaseException | None = None
+        # When the engine thread began its current unit of work (a step, or the commands before it); None
+        # while it waits for work. A step that never returns (a hung collective, a driver fault, a deadlock)
+        # leaves the thread alive, so `alive` alone would keep a wedged worker in rotation for good.
+        self._busy_since: float | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -73,6 +78,11 @@ class AsyncEngine:
     @property
     def alive(self) -> bool:
         return self._thread.is_alive() and self.error is None
+
+    def busy_for(self) -> float:
+        """Seconds the engine thread has spent on its current step (0 while it waits for work)."""
+        started = self._busy_since
+        return 0.0 if started is None else time.monotonic() - started
 
     @property
     def num_in_flight(self) -> int:
@@ -158,9 +168,11 @@ class AsyncEngine:
     def _run(self) -> None:
         try:
             while not self._stopping:
+                self._busy_since = time.monotonic()
                 self._drain_inbox()
                 if not self.engine.has_unfinished_requests():
                     self.engine.expire_leases()  # leases run out even when no step runs
+                    self._busy_since = None
                     self._wakeup.wait(self._idle_wait_s)
                     self._wakeup.clear()
                     continue

@@ -76,19 +76,27 @@ def build_app(ctx: ServingContext) -> FastAPI:
     async def _engine_dead(_: Request, exc: EngineDeadError):
         return JSONResponse(error_body(503, str(exc)), status_code=503)
 
+    def engine_trouble() -> str | None:
+        """Why the engine cannot serve, or None."""
+        if not ctx.engine.alive:
+            return "engine loop is not running"
+        busy_s = ctx.engine.busy_for()
+        if busy_s > ctx.config.stall_timeout_s:
+            return f"engine step has run for {busy_s:.0f} s (stall timeout {ctx.config.stall_timeout_s:g} s)"
+        return None
+
     @app.get("/health")
     @app.head("/health")  # HEAD too (405 otherwise): load balancers and uptime checks send it
     async def health():
-        if not ctx.engine.alive:
-            return JSONResponse(error_body(503, "engine loop is not running"), status_code=503)
+        if trouble := engine_trouble():
+            return JSONResponse(error_body(503, trouble), status_code=503)
         return {"status": "ok"}
 
     @app.get("/ready")
     @app.head("/ready")
     async def ready():
-        if not ctx.engine.alive or ctx.draining:
-            reason = "draining" if ctx.draining else "engine loop is not running"
-            return JSONResponse(error_body(503, reason), status_code=503)
+        if trouble := engine_trouble() or ("draining" if ctx.draining else None):
+            return JSONResponse(error_body(503, trouble), status_code=503)
         return {"status": "ready", "role": ctx.config.role}
 
     @app.get("/metrics")
