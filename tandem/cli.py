@@ -6,6 +6,7 @@ Components are imported inside their commands: the core package imports none of 
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import sys
 
@@ -170,7 +171,10 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(argv: list[str] | None) -> int:
     parser = argparse.ArgumentParser(prog="tandem", description="Disaggregated prefill/decode LLM serving")
-    sub = parser.add_subparsers(dest="command", required=True)
+    # No abbreviated options: `serve --pre 2` would read as --prefill, and an option added later (say
+    # --prefill-x) would silently change what an abbreviation in someone's script means.
+    sub = parser.add_subparsers(dest="command", required=True,
+                                parser_class=functools.partial(argparse.ArgumentParser, allow_abbrev=False))
     _worker_parser(sub, "worker", "run one engine worker (prefill | decode | both)", 8000)
     _serve_parser(sub)
     _router_parser(sub)

@@ -6,6 +6,7 @@ next probe) and waits until the requests it already has are finished, or the tim
 
 from __future__ import annotations
 
+import sys
 import time
 
 import httpx
@@ -17,6 +18,15 @@ def drain(url: str, timeout_s: float, poll_s: float = 0.5) -> int:
     url = url.rstrip("/")
     try:
         httpx.post(f"{url}/internal/drain", timeout=5, headers=internal_headers()).raise_for_status()
+    except httpx.HTTPStatusError as exc:
+        if exc.response.status_code in (401, 403):
+            # Not a worker gone but a setup fault (this pod's TANDEM_INTERNAL_TOKEN is not its worker's):
+            # the non-zero exit is what makes Kubernetes say so, in a FailedPreStopHook event.
+            print(f"tandem drain: {url} refused the internal token ({exc.response.status_code}); "
+                  "TANDEM_INTERNAL_TOKEN differs from the worker's, so it stops without draining", file=sys.stderr)
+            return 1
+        print(f"tandem drain: {url} did not accept the drain ({exc}); nothing to wait for")
+        return 0
     except httpx.HTTPError as exc:
         print(f"tandem drain: {url} did not accept the drain ({exc}); nothing to wait for")
         return 0
@@ -32,4 +42,4 @@ def drain(url: str, timeout_s: float, poll_s: float = 0.5) -> int:
             return 0
         time.sleep(poll_s)
     print(f"tandem drain: gave up after {timeout_s:g}s with {in_flight} request(s) in flight")
-    return 0  # never block the pod's termination on a failure here
+    return 0  # the pod stops either way: a slow drain is not a failure to report

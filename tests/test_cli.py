@@ -89,6 +89,10 @@ def test_a_misspelt_option_is_said_by_its_command(capsys):
     assert exited.value.code == 2
     err = capsys.readouterr().err
     assert "tandem worker: error: unrecognized arguments: --modle smollm2" in err and "--model" in err
+    with pytest.raises(SystemExit) as exited:  # no abbreviations: `--pre 2` is not taken for --prefill 2
+        main(["serve", "--colocated", "--pre", "2"])
+    assert exited.value.code == 2
+    assert "tandem serve: error: unrecognized arguments: --pre 2" in capsys.readouterr().err
 
 
 def test_bad_options_and_models_are_one_line_before_anything_starts(capsys, tmp_path):

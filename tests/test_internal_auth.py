@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
+import uvicorn
 from fastapi import FastAPI, WebSocket
 from fastapi.testclient import TestClient
 from starlette.websockets import WebSocketDisconnect
 
-from tandem.internal_auth import INTERNAL_TOKEN_HEADER, InternalAuth
+from tandem.drain import drain
+from tandem.internal_auth import INTERNAL_TOKEN_ENV, INTERNAL_TOKEN_HEADER, InternalAuth
 
 
 def app_with(token: str | None) -> FastAPI:
@@ -21,6 +26,10 @@ def app_with(token: str | None) -> FastAPI:
     @app.get("/v1/models")
     async def models():
         return {"data": []}
+
+    @app.post("/internal/drain")
+    async def start_draining():
+        return {"draining": True}
 
     @app.websocket("/internal/ws")
     async def channel(ws: WebSocket):
@@ -54,3 +63,23 @@ def test_without_a_token_everything_is_open():
     assert client.get("/internal/load").status_code == 200
     with client.websocket_connect("/internal/ws") as ws:
         assert ws.receive_json() == {"hello": True}
+
+
+def test_a_drain_with_the_wrong_token_fails_the_prestop_hook_so_kubernetes_says_so(monkeypatch, capsys):
+    """Exit 0 would hide the misconfiguration: the pod would stop undrained with nothing said anywhere."""
+    server = uvicorn.Server(uvicorn.Config(app_with("s3cret"), host="127.0.0.1", port=0, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not server.started and time.monotonic() < deadline:
+            time.sleep(0.02)
+        url = f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
+        monkeypatch.setenv(INTERNAL_TOKEN_ENV, "wrong")
+        assert drain(url, timeout_s=5) == 1
+        assert "refused the internal token (401)" in capsys.readouterr().err
+        monkeypatch.setenv(INTERNAL_TOKEN_ENV, "s3cret")
+        assert drain(url, timeout_s=0) == 0  # accepted (and no time given to wait)
+    finally:
+        server.should_exit = True
+        thread.join(10)
