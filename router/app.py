@@ -42,6 +42,7 @@ from tandem.sse import (
     EventStreamResponse,
     openai_stream,
 )
+from tandem.tokenize_routes import add_tokenize_routes
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +79,8 @@ def build_app(router) -> FastLane | ApiKeyGate:
         return Response(generate_latest(router.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     add_model_routes(app, router.served_name, lambda: router.max_model_len)
+    add_tokenize_routes(app, router.served_name, router.tokenizer, lambda: router.max_model_len,
+                        lambda text, add_special_tokens: tokenize(router, text, add_special_tokens))
 
     async def completions_handler(body: CompletionRequest, request: Request) -> Response:
         check_model(router.served_name, body.model)

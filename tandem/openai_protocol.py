@@ -313,20 +313,10 @@ class ChatMessage(_Request):
         return self.content or ""
 
 
-class ChatCompletionRequest(_CommonParams):
-    model_config = ConfigDict(json_schema_extra={"examples": [{"model": "smollm2", "max_tokens": 8, "messages": [
-        {"role": "user", "content": "Say hello."}]}]})
-    prompt_param: ClassVar[str] = "messages"
+class ChatPrompt(_Request):
+    """A conversation and how the chat template renders it: chat completions' prompt, and /tokenize's."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
-    logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
-    tools: list | None = None  # not implemented (function calling): refused unless empty
-    echo: SkipJsonSchema[bool] = False  # vLLM's, on chat: not implemented, refused (sampling_params)
-    functions: list | None = None  # the same, in its older spelling
-    tool_choice: str | dict | None = None
     # vLLM's, as transformers' apply_chat_template takes them.
     add_generation_prompt: bool = Field(True, description="open an assistant turn after the messages (ext.)")
     continue_final_message: bool = Field(False, description="leave the last message open, for the model to go on "
@@ -360,6 +350,21 @@ class ChatCompletionRequest(_CommonParams):
             raise APIError(400, f"the model's chat template refused the conversation: {exc}",
                            param="messages") from None
         return _left_open(text) if self.continue_final_message else text
+
+
+class ChatCompletionRequest(ChatPrompt, _CommonParams):
+    model_config = ConfigDict(json_schema_extra={"examples": [{"model": "smollm2", "max_tokens": 8, "messages": [
+        {"role": "user", "content": "Say hello."}]}]})
+    prompt_param: ClassVar[str] = "messages"
+
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list | None = None  # not implemented (function calling): refused unless empty
+    echo: SkipJsonSchema[bool] = False  # vLLM's, on chat: not implemented, refused (sampling_params)
+    functions: list | None = None  # the same, in its older spelling
+    tool_choice: str | dict | None = None
 
     def sampling_params(self, default_max_tokens: int, vocab_size: int) -> SamplingParams:
         """`vocab_size` bounds the token ids of logit_bias."""
@@ -410,10 +415,10 @@ def check_model(served_name: str, model: str) -> None:
                        param="model", code="model_not_found")
 
 
-def check_token_ids(vocab_size: int, ids: list[int]) -> list[int]:
+def check_token_ids(vocab_size: int, ids: list[int], param: str = "prompt") -> list[int]:
     bad = next((t for t in ids if not 0 <= t < vocab_size), None)
     if bad is not None:
-        raise APIError(400, f"token id {bad} is outside the vocabulary [0, {vocab_size})", param="prompt")
+        raise APIError(400, f"token id {bad} is outside the vocabulary [0, {vocab_size})", param=param)
     return ids
 
 

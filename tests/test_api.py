@@ -453,6 +453,22 @@ def test_bad_input_gets_openai_error_and_spares_requests_in_flight(worker, clien
     assert httpx.get(worker.url + "/health").status_code == 200
 
 
+def test_tokenize_counts_what_a_request_is_served_with(worker, client):
+    """/tokenize (vLLM's) is how a client counts a prompt against the context before sending it: its count must be
+    the prompt_tokens the same prompt is billed, for a completion and for a chat alike."""
+    prompt = "The quick brown fox jumps over the lazy dog."
+    messages = [{"role": "user", "content": "Name three colours."}]
+    as_completion = client.completions.create(model="smollm2", prompt=prompt, max_tokens=1)
+    as_chat = client.chat.completions.create(model="smollm2", messages=messages, max_tokens=1)
+    counted = httpx.post(worker.url + "/tokenize", json={"model": "smollm2", "prompt": prompt}).json()
+    counted_chat = httpx.post(worker.url + "/tokenize", json={"model": "smollm2", "messages": messages}).json()
+    assert counted["count"] == as_completion.usage.prompt_tokens and counted["max_model_len"] == 2048
+    assert counted_chat["count"] == as_chat.usage.prompt_tokens
+    text = httpx.post(worker.url + "/detokenize", json={"tokens": counted["tokens"]}).json()["prompt"]
+    assert text.endswith(prompt)
+    assert httpx.get(worker.url + "/version").json()["version"]
+
+
 def test_sdk_raises_typed_errors(client):
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="nope", prompt="x")

@@ -36,6 +36,7 @@ from tandem.sse import (
     EventStreamResponse,
     openai_stream,
 )
+from tandem.tokenize_routes import add_tokenize_routes
 from tandem.tokenizer import Tokenizer
 from tandem.workers.async_engine import AsyncEngine, EngineDeadError
 from tandem.workers.internal_api import AgentDirectory, add_internal_routes
@@ -104,6 +105,11 @@ def build_app(ctx: ServingContext) -> FastAPI:
         return Response(generate_latest(ctx.registry), media_type=CONTENT_TYPE_LATEST)
 
     add_model_routes(app, ctx.served_name, lambda: ctx.max_model_len)
+
+    async def encode(text: str, add_special_tokens: bool) -> list[int]:
+        return ctx.tokenizer.encode(text, add_special_tokens)
+
+    add_tokenize_routes(app, ctx.served_name, ctx.tokenizer, lambda: ctx.max_model_len, encode)
 
     @app.post("/v1/completions")
     async def completions(request: Request):

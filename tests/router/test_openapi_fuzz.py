@@ -21,7 +21,8 @@ from tandem.launcher import ServiceProcess
 EXAMPLES_PER_OPERATION = 20
 OPERATIONS = [("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("GET", "/v1/models"),
               ("GET", "/v1/models/{model_id}"),
-              ("GET", "/health"), ("GET", "/ready"), ("HEAD", "/health"), ("HEAD", "/ready"), ("GET", "/metrics")]
+              ("GET", "/health"), ("GET", "/ready"), ("HEAD", "/health"), ("HEAD", "/ready"), ("GET", "/metrics"),
+              ("POST", "/tokenize"), ("POST", "/detokenize"), ("GET", "/version")]
 # Error events inside an SSE stream that would mean the server, not the request, failed.
 SERVER_ERROR_TYPES = {"server_error", "service_unavailable"}
 
