@@ -100,7 +100,7 @@ def _env(settings: PodSettings) -> list[dict]:
 
 def internal_token_env(owner: Owner) -> dict:
     """The router's and the workers' shared secret on the workers' internal endpoints, from the Secret the
-    operator creates once per deployment (reconcile.ensure_internal_secret)."""
+    operator creates once per deployment (reconcile.create_internal_secret)."""
     return {"name": INTERNAL_TOKEN_ENV, "valueFrom": {"secretKeyRef": {
         "name": names.internal_secret_name(owner.name), "key": INTERNAL_TOKEN_KEY}}}
 
@@ -144,7 +144,7 @@ def _container(name: str, image: str, args: list[str], env: list[dict], settings
 
 
 def _pod_spec(owner: Owner, component: str, container: dict, settings: PodSettings, volumes: list[dict],
-              grace_seconds: int, service_account: str | None) -> dict:
+              grace_seconds: int, service_account: str | None, pull_secrets: list[str] | None) -> dict:
     spec: dict[str, Any] = {
         "containers": [container],
         "volumes": [{"name": "tmp", "emptyDir": {"sizeLimit": "4Gi"}}, *volumes],
@@ -157,6 +157,8 @@ def _pod_spec(owner: Owner, component: str, container: dict, settings: PodSettin
         spec["serviceAccountName"] = service_account
     else:  # workers never call the API server: no token in the pod
         spec["automountServiceAccountToken"] = False
+    if pull_secrets:
+        spec["imagePullSecrets"] = [{"name": name} for name in pull_secrets]
     if settings.node_selector:
         spec["nodeSelector"] = dict(settings.node_selector)
     if settings.tolerations:
@@ -211,7 +213,8 @@ def worker_deployment(owner: Owner, spec: LLMDeploymentSpec, pool: str, replicas
     drain = ["tandem", "drain", "--url", f"http://127.0.0.1:{HTTP_PORT}",
              "--timeout", str(max(settings.termination_grace_period_seconds - 5, 0))]
     container = _container("worker", spec.image, args, env, settings, mounts, spec.image_pull_policy, drain)
-    pod = _pod_spec(owner, pool, container, settings, volumes, settings.termination_grace_period_seconds, None)
+    pod = _pod_spec(owner, pool, container, settings, volumes, settings.termination_grace_period_seconds, None,
+                    spec.image_pull_secrets)
     # GPUs are rarely spare: replace workers one at a time instead of surging an extra one.
     strategy = {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}}
     return _deployment(owner, pool, replicas, pod, strategy, _with_secret({**_SCRAPE_ANNOTATIONS}, internal_secret))
@@ -240,7 +243,7 @@ MULTI_ROUTER_KEY_EPS = 0.25
 
 def _with_secret(annotations: dict, internal_secret: str | None) -> dict:
     """Pod annotations naming the internal-token Secret's uid: a Secret made again (deleted, then recreated by
-    reconcile.ensure_internal_secret with a new token) rolls the router and both pools, which read the token only
+    reconcile.create_internal_secret with a new token) rolls the router and both pools, which read the token only
     when their pods start; without it, old and new pods would hold different tokens for good."""
     if internal_secret:
         annotations[names.INTERNAL_SECRET_ANNOTATION] = internal_secret
@@ -283,7 +286,7 @@ def router_deployment(owner: Owner, spec: LLMDeploymentSpec, internal_secret: st
     image = router.image or spec.image
     container = _container("router", image, args, env, router, mounts, spec.image_pull_policy)
     pod = _pod_spec(owner, "router", container, router, volumes, ROUTER_GRACE_SECONDS,
-                    names.object_name(owner.name, "router"))
+                    names.object_name(owner.name, "router"), spec.image_pull_secrets)
     strategy = {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
     # Changed SLO classes must restart the routers: their hash is part of the pod template. Only the file the
     # router reads: pool sizes change with every scaling decision, and must not roll the routers each time.
@@ -303,10 +306,15 @@ def pool_service(owner: Owner, pool: str) -> dict:
 
 
 def router_service(owner: Owner, spec: LLMDeploymentSpec) -> dict:
-    return {"apiVersion": "v1", "kind": "Service",
-            "metadata": _metadata(owner, names.object_name(owner.name, "router"), "router"),
-            "spec": {"type": spec.router.service_type, "selector": names.selector_labels(owner.name, "router"),
-                     "ports": [_port(spec.router.port)]}}
+    router = spec.router
+    service = {"apiVersion": "v1", "kind": "Service",
+               "metadata": _metadata(owner, names.object_name(owner.name, "router"), "router",
+                                     dict(router.service_annotations or {})),
+               "spec": {"type": router.service_type, "selector": names.selector_labels(owner.name, "router"),
+                        "ports": [_port(router.port)]}}
+    if router.load_balancer_source_ranges:
+        service["spec"]["loadBalancerSourceRanges"] = list(router.load_balancer_source_ranges)
+    return service
 
 
 def config_map(owner: Owner, spec: LLMDeploymentSpec, sizes: PoolSizes) -> dict:

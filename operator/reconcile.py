@@ -11,7 +11,7 @@ from typing import Any
 
 from tandem.operator import names
 from tandem.operator.builders import INTERNAL_TOKEN_KEY, Owner, build_objects
-from tandem.operator.kube import ForeignObjectError, Kube, KubeError, Outcome
+from tandem.operator.kube import ForeignObjectError, Kube, KubeError, Outcome, owns
 from tandem.operator.scaling import planned_sizes
 from tandem.operator.status import Problem, compute_status, same_status
 from tandem.operator.validation import SpecError, built_object_reasons, validate_spec
@@ -37,7 +37,7 @@ def reconcile(kube: Kube, body: Mapping[str, Any], force: bool = False) -> list[
     refer to exist (a RoleBinding's dry run is refused while its Role is not there)."""
     owner = owner_of(body)
     spec, sizes = validate_spec(body.get("spec"), owner.name)
-    secret_uid = ensure_internal_secret(kube, owner)
+    secret_uid = internal_secret_uid(kube, owner)
     sizes = planned_sizes(spec, sizes, body.get("status"))
     objects = build_objects(owner, spec, sizes, secret_uid)
     reasons = built_object_reasons(objects)
@@ -45,7 +45,7 @@ def reconcile(kube: Kube, body: Mapping[str, Any], force: bool = False) -> list[
         raise RefusedSpec(reasons)
     steps = [kube.plan(obj, force=force) for obj in objects]
     for step in steps:
-        if step.desired["kind"] != "Deployment":
+        if step.desired["kind"] not in CHECKED_KINDS:
             continue
         try:
             kube.check(step)
@@ -55,26 +55,44 @@ def reconcile(kube: Kube, body: Mapping[str, Any], force: bool = False) -> list[
             reasons.append(f"the API server refuses {step.label}: {exc.message}")
     if reasons:
         raise RefusedSpec(reasons)
+    if secret_uid is None:  # made only now, so that a refused spec creates nothing at all
+        secret_uid = create_internal_secret(kube, owner)
+        steps = [kube.plan(obj, force=force) for obj in build_objects(owner, spec, sizes, secret_uid)]
     return [(kube.carry_out(step), step.desired) for step in steps]
 
 
-def ensure_internal_secret(kube: Kube, owner: Owner) -> str:
-    """Create the deployment's internal-endpoint token once (tandem.internal_auth). Never applied again: a new token
-    on every reconcile would restart every pod, and pods started with different tokens could not talk. Owned by
-    the LLMDeployment, so it goes with it. A Secret of that name that is not this deployment's is refused as any
-    other foreign object is. Returns its uid."""
-    name = names.internal_secret_name(owner.name)
-    current = kube.get("v1", "Secret", owner.namespace, name)
-    if current is not None:
-        refs = current.get("metadata", {}).get("ownerReferences") or []
-        if not any(ref.get("uid") == owner.uid for ref in refs):
-            raise ForeignObjectError(f"Secret {owner.namespace}/{name} exists and does not belong to this "
-                                     "LLMDeployment; rename or delete it")
-        return current["metadata"]["uid"]
-    created = kube.create({"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
-                 "metadata": {"name": name, "namespace": owner.namespace,
-                              "labels": names.labels(owner.name, "router"), "ownerReferences": [owner.reference()]},
-                 "stringData": {INTERNAL_TOKEN_KEY: secrets.token_urlsafe(32)}})
+# What the dry run checks: the objects that carry what the spec passes through as written (a Deployment's
+# tolerations, affinity, env and resources; the router Service's annotations and source ranges).
+CHECKED_KINDS = ("Deployment", "Service")
+
+
+def _internal_secret(owner: Owner) -> dict:
+    return {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
+            "metadata": {"name": names.internal_secret_name(owner.name), "namespace": owner.namespace,
+                         "labels": names.labels(owner.name, "router"), "ownerReferences": [owner.reference()]}}
+
+
+def internal_secret_uid(kube: Kube, owner: Owner) -> str | None:
+    """The uid of the deployment's internal-endpoint token Secret (tandem.internal_auth), None while there is none.
+    An orphan of this deployment (its LLMDeployment deleted with --cascade=orphan and made again) is adopted as it
+    is, token included, so that no pod restarts for it. A Secret of that name that is not this deployment's is
+    refused as any other foreign object is."""
+    desired = _internal_secret(owner)
+    current = kube.get("v1", "Secret", owner.namespace, desired["metadata"]["name"])
+    if current is None:
+        return None
+    if not owns(desired, current):
+        raise ForeignObjectError(f"Secret {owner.namespace}/{desired['metadata']['name']} exists and does not "
+                                 "belong to this LLMDeployment; rename or delete it")
+    if not current["metadata"].get("ownerReferences"):
+        kube.apply(desired)  # the owner reference back (and our labels): the data is left as it is
+    return current["metadata"]["uid"]
+
+
+def create_internal_secret(kube: Kube, owner: Owner) -> str:
+    """Made once, never applied again: a new token on every reconcile would restart every pod, and pods started with
+    different tokens could not talk. Owned by the LLMDeployment, so it goes with it."""
+    created = kube.create({**_internal_secret(owner), "stringData": {INTERNAL_TOKEN_KEY: secrets.token_urlsafe(32)}})
     return created["metadata"]["uid"]
 
 

@@ -121,26 +121,39 @@ def compute_status(resource: Mapping[str, Any], deployments: Mapping[str, Mappin
     except SpecError as exc:
         spec_error = str(exc)
         planner = old.get("planner")
-        # Nothing of it was applied: what runs is what the last valid spec asked for.
-        desired = {c: (deployments.get(c) or {}).get("spec", {}).get("replicas", 0) for c in names.COMPONENTS}
+        # Nothing of it was applied: what runs is what the last valid spec asked for. A Deployment deleted meanwhile
+        # is not put back until the spec is fixed; the last status still says what it was to run.
+        desired = {c: (deployments.get(c) or {}).get("spec", {}).get("replicas", (old.get(c) or {}).get("desired", 0))
+                   for c in names.COMPONENTS}
     states = {c: component_state(deployments.get(c), desired[c]) for c in names.COMPONENTS}
 
     summary = ", ".join(f"{c} {s.ready}/{s.desired}" for c, s in states.items())
-    ready = spec_error is None and all(s.exists and not s.rolling_out and s.ready >= s.desired
-                                       for s in states.values())
+    # The newest spec is not what runs until a reconcile of its generation went through (one that failed to apply
+    # leaves observedGeneration behind): not ready, whatever the replicas of the spec before say.
+    generation_now = meta.get("generation")
+    behind = spec_error is None and generation_now is not None and (observed_generation or 0) < generation_now
+    ready = spec_error is None and not behind and all(s.exists and not s.rolling_out and s.ready >= s.desired
+                                                      for s in states.values())
     stalled = [f"{c}: {s.stalled}" for c, s in states.items() if s.stalled]
+    # Under a valid spec a missing Deployment is being made (or put back at once); under an invalid one it stays gone.
+    missing = [c for c, s in states.items() if not s.exists and s.desired > 0] if spec_error is not None else []
     short = [c for c, s in states.items() if s.degraded and not s.stalled]
     apply_failed = problem.message if problem is not None and not problem.refused else None
-    degraded = bool(stalled or short or apply_failed)
+    degraded = bool(stalled or missing or short or apply_failed)
     progressing = spec_error is None and any(s.exists and s.rolling_out for s in states.values())
     if degraded:
-        degraded_reason = "ApplyFailed" if apply_failed else "RolloutStalled" if stalled else "ReplicasUnavailable"
-        degraded_message = "; ".join(([apply_failed] if apply_failed else []) + stalled) or \
+        degraded_reason = "ApplyFailed" if apply_failed else "RolloutStalled" if stalled else \
+            "DeploymentMissing" if missing else "ReplicasUnavailable"
+        degraded_message = "; ".join(([apply_failed] if apply_failed else []) + stalled
+                                     + [f"the {c} Deployment is missing" for c in missing]) or \
             f"missing ready replicas in {', '.join(short)}"
     else:
         degraded_reason, degraded_message = "AsExpected", "all is well"
     if spec_error is not None:  # not ready whatever runs: the spec asked for is not what runs
         ready_reason, ready_message = "InvalidSpec", f"the spec is not applied (see SpecValid); running: {summary}"
+    elif behind:
+        ready_reason = "SpecNotApplied"
+        ready_message = f"generation {generation_now} is not applied yet (see Degraded); running: {summary}"
     else:
         ready_reason, ready_message = ("AllReplicasReady" if ready else "ReplicasNotReady"), f"ready: {summary}"
 

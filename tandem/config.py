@@ -5,8 +5,9 @@ The LLMDeployment CRD (operator issue) is generated from models in this module t
 
 from __future__ import annotations
 
+import ipaddress
 import re
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.alias_generators import to_camel
@@ -287,6 +288,10 @@ class RouterSpec(PodSettings):
     replicas: int = Field(1, ge=1, le=1000)
     image: str | None = Field(None, min_length=1, description="default: spec.image")
     service_type: Literal["ClusterIP", "LoadBalancer", "NodePort"] = "ClusterIP"
+    service_annotations: dict[str, str] | None = Field(None, description="annotations of the router Service, e.g. "
+                                                       "a cloud's internal load balancer")
+    load_balancer_source_ranges: list[str] | None = Field(None, description="with serviceType LoadBalancer: the "
+                                                          "client CIDRs it admits (default: any)")
     port: int = Field(8000, ge=1, le=65535, description="port of the router Service")
     disagg_min_tokens: int | None = Field(None, ge=0, description="prompts shorter than this skip the prefill "
                                                                   "pool (default: the router's)")
@@ -296,6 +301,16 @@ class RouterSpec(PodSettings):
     tenants_secret: str | None = Field(None, min_length=1, max_length=253,
                                        description="Secret with the tenants (API keys, token buckets), "
                                                    "mounted read-only at /etc/tandem/tenants")
+
+    @field_validator("load_balancer_source_ranges")
+    @classmethod
+    def _cidrs(cls, value):
+        for cidr in value or []:
+            try:
+                ipaddress.ip_network(cidr, strict=False)
+            except ValueError:
+                raise ValueError(f"{cidr!r} is not a CIDR (e.g. 10.0.0.0/8)") from None
+        return value
 
 
 class KVTransferSpec(_CamelModel):
@@ -361,15 +376,22 @@ _SIZING_RULES = [
          "size the pools: set spec.ratio with spec.replicas, or both prefill.replicas and decode.replicas"),
 ]
 
+# PoolSpec allows 0 replicas, which a prefill pool may have (every prompt then prefills on its decode worker);
+# a decode pool may not: decode workers generate every response. (operator/validation.py says so too.)
+_AT_LEAST_ONE_DECODE = _cel("!has(self.decode) || !has(self.decode.replicas) || self.decode.replicas >= 1",
+                            "spec.decode.replicas: must be at least 1: decode workers generate every response")
+
 
 class LLMDeploymentSpec(_CamelModel):
     """What `kubectl apply` asks for: a model served by a prefill pool, a decode pool and a router."""
 
-    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": _SIZING_RULES})
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [*_SIZING_RULES, _AT_LEAST_ONE_DECODE]})
 
     model: ModelSpec
     image: str = Field(..., min_length=1, description="container image with the `tandem` command (workers)")
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] | None = None
+    image_pull_secrets: list[Annotated[str, Field(min_length=1, max_length=253)]] | None = Field(
+        None, description="Secrets in this namespace with the credentials of a private registry, for every pod")
     engine: DeploymentEngineSpec = Field(default_factory=DeploymentEngineSpec)
     ratio: str | None = Field(None, pattern=RATIO_PATTERN, description="prefill:decode workers, e.g. '1:3'; "
                                                                        "needs spec.replicas")

@@ -159,7 +159,15 @@ def crd_manifest() -> dict:
 
 
 def render_crd() -> str:
-    return HEADER + yaml.safe_dump(crd_manifest(), sort_keys=False, width=100)
+    return HEADER + yaml.dump(crd_manifest(), Dumper=_PlainDumper, sort_keys=False, width=100)
+
+
+class _PlainDumper(yaml.SafeDumper):
+    """Repeated parts of the schema written out each time, not as YAML anchors and aliases (&id001, *id001):
+    kubectl and Helm read those, but people and some tools do not expect them in a manifest."""
+
+    def ignore_aliases(self, data):
+        return True
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -15,7 +15,7 @@ from tandem.config import EngineConfig
 from tandem.operator import names
 from tandem.operator.builders import ENGINE_FLAG_FIELDS, Owner, build_objects, engine_args
 from tandem.operator.kube import with_desired_hash
-from tandem.operator.validation import validate_spec
+from tandem.operator.validation import SpecError, validate_spec
 
 OWNER = Owner("smollm2", "llm", "0f0e0d0c-0000-4000-8000-000000000001")
 
@@ -42,7 +42,11 @@ VARIANTS = {
     "example": _example_spec(),
     "pvc-hf-loadbalancer": _variant(model__format="hf",
                                     model__source={"pvc": {"claimName": "models", "path": "llama-3-8b"}},
-                                    router__serviceType="LoadBalancer", router__port=80),
+                                    router__serviceType="LoadBalancer", router__port=80,
+                                    router__serviceAnnotations={
+                                        "service.beta.kubernetes.io/aws-load-balancer-scheme": "internal"},
+                                    router__loadBalancerSourceRanges=["10.0.0.0/8", "192.168.1.0/24"],
+                                    imagePullSecrets=["registry-credentials"]),
     "hostpath-gguf-tenants": _variant(model__source={"hostPath": {"path": "/data/models/smollm2.Q4_1.gguf"}},
                                       router__tenantsSecret="tandem-tenants",
                                       engine={"enablePrefixCaching": False}),
@@ -244,6 +248,19 @@ def test_tenants_secret_is_mounted_read_only_into_the_router():
     pod = router["spec"]["template"]["spec"]
     assert {"name": "tenants", "secret": {"secretName": "tandem-tenants"}} in pod["volumes"]
     assert {"name": "tenants", "mountPath": "/etc/tandem/tenants", "readOnly": True} in pod["containers"][0]["volumeMounts"]
+
+
+def test_a_private_registry_and_an_internal_load_balancer():
+    objects = _objects(VARIANTS["pvc-hf-loadbalancer"])
+    for deployment in _by_name(objects, "Deployment").values():  # every pod pulls with the registry's credentials
+        assert deployment["spec"]["template"]["spec"]["imagePullSecrets"] == [{"name": "registry-credentials"}]
+    router = _by_name(objects, "Service")["smollm2-router"]
+    assert router["metadata"]["annotations"] == {"service.beta.kubernetes.io/aws-load-balancer-scheme": "internal"}
+    assert router["spec"]["loadBalancerSourceRanges"] == ["10.0.0.0/8", "192.168.1.0/24"]
+    assert "imagePullSecrets" not in _by_name(_objects(VARIANTS["example"]), "Deployment")["smollm2-router"]["spec"][
+        "template"]["spec"]
+    with pytest.raises(SpecError, match="'10.0.0.0/33' is not a CIDR"):
+        validate_spec(_variant(router__loadBalancerSourceRanges=["10.0.0.0/33"]), OWNER.name)
 
 
 def test_the_desired_hash_changes_with_the_object_only():

@@ -128,7 +128,7 @@ def test_rbac_is_least_privilege():
         assert ("discovery.k8s.io", "endpointslices") in granted  # needed to grant it to the routers
         # The internal-endpoint token's Secret is created once: nothing lets the operator read other Secrets in bulk.
         secret_verbs = {v for rule in rules if "secrets" in rule["resources"] for v in rule["verbs"]}
-        assert secret_verbs == {"get", "create"}
+        assert secret_verbs == {"get", "create", "patch"}  # patch: an orphaned token Secret is adopted back
     namespaced = [o for o in _objects(VALUE_SETS["one-namespace-ha"]) if o["kind"] in ("Role", "RoleBinding")]
     assert {o["metadata"]["namespace"] for o in namespaced} == {"llm"}
 
@@ -149,6 +149,17 @@ def test_network_policy_admits_only_tandem_routers_workers_and_the_operators_scr
     assert scraper["podSelector"]["matchLabels"].items() <= operator_pod["spec"]["template"]["metadata"]["labels"].items()
     assert scraper["namespaceSelector"]["matchLabels"] == {"kubernetes.io/metadata.name": operator_pod["metadata"]["namespace"]}
     assert operator["ports"] == [{"port": "http", "protocol": "TCP"}]
+
+
+@needs_helm
+def test_the_network_policy_goes_where_the_operator_watches():
+    """An operator watching one namespace serves LLMDeployments there, not in the release's namespace: a policy
+    left in the release's would protect nothing."""
+    policies = [o for o in _objects({"operator": {"watchNamespace": "llm"}}) if o["kind"] == "NetworkPolicy"]
+    assert [p["metadata"]["namespace"] for p in policies] == ["llm"]
+    listed = [o for o in _objects({"operator": {"watchNamespace": "llm"}, "networkPolicy": {"namespaces": ["a", "b"]}})
+              if o["kind"] == "NetworkPolicy"]
+    assert sorted(p["metadata"]["namespace"] for p in listed) == ["a", "b"]
 
 
 @needs_helm

@@ -155,3 +155,14 @@ def test_every_example_passes_the_crd_schema_its_rules_and_the_operators_model(n
     assert _cel_errors(body["spec"]) == []
     assert _pydantic_errors(body["spec"]) == []
     LLMDeploymentSpec.model_validate(body["spec"])
+
+
+def test_a_decode_pool_of_none_is_refused_by_kubectl_apply_as_by_the_operator():
+    """A prefill pool may be empty, a decode pool may not: caught by the CRD, before the operator says it."""
+    from tandem.operator.validation import SpecError, validate_spec
+
+    spec = _example(ratio=None, replicas=None, prefill={"replicas": 1}, decode={"replicas": 0})
+    assert any("spec.decode.replicas: must be at least 1" in m for m in _cel_errors(spec))
+    with pytest.raises(SpecError, match="spec.decode.replicas: must be at least 1"):
+        validate_spec(spec, "smollm2")
+    assert _cel_errors(_example(ratio=None, replicas=None, prefill={"replicas": 0}, decode={"replicas": 1})) == []

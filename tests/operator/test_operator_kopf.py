@@ -250,8 +250,8 @@ async def test_a_spec_the_api_server_refuses_is_applied_whole_or_not_at_all(clus
     await cluster.wait_for("SpecValid=False", lambda: _conditions(cluster).get("SpecValid", {}).get("status") == "False")
     conditions = _conditions(cluster)
     assert "refuses Deployment smollm2-decode" in conditions["SpecValid"]["message"]
-    for resource in OWNED:
-        assert cluster.all(resource) == {}, resource  # not the prefill pool, the router, or anything else
+    for resource in [*OWNED, "v1/secrets"]:
+        assert cluster.all(resource) == {}, resource  # not the prefill pool, the router, the token, or anything else
 
     # Valid, then a change the API server refuses: what runs stays as it was, and the status says why.
     await cluster.patch(CR, "smollm2", {"spec": {"decode": {"tolerations": None}}})
@@ -331,6 +331,32 @@ async def test_a_token_secret_of_the_same_name_that_is_not_ours_is_not_used(clus
     await cluster.wait_for("Degraded", lambda: _conditions(cluster).get("Degraded", {}).get("reason") == "ApplyFailed")
     assert "Secret ns1/smollm2-internal exists and does not belong" in _conditions(cluster)["Degraded"]["message"]
     assert cluster.all(DEPLOYMENTS) == {}
+
+
+async def test_a_deployment_deleted_with_cascade_orphan_and_made_again_adopts_its_objects_without_a_roll(cluster):
+    """`kubectl delete llmdep NAME --cascade=orphan`, then apply it again: the usual way to re-create one without
+    downtime. Its token Secret too is adopted as it is: a new token would restart every pod."""
+    first_uid = (await cluster.apply_example())["metadata"]["uid"]
+    await _all_owned(cluster)
+    secret = cluster.get("v1/secrets", "smollm2-internal")
+    templates = {n: d["spec"]["template"] for n, d in cluster.all(DEPLOYMENTS).items()}
+    for resource in [*OWNED, "v1/secrets"]:  # what the garbage collector does for --cascade=orphan
+        for name in cluster.all(resource):
+            await cluster.patch(resource, name, {"metadata": {"ownerReferences": None}})
+    await cluster.delete(CR, "smollm2")
+    await cluster.wait_for("the LLMDeployment gone", lambda: cluster.get(CR, "smollm2") is None, 15)
+    second_uid = (await cluster.apply_example())["metadata"]["uid"]
+    assert second_uid != first_uid
+
+    def owner_uids() -> set:
+        return {(o["metadata"].get("ownerReferences") or [{}])[0].get("uid")
+                for resource in [*OWNED, "v1/secrets"] for o in cluster.all(resource).values()}
+
+    await cluster.wait_for("every object adopted", lambda: owner_uids() == {second_uid}, 15)
+    adopted = cluster.get("v1/secrets", "smollm2-internal")
+    assert adopted["metadata"]["uid"] == secret["metadata"]["uid"] and token_of(adopted) == token_of(secret)
+    assert {n: d["spec"]["template"] for n, d in cluster.all(DEPLOYMENTS).items()} == templates
+    assert _conditions(cluster)["Degraded"]["reason"] != "ApplyFailed"
 
 
 async def test_a_deleted_object_that_cannot_be_put_back_at_once_is_put_back_later(cluster):

@@ -117,6 +117,38 @@ def test_status_of_an_invalid_spec():
     assert spec_valid["status"] == "False" and "spec.ratio needs spec.replicas" in spec_valid["message"]
 
 
+def test_status_of_a_spec_that_failed_to_apply_is_not_ready_whatever_the_last_one_runs():
+    """A foreign object (or a 403, or a webhook) stops generation 4 from being applied: what runs is generation 3's.
+    Ready=True then would tell a `kubectl wait --for=condition=Ready` that a new image is live when it is not."""
+    from tandem.operator.status import Problem
+
+    deployments = {"prefill": _deployment(1, 1), "decode": _deployment(3, 3), "router": _deployment(2, 2)}
+    applied = compute_status(_resource(), deployments, None, "t1", generation=3)
+    assert applied["phase"] == "Ready"
+    resource = _resource(**applied)
+    resource["metadata"]["generation"] = 4
+    failed = compute_status(resource, deployments, None, "t2", problem=Problem(False, "PodDisruptionBudget taken"))
+    conditions = {c["type"]: c for c in failed["conditions"]}
+    assert failed["phase"] == "Degraded" and failed["observedGeneration"] == 3
+    assert conditions["Ready"]["status"] == "False" and conditions["Ready"]["reason"] == "SpecNotApplied"
+    assert "generation 4 is not applied yet" in conditions["Ready"]["message"]
+    assert conditions["Degraded"]["reason"] == "ApplyFailed"
+
+
+def test_status_of_an_invalid_spec_says_a_deployment_deleted_meanwhile_is_missing():
+    """Under an invalid spec nothing is applied, so a deleted router stays deleted until the spec is fixed: the status
+    must say so, not count it as 0 of 0 wanted."""
+    deployments = {"prefill": _deployment(1, 1), "decode": _deployment(3, 3), "router": _deployment(2, 2)}
+    resource = _resource(**compute_status(_resource(), deployments, None, "t1", generation=3))
+    resource["spec"]["replicas"] = None  # invalid from generation 4 on
+    del deployments["router"]
+    status = compute_status(resource, deployments, None, "t2", generation=4)
+    conditions = {c["type"]: c for c in status["conditions"]}
+    assert status["phase"] == "Invalid" and status["router"] == {"desired": 2, "ready": 0, "updated": 0}
+    assert conditions["Degraded"]["status"] == "True" and conditions["Degraded"]["reason"] == "DeploymentMissing"
+    assert "the router Deployment is missing" in conditions["Degraded"]["message"]
+
+
 def test_router_endpoint_prefers_the_load_balancer_address():
     service = {"metadata": {"name": "smollm2-router", "namespace": "llm"},
                "spec": {"type": "LoadBalancer", "ports": [{"port": 80}]}}
