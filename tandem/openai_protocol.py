@@ -31,7 +31,8 @@ MAX_N = 128  # completions per prompt: OpenAI's bound on n
 MAX_LOGIT_BIAS = 300  # biased tokens per request: each costs the worker work at every step
 # Parameters with a default other than null, which a client may still send as null (each model declares its own).
 NULL_MEANS_DEFAULT = ("n", "stream", "echo", "logprobs", "ignore_eos", "include_stop_str_in_output", "include_usage",
-                      "presence_penalty", "frequency_penalty", "add_generation_prompt", "continue_final_message")
+                      "presence_penalty", "frequency_penalty", "add_generation_prompt", "continue_final_message",
+                      "skip_special_tokens", "spaces_between_special_tokens")
 
 
 class _Request(BaseModel):
@@ -81,7 +82,14 @@ _REFUSED = {
     "guided_regex": "; use structured_outputs: {\"regex\": ...}",
     "guided_choice": "; use structured_outputs: {\"choice\": [...]}",
     "guided_grammar": "; use structured_outputs: {\"grammar\": ...}",
+    "allowed_token_ids": "; logit_bias favours or bans up to 300 tokens",
+    "bad_words": "; logit_bias bans tokens (-100), stop ends the answer at a string",
+    "return_tokens_as_token_ids": "",
+    "chat_template": "; the model's own template renders every chat (chat_template_kwargs gives it variables)",
 }
+# The same for those whose default is true: refused when false. (HF's tokenizers put no spaces between special
+# tokens in any case.)
+_REFUSED_WHEN_FALSE = ("spaces_between_special_tokens",)
 
 
 class _CommonParams(_Request):
@@ -109,6 +117,7 @@ class _CommonParams(_Request):
     include_stop_str_in_output: bool = False
     repetition_penalty: float | None = Field(None, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY)
     min_tokens: int | None = Field(None, ge=0)
+    skip_special_tokens: bool = Field(True, description="leave special tokens out of the text (ext.)")
     # vLLM extensions not implemented here: declared so that one set to anything but its default is refused
     # (_REFUSED) rather than ignored, and left out of the schema, which lists what is served.
     use_beam_search: SkipJsonSchema[bool | None] = None
@@ -118,6 +127,11 @@ class _CommonParams(_Request):
     guided_regex: SkipJsonSchema[str | None] = None
     guided_choice: SkipJsonSchema[list | None] = None
     guided_grammar: SkipJsonSchema[str | None] = None
+    allowed_token_ids: SkipJsonSchema[list | None] = None
+    bad_words: SkipJsonSchema[list | None] = None
+    return_tokens_as_token_ids: SkipJsonSchema[bool | None] = None
+    chat_template: SkipJsonSchema[str | None] = None
+    spaces_between_special_tokens: SkipJsonSchema[bool] = True
 
     @property
     def usage_in_stream(self) -> bool:
@@ -196,6 +210,9 @@ class _CommonParams(_Request):
         if any(token >= vocab_size for token, _ in bias):
             raise APIError(400, f"logit_bias names a token id outside the vocabulary [0, {vocab_size})",
                            param="logit_bias")
+        if any(token >= vocab_size for token in self.stop_token_ids or []):  # one that could never come: a typo
+            raise APIError(400, f"stop_token_ids names a token id outside the vocabulary [0, {vocab_size})",
+                           param="stop_token_ids")
         if (self.min_tokens or 0) > max_tokens:
             raise APIError(400, f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({max_tokens})",
                            param="min_tokens")
@@ -205,6 +222,9 @@ class _CommonParams(_Request):
             value = getattr(self, name)
             if value is not None and value is not False:
                 raise APIError(400, f"{name} is not supported{instead}", param=name)
+        for name in _REFUSED_WHEN_FALSE:
+            if getattr(self, name) is False:
+                raise APIError(400, f"{name}: false is not supported", param=name)
         if self.stream_options is not None and self.stream_options.continuous_usage_stats:
             raise APIError(400, "stream_options.continuous_usage_stats is not supported; include_usage gives the "
                                 "usage once, at the end", param="stream_options.continuous_usage_stats")
@@ -221,6 +241,7 @@ class _CommonParams(_Request):
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens,
             presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,

@@ -46,6 +46,7 @@ class SamplingParams(BaseModel):
     ignore_eos: bool = False
     logprobs: int | None = Field(None, ge=0, le=20, description="top logprobs per token; None = none")
     include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = Field(True, description="leave special tokens (<|im_end|>, ...) out of the text")
     # OpenAI's penalties on what the request has generated so far, and vLLM's repetition penalty on every token
     # seen (prompt and output); see workers.engine.sampler.apply_penalties.
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)

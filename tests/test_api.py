@@ -407,6 +407,10 @@ BAD_INPUTS = [
     # vLLM's parameters that are not implemented: refused, not ignored.
     ("use_beam_search", "/v1/completions", {"model": "smollm2", "prompt": "x", "use_beam_search": True}, 400,
      "use_beam_search"),
+    ("allowed_token_ids", "/v1/completions", {"model": "smollm2", "prompt": "x", "allowed_token_ids": [28]}, 400,
+     "allowed_token_ids"),
+    ("stop_token_ids outside the vocabulary", "/v1/completions",
+     {"model": "smollm2", "prompt": "x", "stop_token_ids": [10**9]}, 400, "stop_token_ids"),
     ("min_p out of range", "/v1/completions", {"model": "smollm2", "prompt": "x", "min_p": 1.5}, 400, "min_p"),
     ("truncate_prompt_tokens", "/v1/completions", {"model": "smollm2", "prompt": "x", "truncate_prompt_tokens": 2},
      400, "truncate_prompt_tokens"),
@@ -467,6 +471,19 @@ def test_tokenize_counts_what_a_request_is_served_with(worker, client):
     text = httpx.post(worker.url + "/detokenize", json={"tokens": counted["tokens"]}).json()["prompt"]
     assert text.endswith(prompt)
     assert httpx.get(worker.url + "/version").json()["version"]
+
+
+def test_skip_special_tokens_false_keeps_them_in_the_text(client):
+    """vLLM's skip_special_tokens: false shows the end-of-turn token and what follows it (it was ignored before)."""
+    ended = "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\nHello! How can I help you today?"
+
+    def answer(skip: bool) -> str:
+        return client.completions.create(model="smollm2", prompt=ended, max_tokens=8, temperature=0,
+                                         extra_body={"ignore_eos": True, "skip_special_tokens": skip}).choices[0].text
+
+    kept, skipped = answer(False), answer(True)
+    assert "<|im_end|>" in kept and "<|im_end|>" not in skipped
+    assert kept.replace("<|im_end|>", "").replace("<|im_start|>", "") == skipped
 
 
 def test_sdk_raises_typed_errors(client):

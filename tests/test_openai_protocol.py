@@ -149,13 +149,18 @@ def test_an_invalid_parameter_is_named_as_the_client_wrote_it(model, body, param
 
 
 @pytest.mark.parametrize("field, default", [("use_beam_search", False), ("truncate_prompt_tokens", None),
-                                            ("guided_json", None)])
+                                            ("guided_json", None), ("allowed_token_ids", None),
+                                            ("spaces_between_special_tokens", True),
+                                            ("spaces_between_special_tokens", None)])
 def test_a_refused_vllm_parameter_left_at_its_default_is_accepted(field, default):
     CompletionRequest(model="m", prompt="x", **{field: default}).sampling_params(16, 100)
 
 
 @pytest.mark.parametrize("field, value", [("prompt_logprobs", 0), ("guided_json", {}), ("guided_choice", []),
-                                          ("guided_regex", ""), ("truncate_prompt_tokens", 0)])
+                                          ("guided_regex", ""), ("truncate_prompt_tokens", 0),
+                                          ("allowed_token_ids", [28, 30]), ("bad_words", ["Paris"]),
+                                          ("return_tokens_as_token_ids", True), ("chat_template", "{{ x }}"),
+                                          ("spaces_between_special_tokens", False)])
 def test_a_refused_vllm_parameter_set_to_anything_else_is_refused(field, value):
     """Even a falsy value: prompt_logprobs 0 asks vLLM for the prompt's logprobs."""
     with pytest.raises(APIError) as info:
@@ -180,7 +185,8 @@ def test_refused_vllm_parameters_are_not_in_the_schema():
     """The schema lists what is served: parameters refused whenever set are not offered there."""
     for model in (CompletionRequest, ChatCompletionRequest):
         properties = model.model_json_schema()["properties"]
-        assert not {"use_beam_search", "guided_choice", "prompt_logprobs"} & set(properties), model
+        assert not {"use_beam_search", "guided_choice", "prompt_logprobs", "allowed_token_ids",
+                    "spaces_between_special_tokens"} & set(properties), model
         assert "min_p" in properties, model
     assert "echo" not in ChatCompletionRequest.model_json_schema()["properties"]
     assert "echo" in CompletionRequest.model_json_schema()["properties"]
@@ -201,3 +207,16 @@ def test_past_the_context_names_max_completion_tokens_when_the_client_sent_it():
     with pytest.raises(APIError) as info:
         asyncio.run(check_request(body, [[1] * 30], params, 64))
     assert info.value.param == "max_completion_tokens"
+
+
+def test_stop_token_ids_outside_the_vocabulary_are_refused_not_ignored():
+    with pytest.raises(APIError) as info:
+        CompletionRequest(model="m", prompt="x", stop_token_ids=[5, 100]).sampling_params(16, 100)
+    assert info.value.status == 400 and info.value.param == "stop_token_ids"
+    assert CompletionRequest(model="m", prompt="x", stop_token_ids=[99]).sampling_params(16, 100).stop_token_ids == [99]
+
+
+def test_skip_special_tokens_reaches_the_sampling_params():
+    chat = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "x"}], skip_special_tokens=False)
+    assert chat.sampling_params(16, 100).skip_special_tokens is False
+    assert CompletionRequest(model="m", prompt="x", skip_special_tokens=None).sampling_params(16, 100).skip_special_tokens

@@ -283,7 +283,7 @@ class LLMEngine:
         detokenizer = None
         if self.tokenizer is not None:
             detokenizer = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids[:prompt_end], params.stop,
-                                                 params.include_stop_str_in_output)
+                                                 params.include_stop_str_in_output, params.skip_special_tokens)
         stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
             stop_ids |= self.eos_token_ids
