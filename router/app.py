@@ -16,6 +16,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.middleware.cors import CORSMiddleware
 
 from tandem.background import spawn
 from tandem.body_limit import BodySizeLimit
@@ -50,7 +51,7 @@ SLO_HEADER = "x-tandem-slo-class"
 SLO_HEADER_RAW = SLO_HEADER.encode()  # as ASGI gives header names: lower-case bytes
 
 
-def build_app(router) -> FastLane | ApiKeyGate:
+def build_app(router) -> FastLane | ApiKeyGate | CORSMiddleware:
     """`router` is a tandem.router.main.Router: config, tokenizer, pools, admission, orchestrator."""
     app = FastAPI(title="Tandem router", version="0.1.0",
                   description="OpenAI-compatible front door of a Tandem prefill/decode deployment")
@@ -110,7 +111,12 @@ def build_app(router) -> FastLane | ApiKeyGate:
     lane = FastLane(app, {"/v1/completions": (CompletionRequest, completions_handler),
                           "/v1/chat/completions": (ChatCompletionRequest, chat_handler)},
                     router.config.max_body_bytes)
-    return ApiKeyGate(lane, router.api_keys) if router.api_keys else lane
+    served = ApiKeyGate(lane, router.api_keys) if router.api_keys else lane
+    if not router.config.allowed_origins:
+        return served
+    # Outermost, so that a browser's preflight (an OPTIONS without the API key) is answered before the key gate.
+    return CORSMiddleware(served, allow_origins=router.config.allowed_origins, allow_methods=["GET", "POST"],
+                          allow_headers=["*"], expose_headers=["Retry-After"])
 
 
 async def tokenize(router, text: str, add_special_tokens: bool = True) -> list[int]:

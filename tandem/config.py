@@ -89,6 +89,8 @@ class RouterConfig(BaseModel):
     api_key: list[str] = Field(default_factory=list, description="/v1/* requests must send one of these as "
                                "`Authorization: Bearer <key>` (401 otherwise), or $TANDEM_API_KEY, or a key of the "
                                "tenants file; with none of these nor its requireApiKey, the API is open")
+    allowed_origins: list[str] = Field(default_factory=list, description="browser origins allowed to call the "
+                                       "API (CORS), e.g. https://app.example.com, or * for any; none by default")
     tokenize_in_thread_chars: int = Field(512, ge=0, description="prompt texts at least this long are tokenized "
                                           "on a thread, off the event loop (shorter ones in place, sparing the hand-off)")
     gc_young_threshold: int = Field(10_000, ge=1, description="the garbage collector collects its youngest "

@@ -543,3 +543,35 @@ def test_a_refused_request_gives_back_what_its_tenant_was_charged():
     assert r.status_code == 200, r.text
     prompt_tokens = r.json()["usage"]["prompt_tokens"]
     assert bucket.level == pytest.approx(1000 - prompt_tokens - 2 * 10, abs=0.01)  # the prompt charged once
+
+
+def test_browser_origins_get_cors_headers_only_when_allowed_and_before_the_key_gate():
+    """A browser app calls the router from another origin: its preflight (OPTIONS, without the API key) must be
+    answered, and the answer must name the origin. Off by default: no origin is let in unless configured."""
+    def app_with(origins):
+        router = Router(RouterConfig(decode=[WORKER], api_key=["sk-1"], allowed_origins=origins))
+        router.decode.set_members([WORKER])
+        router.decode._set_healthy(router.decode.workers[WORKER], True)
+        router.orchestrator.http = SlowWorker()
+        return build_app(router)
+
+    async def ask(app, method, headers):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://r") as client:
+            body = {"model": "smollm2", "prompt": "Hello there", "max_tokens": 1} if method == "POST" else None
+            return await client.request(method, "/v1/completions", headers=headers, json=body)
+
+    origin = {"origin": "https://app.example"}
+    preflight = {**origin, "access-control-request-method": "POST",
+                 "access-control-request-headers": "authorization, content-type"}
+    allowed = app_with(["https://app.example"])
+    answer = asyncio.run(ask(allowed, "OPTIONS", preflight))
+    assert answer.status_code == 200 and answer.headers["access-control-allow-origin"] == "https://app.example"
+    served = asyncio.run(ask(allowed, "POST", {**origin, "authorization": "Bearer sk-1",
+                                               "x-tandem-slo-class": "batch"}))
+    assert served.status_code == 200 and served.headers["access-control-allow-origin"] == "https://app.example"
+    refused = asyncio.run(ask(allowed, "POST", origin))  # the key is still asked for
+    assert refused.status_code == 401 and refused.headers["access-control-allow-origin"] == "https://app.example"
+    other = asyncio.run(ask(allowed, "OPTIONS", {**preflight, "origin": "https://elsewhere.example"}))
+    assert "access-control-allow-origin" not in other.headers
+    closed = app_with([])
+    assert "access-control-allow-origin" not in asyncio.run(ask(closed, "OPTIONS", preflight)).headers
