@@ -93,7 +93,7 @@ _REFUSED_WHEN_FALSE = ("spaces_between_special_tokens",)
 
 
 class _CommonParams(_Request):
-    model: str
+    model: str | None = Field(None, description="the served model's name; optional, as in vLLM: there is one")
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     n: int = Field(1, ge=1, le=MAX_N, description="completions to generate for each prompt")
@@ -430,8 +430,8 @@ def _max_tokens(requested: int | None, default: int, param: str = "max_tokens") 
 # -- checks against the served model, the same on the router and on a worker ----------------------------------
 
 
-def check_model(served_name: str, model: str) -> None:
-    if model != served_name:
+def check_model(served_name: str, model: str | None) -> None:
+    if model is not None and model != served_name:
         raise APIError(404, f"The model '{model}' does not exist; this server serves '{served_name}'",
                        param="model", code="model_not_found")
 

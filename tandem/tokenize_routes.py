@@ -53,13 +53,9 @@ def add_tokenize_routes(app: FastAPI, served_name: str, tokenizer: Tokenizer, ma
                         encode: Encode) -> None:
     """`max_model_len` is asked per request: a router learns its workers' context length after it starts."""
 
-    def check(model: str | None) -> None:
-        if model is not None:  # optional, as in vLLM: there is one model
-            check_model(served_name, model)
-
     @app.post("/tokenize")
     async def tokenize(body: _TokenizeRequest = Body(discriminator=_chat_or_completion)):
-        check(body.model)
+        check_model(served_name, body.model)
         if isinstance(body, TokenizeChatRequest):
             ids = await encode(body.prompt_text(tokenizer), body.add_special_tokens)
         else:
@@ -69,7 +65,7 @@ def add_tokenize_routes(app: FastAPI, served_name: str, tokenizer: Tokenizer, ma
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest):
-        check(body.model)
+        check_model(served_name, body.model)
         check_token_ids(tokenizer.vocab_size, body.tokens, param="tokens")
         return {"prompt": tokenizer.decode(body.tokens, skip_special_tokens=False)}
 

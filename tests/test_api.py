@@ -486,6 +486,14 @@ def test_skip_special_tokens_false_keeps_them_in_the_text(client):
     assert kept.replace("<|im_end|>", "").replace("<|im_start|>", "") == skipped
 
 
+def test_model_may_be_left_out_as_in_vllm(worker):
+    """There is one model: a request that names none gets it (vLLM's), and the answer says which it was."""
+    for path, body in (("/v1/completions", {"prompt": "Hi", "max_tokens": 2}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2})):
+        answer = httpx.post(worker.url + path, json=body, timeout=60)
+        assert answer.status_code == 200 and answer.json()["model"] == "smollm2", answer.text
+
+
 def test_sdk_raises_typed_errors(client):
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="nope", prompt="x")
