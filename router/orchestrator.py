@@ -182,19 +182,25 @@ class Orchestrator:
         the prefill worker found cached, which every delta reports (usage's cached_tokens): the count of the
         worker that first computed the prompt, not of one that computed it again to resume (None: the first
         decode worker's, which computes it here)."""
-        failed: set[str] = set()
+        # url -> its `entered` when it failed this request: one that has left rotation and come back since (a
+        # restarted worker) may be tried again.
+        failed: dict[str, int] = {}
         attempt_id = rid
         tries = failures = 0  # calls made, and calls that failed: MAX_ATTEMPTS failures end the request
+        wait_until = None
         while failures < MAX_ATTEMPTS:
             first_try, tries = not tries, tries + 1
-            if handle is not None:  # disaggregated: place by free KV blocks and running sequences
-                healthy = self.decode.decode_states(exclude=failed)
-                url = self.p2c.pick(healthy, needed_blocks=-(-len(prompt) // self.config.block_size)) \
-                    if any(s.healthy for s in healthy) else None
-            else:  # it prefills here: place by the prompt, like a prefill
-                url = self._place(self.decode, key, hashes, len(prompt) + len(generated), failed, trace)
-            if url is None:
-                raise no_workers(self.config.health_interval_s)
+            url = self._pick_decode(handle, prompt, generated, key, hashes, failed, trace)
+            while url is None:
+                # No decode worker left in rotation (a pool of one restarting, a whole pool frozen for a moment):
+                # the request has its prompt computed, and maybe tokens sent, so it waits a while for one to come
+                # back (one wait per request in all) rather than fail at once. Workers in rotation that all failed
+                # this request are another matter: it fails now.
+                now = asyncio.get_running_loop().time()
+                wait_until = wait_until or now + self.config.worker_return_wait_s
+                if self.decode.healthy() or not await self.decode.wait_for_entry(wait_until - now):
+                    raise no_workers(self.config.health_interval_s)
+                url = self._pick_decode(handle, prompt, generated, key, hashes, failed, trace)
             touched.add((url, attempt_id))
             trace.decode_workers.append(url)
             body = {"request_id": attempt_id, "sampling": params.model_dump(), "kv_handle": handle,
@@ -265,7 +271,7 @@ class Orchestrator:
                 log.info("decode on %s failed (%r); request %s goes on another decode worker if one is left", url, exc, rid)
                 self.decode.record_failure(url)
                 self._abandon(touched, url, attempt_id)  # a worker that only stopped answering may still be at it
-                failed.add(url)
+                failed[url] = self.decode.workers[url].entered if url in self.decode.workers else 0
                 failures += 1
                 if handle is not None and trace.prefill_worker is not None:
                     # Nobody will use the prefill's blocks now: freed at once, not when the lease runs out (the
@@ -290,6 +296,17 @@ class Orchestrator:
         raise APIError(503, "the request failed on every decode worker tried", code="decode_failed")
 
     # -- helpers --------------------------------------------------------------------------
+    def _pick_decode(self, handle: dict | None, prompt: list[int], generated: list[int], key: int, hashes,
+                     failed: dict[str, int], trace: Trace) -> str | None:
+        workers = self.decode.workers
+        exclude = {u for u, entered in failed.items() if u not in workers or workers[u].entered == entered}
+        if handle is not None:  # disaggregated: place by free KV blocks and running sequences
+            healthy = self.decode.decode_states(exclude=exclude)
+            return self.p2c.pick(healthy, needed_blocks=-(-len(prompt) // self.config.block_size)) \
+                if any(s.healthy for s in healthy) else None
+        # it prefills here: place by the prompt, like a prefill
+        return self._place(self.decode, key, hashes, len(prompt) + len(generated), exclude, trace)
+
     def _place(self, pool: WorkerPool, key: int, hashes: list[int], prompt_len: int, exclude: set[str],
                trace: Trace) -> str | None:
         """The key's sticky worker (bounded loads on keys, see policies/key_table.py) among the pool's healthy

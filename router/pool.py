@@ -47,6 +47,7 @@ class Worker:
     misplaced: bool = False  # its role is not its pool's (a decode worker listed as a prefill one)
     ejections: int = 0  # ejections for failures since it last served a request
     held_out_until: float = 0.0  # no probe takes it back before then (loop time)
+    entered: int = 0  # the pool's count of entries into rotation when this worker last entered (0: never)
     prefills: int = 0  # prefills this router has on it now
     shared_time: float = 0.0  # the integral of dt / prefills over the time it had any: see prefill_started
     shared_time_at: float = 0.0  # when shared_time was last brought up to date
@@ -88,6 +89,8 @@ class WorkerPool:
         self.on_silent = on_silent  # called with the URL once a worker's probes went unanswered silent_after times
         self.workers: dict[str, Worker] = {}
         self.ring = HashRing()  # healthy workers only
+        self.entries = 0  # workers put into rotation so far
+        self._entered = asyncio.Event()  # set (and replaced) whenever a worker enters rotation
 
     # -- membership ----------------------------------------------------------------------
     def set_members(self, urls: list[str]) -> None:
@@ -112,11 +115,25 @@ class WorkerPool:
         worker.healthy = healthy
         if healthy:
             worker.failures = 0
+            self.entries += 1
+            worker.entered = self.entries
             self.ring.add(worker.url)
+            self._entered.set()
+            self._entered = asyncio.Event()
         elif worker.url in self.ring:
             self.ring.remove(worker.url)
         self.metrics.plain(self.metrics.worker_healthy, worker=worker.url, role=self.role).set(int(healthy))
         log.info("%s worker %s is %s", self.role, worker.url, "in rotation" if healthy else "out of rotation")
+
+    async def wait_for_entry(self, timeout_s: float) -> bool:
+        """Wait until a worker enters rotation; False when none did within `timeout_s`."""
+        if timeout_s <= 0:
+            return False
+        try:
+            await asyncio.wait_for(self._entered.wait(), timeout_s)
+            return True
+        except asyncio.TimeoutError:
+            return False
 
     # -- passive health ------------------------------------------------------------------
     def record_failure(self, url: str) -> None:

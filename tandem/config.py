@@ -104,6 +104,9 @@ class RouterConfig(BaseModel):
     initial_prefill_tps: float | None = Field(None, gt=0, description="prefill tokens/s per worker before measuring")
     health_interval_s: float = Field(1.0, gt=0, description="how often workers' /ready and load are polled")
     eject_after_failures: int = Field(3, ge=1, description="consecutive failures that take a worker out")
+    worker_return_wait_s: float = Field(10.0, ge=0, description="a request under way that finds no decode worker "
+                                        "in rotation (a pool of one restarting, a pool frozen for a moment) waits "
+                                        "this long for one to come back, then fails with 503 no_workers")
     graceful_shutdown_s: float = Field(30.0, ge=0, description="on SIGTERM, how long requests in flight get to "
                                        "finish; those still running then end with 503 shutting_down (streamed: an "
                                        "error event and [DONE])")

@@ -386,6 +386,31 @@ def test_a_stopping_worker_ends_what_it_cannot_finish_with_a_reason():
         alone.stop()
 
 
+def test_a_stopping_worker_finishes_the_routers_stream_within_its_grace():
+    """SIGTERM with no preStop drain before it (Ctrl-C, a pool of one): uvicorn closes WebSockets at once, and every
+    request of the router's channel was cut with no worker to resume on. The worker now drains first (found by a
+    chaos-testing helper)."""
+    alone = worker("both")
+    alone.start().wait_ready()
+    front = router([], [alone])
+    try:
+        start_all(front)
+        client = sdk(front)
+        kwargs = dict(model="smollm2", prompt="Tell me a long story about a fox.", max_tokens=40, temperature=0,
+                      extra_body={"ignore_eos": True})
+        reference = client.completions.create(**kwargs).choices[0].text
+        pieces = []
+        for i, chunk in enumerate(client.completions.create(**kwargs, stream=True)):
+            pieces.append(chunk.choices[0].text if chunk.choices else "")
+            if i == 2:
+                alone.proc.send_signal(signal.SIGTERM)
+        assert "".join(pieces) == reference
+        assert alone.proc.wait(30) in (0, -signal.SIGTERM)  # uvicorn raises the signal again once it is done
+    finally:
+        front.stop()
+        alone.stop()
+
+
 @pytest.mark.parametrize("fault,transport", [("kill", "websocket"), ("hang", "websocket"), ("hang", "http")])
 def test_a_decode_worker_lost_mid_stream_the_stream_continues(fault, transport):
     """kill: the worker dies, and its connections close. hang: it stops answering without closing them (SIGSTOP: a

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import uuid
 
@@ -21,11 +22,27 @@ log = logging.getLogger("tandem.worker")
 
 
 class _Server(GracefulServer):
-    """uvicorn, plus the one line saying where we listen once the socket is really bound."""
+    """uvicorn, plus the one line saying where we listen once the socket is really bound, and a drain before
+    uvicorn's shutdown."""
 
-    def __init__(self, config: uvicorn.Config, banner: str):
+    def __init__(self, config: uvicorn.Config, banner: str, ctx: ServingContext):
         super().__init__(config)
         self.banner = banner
+        self.ctx = ctx
+
+    async def shutdown(self, sockets=None):
+        """uvicorn's shutdown closes every WebSocket at once (code 1012) and only then gives HTTP requests their
+        grace; a router's requests to this worker all travel on its one WebSocket, so they were cut at once. So the
+        worker drains first, as `tandem drain` does: it leaves rotation (/ready 503) and, within the grace, waits
+        for its requests and for the leases decode workers are pulling. What is left then gets uvicorn's shutdown."""
+        self.ctx.draining = True
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.timeout_graceful_shutdown
+        leases = self.ctx.engine.engine.leases
+        while (self.ctx.engine.num_in_flight or len(leases)) and loop.time() < deadline and not self.force_exit:
+            await asyncio.sleep(0.05)
+        self.config.timeout_graceful_shutdown = max(deadline - loop.time(), 0.1)  # one grace in all
+        await super().shutdown(sockets)
 
     async def startup(self, sockets=None):
         await super().startup(sockets)
@@ -75,7 +92,8 @@ def run_worker(config: WorkerConfig, log_level: str = "info") -> int:
     app = build_app(ctx)
     server = _Server(uvicorn.Config(AnswerOnShutdown(app), host=config.host, port=config.port, log_level=log_level,
                                     access_log=False, timeout_graceful_shutdown=5),
-                     banner=f"tandem worker (role {config.role}, model {ctx.served_name}, {_engine_summary(async_engine)})")
+                     banner=f"tandem worker (role {config.role}, model {ctx.served_name}, {_engine_summary(async_engine)})",
+                     ctx=ctx)
     try:
         server.run()  # handles SIGINT/SIGTERM: stops accepting, finishes responses, returns
     finally:

@@ -421,3 +421,45 @@ def test_a_split_requests_cached_tokens_are_the_prefill_workers():
         deltas = asyncio.run(collect(orchestrator, max_tokens=2))
         assert [d.new_token_ids for d in deltas] == [[6], [7]]
         assert [d.num_cached_tokens for d in deltas] == [expected, expected]
+
+
+def test_a_request_whose_decode_pool_empties_waits_for_a_worker_to_come_back():
+    """The only decode worker dies mid-stream and is ejected (a pool of one restarting; a whole pool frozen): the
+    request waits for a worker to enter rotation, then resumes there after the tokens already sent, the restarted
+    worker at the same address included (found by a chaos-testing helper: such requests failed with 503 at once)."""
+    orchestrator, pool, http = orchestrator_over({"http://a": [{"token_ids": [7], "text": "x"},
+                                                               aiohttp.ClientConnectionError("reset")]})
+    pool.eject_after = 1
+
+    async def run():
+        async def restart():
+            await asyncio.sleep(0.2)
+            assert not pool.workers["http://a"].healthy  # ejected: the request is waiting
+            http.script["http://a"] = [{"token_ids": [8, 9], "text": "yz", "finish_reason": "length"}]
+            pool._set_healthy(pool.workers["http://a"], True)
+
+        restarting = asyncio.create_task(restart())
+        params = SamplingParams(temperature=0, max_tokens=3)
+        deltas = [d async for d in orchestrator.run("r1", [1, 2, 3], params, Trace())]
+        await restarting
+        return deltas
+
+    deltas = asyncio.run(run())
+    assert [t for d in deltas for t in d.new_token_ids] == [7, 8, 9]
+    assert http.calls == ["http://a", "http://a"] and http.bodies[1]["first_token_id"] == 7
+
+
+def test_a_request_whose_decode_pool_stays_empty_fails_after_the_wait():
+    orchestrator, pool, http = orchestrator_over({"http://a": [{"token_ids": [7], "text": "x"},
+                                                               aiohttp.ClientConnectionError("reset")]})
+    pool.eject_after = 1
+    orchestrator.config = orchestrator.config.model_copy(update={"worker_return_wait_s": 0.2})
+
+    async def run():
+        started = asyncio.get_running_loop().time()
+        with pytest.raises(APIError) as info:
+            await collect(orchestrator, max_tokens=3)
+        return info.value, asyncio.get_running_loop().time() - started
+
+    error, took = asyncio.run(run())
+    assert error.status == 503 and error.code == "no_workers" and 0.2 <= took < 5
