@@ -56,9 +56,9 @@ def _failed(keeper: StatusKeeper, body: Mapping[str, Any], exc: Exception, refus
 
 
 def _apply(kube: Kube, keeper: StatusKeeper, body: Mapping[str, Any],
-           force: bool = False) -> list[tuple[Outcome, dict]]:
-    """One reconcile, its outcome noted for the status. SpecError goes to the caller; an API failure becomes an
-    ApplyFailed event, a Degraded status and a kopf retry."""
+           force: bool = False) -> tuple[list[tuple[Outcome, dict]], int | None]:
+    """One reconcile, its outcome noted for the status, and the generation of the spec it applied whole. SpecError
+    goes to the caller; an API failure becomes an ApplyFailed event, a Degraded status and a kopf retry."""
     namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
     try:
         # The event that brought `body` may predate a newer spec (a resync timer fires with what it read), or
@@ -78,7 +78,7 @@ def _apply(kube: Kube, keeper: StatusKeeper, body: Mapping[str, Any],
         _failed(keeper, body, exc, refused=False, reason="ApplyFailed", retry_in_s=delay)
         raise kopf.TemporaryError(str(exc), delay=delay) from None
     keeper.note(namespace, name, None)
-    return outcomes
+    return outcomes, current["metadata"].get("generation")
 
 
 def build_registry(kube: Kube, keeper: StatusKeeper, resync_seconds: float | None = 300.0,
@@ -94,7 +94,7 @@ def build_registry(kube: Kube, keeper: StatusKeeper, resync_seconds: float | Non
     @kopf.on.update(*RESOURCE, registry=registry)
     def spec_changed(body, meta, name, namespace, **_):
         try:
-            outcomes = _apply(kube, keeper, body)
+            outcomes, applied = _apply(kube, keeper, body)
         except SpecError as exc:
             # Nothing is created; the reason goes to the status and an event, and kopf does not retry
             # until the spec changes again.
@@ -102,20 +102,26 @@ def build_registry(kube: Kube, keeper: StatusKeeper, resync_seconds: float | Non
             kopf.warn(dict(body), reason="InvalidSpec", message=str(exc))
             raise kopf.PermanentError(f"invalid spec: {exc}") from None
         _report(body, outcomes)
-        keeper.refresh(namespace, name, generation=meta.get("generation"))
+        keeper.refresh(namespace, name, generation=applied)
+
+    # A spec applied whole by any handler is the generation now running (status.compute_status reads Ready from
+    # it): not only the spec handler's. One that failed, then was reverted before a retry applied it, gets no spec
+    # handler call again (kopf sees no change), and its status would otherwise stay behind for good.
 
     def owned_object_changed(type, body, namespace, **_):
         owner = body["metadata"]["labels"][names.OWNER_LABEL]
+        applied = None
         if type == "DELETED":  # someone removed an object we own: put it back
             parent = kube.get(names.API_VERSION, names.KIND, namespace, owner)
             if parent is not None and not parent["metadata"].get("deletionTimestamp"):
                 try:
-                    _report(parent, _apply(kube, keeper, parent))
+                    outcomes, applied = _apply(kube, keeper, parent)
+                    _report(parent, outcomes)
                 except SpecError:
                     pass  # the status already says why; nothing to restore from a bad spec
                 except kopf.TemporaryError:
                     pass  # noted: retry_failed_apply tries again (kopf does not retry an event handler)
-        keeper.refresh(namespace, owner)
+        keeper.refresh(namespace, owner, generation=applied)
 
     kopf.on.event("apps", "v1", "deployments", labels=OWNED, registry=registry)(owned_object_changed)
     kopf.on.event("", "v1", "services", labels=OWNED, registry=registry)(owned_object_changed)
@@ -128,20 +134,23 @@ def build_registry(kube: Kube, keeper: StatusKeeper, resync_seconds: float | Non
         if not keeper.retry_due(namespace, name):
             return
         try:
-            _report(body, _apply(kube, keeper, body))
+            outcomes, applied = _apply(kube, keeper, body)
         except (kopf.TemporaryError, SpecError):
             return  # noted again, and due again later; or the status says why
-        keeper.refresh(namespace, name)
+        _report(body, outcomes)
+        keeper.refresh(namespace, name, generation=applied)
 
     if resync_seconds:
         @kopf.timer(*RESOURCE, interval=resync_seconds, initial_delay=resync_seconds, registry=registry)
         def resync(body, name, namespace, **_):
             """Undo manual edits of owned objects (server-side apply with force is a no-op otherwise)."""
+            applied = None
             try:
-                _report(body, _apply(kube, keeper, body, force=True), {"created": "Created", "updated": "DriftCorrected"})
+                outcomes, applied = _apply(kube, keeper, body, force=True)
+                _report(body, outcomes, {"created": "Created", "updated": "DriftCorrected"})
             except SpecError:
                 pass
-            keeper.refresh(namespace, name)
+            keeper.refresh(namespace, name, generation=applied)
 
     if planner is not None:
         @kopf.timer(*RESOURCE, interval=planner.tick_s, registry=registry)

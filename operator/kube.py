@@ -82,7 +82,7 @@ def owns(desired: Mapping[str, Any], current: Mapping[str, Any]) -> bool:
     LLMDeployment's uid, or it has none and carries that LLMDeployment's labels (an orphan of it, which the
     operator adopts, as a Deployment adopts its orphaned ReplicaSets)."""
     wanted = desired["metadata"]["ownerReferences"][0]
-    controller = _controller_ref(current)
+    controller = controller_ref(current)
     if controller is not None:
         return controller.get("uid") == wanted["uid"]
     labels, ours = current.get("metadata", {}).get("labels") or {}, desired["metadata"]["labels"]
@@ -239,13 +239,13 @@ def _write_query(dry_run: bool) -> dict[str, str]:
     return {"fieldManager": MANAGER, **({"dryRun": "All"} if dry_run else {})}
 
 
-def _controller_ref(obj: Mapping[str, Any]) -> Mapping[str, Any] | None:
+def controller_ref(obj: Mapping[str, Any]) -> Mapping[str, Any] | None:
     """The owner reference that controls `obj`, if any."""
     return next((ref for ref in obj.get("metadata", {}).get("ownerReferences") or [] if ref.get("controller")), None)
 
 
 def _owner_of(obj: Mapping[str, Any]) -> str:
-    ref = _controller_ref(obj)
+    ref = controller_ref(obj)
     if ref is not None:
         return f"controlled by {ref.get('kind')} {ref.get('name')}, uid {ref.get('uid')}"
     return "not created by this operator"

@@ -11,7 +11,7 @@ from typing import Any
 
 from tandem.operator import names
 from tandem.operator.builders import INTERNAL_TOKEN_KEY, Owner, build_objects
-from tandem.operator.kube import ForeignObjectError, Kube, KubeError, Outcome, owns
+from tandem.operator.kube import ForeignObjectError, Kube, KubeError, Outcome, controller_ref, owns
 from tandem.operator.scaling import planned_sizes
 from tandem.operator.status import Problem, compute_status, same_status
 from tandem.operator.validation import SpecError, built_object_reasons, validate_spec
@@ -37,7 +37,8 @@ def reconcile(kube: Kube, body: Mapping[str, Any], force: bool = False) -> list[
     refer to exist (a RoleBinding's dry run is refused while its Role is not there)."""
     owner = owner_of(body)
     spec, sizes = validate_spec(body.get("spec"), owner.name)
-    secret_uid = internal_secret_uid(kube, owner)
+    secret = current_internal_secret(kube, owner)
+    secret_uid = secret["metadata"]["uid"] if secret is not None else None
     sizes = planned_sizes(spec, sizes, body.get("status"))
     objects = build_objects(owner, spec, sizes, secret_uid)
     reasons = built_object_reasons(objects)
@@ -55,9 +56,12 @@ def reconcile(kube: Kube, body: Mapping[str, Any], force: bool = False) -> list[
             reasons.append(f"the API server refuses {step.label}: {exc.message}")
     if reasons:
         raise RefusedSpec(reasons)
-    if secret_uid is None:  # made only now, so that a refused spec creates nothing at all
+    # Made or adopted only now, so that a refused spec changes nothing at all.
+    if secret is None:
         secret_uid = create_internal_secret(kube, owner)
         steps = [kube.plan(obj, force=force) for obj in build_objects(owner, spec, sizes, secret_uid)]
+    elif controller_ref(secret) is None:
+        kube.apply(_internal_secret(owner))  # the owner reference back (and our labels): the data stays as it is
     return [(kube.carry_out(step), step.desired) for step in steps]
 
 
@@ -72,21 +76,17 @@ def _internal_secret(owner: Owner) -> dict:
                          "labels": names.labels(owner.name, "router"), "ownerReferences": [owner.reference()]}}
 
 
-def internal_secret_uid(kube: Kube, owner: Owner) -> str | None:
-    """The uid of the deployment's internal-endpoint token Secret (tandem.internal_auth), None while there is none.
-    An orphan of this deployment (its LLMDeployment deleted with --cascade=orphan and made again) is adopted as it
-    is, token included, so that no pod restarts for it. A Secret of that name that is not this deployment's is
+def current_internal_secret(kube: Kube, owner: Owner) -> dict | None:
+    """The deployment's internal-endpoint token Secret (tandem.internal_auth), None while there is none. An orphan
+    of this deployment (its LLMDeployment deleted with --cascade=orphan and made again) is its own, to be adopted as
+    it is, token included, so that no pod restarts for it. A Secret of that name that is not this deployment's is
     refused as any other foreign object is."""
     desired = _internal_secret(owner)
     current = kube.get("v1", "Secret", owner.namespace, desired["metadata"]["name"])
-    if current is None:
-        return None
-    if not owns(desired, current):
+    if current is not None and not owns(desired, current):
         raise ForeignObjectError(f"Secret {owner.namespace}/{desired['metadata']['name']} exists and does not "
                                  "belong to this LLMDeployment; rename or delete it")
-    if not current["metadata"].get("ownerReferences"):
-        kube.apply(desired)  # the owner reference back (and our labels): the data is left as it is
-    return current["metadata"]["uid"]
+    return current
 
 
 def create_internal_secret(kube: Kube, owner: Owner) -> str:

@@ -194,8 +194,12 @@ class Orchestrator:
             while url is None:
                 # No decode worker left in rotation (a pool of one restarting, a whole pool frozen for a moment):
                 # the request has its prompt computed, and maybe tokens sent, so it waits a while for one to come
-                # back (one wait per request in all) rather than fail at once. Workers in rotation that all failed
-                # this request are another matter: it fails now.
+                # back (one wait per decode phase in all) rather than fail at once. Workers still in rotation that
+                # all failed this request are asked first: one that crashed leaves rotation at this probe (a
+                # failure or two do not eject it), and is waited for; one that answers is alive, and failed the
+                # request itself: it fails now.
+                if self.decode.healthy():
+                    await asyncio.gather(*(self.decode.probe(w, timeout_s=1.0) for w in self.decode.healthy()))
                 now = asyncio.get_running_loop().time()
                 wait_until = wait_until or now + self.config.worker_return_wait_s
                 if self.decode.healthy() or not await self.decode.wait_for_entry(wait_until - now):

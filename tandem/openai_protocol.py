@@ -87,6 +87,8 @@ _REFUSED = {
     "return_tokens_as_token_ids": "",
     "chat_template": "; the model's own template renders every chat (chat_template_kwargs gives it variables)",
 }
+# Where vLLM's own default is neither null nor false: a client that sends it asks for nothing.
+_VLLM_DEFAULTS = {"bad_words": []}
 # The same for those whose default is true: refused when false. (HF's tokenizers put no spaces between special
 # tokens in any case.)
 _REFUSED_WHEN_FALSE = ("spaces_between_special_tokens",)
@@ -220,7 +222,7 @@ class _CommonParams(_Request):
             raise APIError(400, "stream_options is only allowed with stream: true", param="stream_options")
         for name, instead in _REFUSED.items():
             value = getattr(self, name)
-            if value is not None and value is not False:
+            if value is not None and value is not False and value != _VLLM_DEFAULTS.get(name):
                 raise APIError(400, f"{name} is not supported{instead}", param=name)
         for name in _REFUSED_WHEN_FALSE:
             if getattr(self, name) is False:

@@ -149,7 +149,7 @@ def test_an_invalid_parameter_is_named_as_the_client_wrote_it(model, body, param
 
 
 @pytest.mark.parametrize("field, default", [("use_beam_search", False), ("truncate_prompt_tokens", None),
-                                            ("guided_json", None), ("allowed_token_ids", None),
+                                            ("guided_json", None), ("allowed_token_ids", None), ("bad_words", []),
                                             ("spaces_between_special_tokens", True),
                                             ("spaces_between_special_tokens", None)])
 def test_a_refused_vllm_parameter_left_at_its_default_is_accepted(field, default):

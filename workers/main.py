@@ -13,6 +13,7 @@ from tandem.graceful import AnswerOnShutdown, GracefulServer
 from tandem.heap import settle_heap
 from tandem.launcher import port_in_use
 from tandem.metrics import EngineMetrics
+from tandem.workers import channel
 from tandem.workers.async_engine import AsyncEngine
 from tandem.workers.engine.llm_engine import LLMEngine, load_engine_model
 from tandem.workers.kv_transfer import create_kv_transfer
@@ -33,13 +34,15 @@ class _Server(GracefulServer):
     async def shutdown(self, sockets=None):
         """uvicorn's shutdown closes every WebSocket at once (code 1012) and only then gives HTTP requests their
         grace; a router's requests to this worker all travel on its one WebSocket, so they were cut at once. So the
-        worker drains first, as `tandem drain` does: it leaves rotation (/ready 503) and, within the grace, waits
+        worker drains first: it leaves rotation (/ready 503, as `tandem drain` makes it) and, within the grace, waits
         for its requests and for the leases decode workers are pulling. What is left then gets uvicorn's shutdown."""
         self.ctx.draining = True
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.config.timeout_graceful_shutdown
-        leases = self.ctx.engine.engine.leases
-        while (self.ctx.engine.num_in_flight or len(leases)) and loop.time() < deadline and not self.force_exit:
+        leases = self.ctx.engine.engine.leases  # read from this thread: a length, read whole under the GIL
+        # The engine lets go of a request before its last event is written out; the channel's own count ends after.
+        while (self.ctx.engine.num_in_flight or channel.requests_in_flight() or len(leases)) \
+                and loop.time() < deadline and not self.force_exit:
             await asyncio.sleep(0.05)
         self.config.timeout_graceful_shutdown = max(deadline - loop.time(), 0.1)  # one grace in all
         await super().shutdown(sockets)

@@ -359,6 +359,28 @@ async def test_a_deployment_deleted_with_cascade_orphan_and_made_again_adopts_it
     assert _conditions(cluster)["Degraded"]["reason"] != "ApplyFailed"
 
 
+async def test_a_failed_change_reverted_before_a_retry_applied_it_still_ends_ready(cluster):
+    """kopf sees no change in a spec reverted to what it last handled, so the spec handler never runs for it: the
+    retry that applies it must say which generation runs, or Ready stayed False (SpecNotApplied) for good (found
+    by a review helper)."""
+    await cluster.apply_example()
+    await cluster.wait_for("observedGeneration 1", lambda: (cluster.get(CR, "smollm2").get("status") or {}).get(
+        "observedGeneration") == 1, 15)
+    image = cluster.get(CR, "smollm2")["spec"]["image"]
+    await cluster.delete("v1/configmaps", "smollm2-config")
+    await cluster.create("v1/configmaps", {"apiVersion": "v1", "kind": "ConfigMap", "data": {"a": "1"},
+                                           "metadata": {"name": "smollm2-config", "namespace": "ns1"}})
+    await cluster.patch(CR, "smollm2", {"spec": {"image": "tandem/worker:9.9.9"}})  # generation 2: fails
+    await cluster.wait_for("ApplyFailed", lambda: _conditions(cluster).get("Degraded", {}).get("reason") == "ApplyFailed")
+    assert _conditions(cluster)["Ready"]["reason"] == "SpecNotApplied"
+    await cluster.patch(CR, "smollm2", {"spec": {"image": image}})  # generation 3: generation 1's spec again
+    await asyncio.sleep(1)
+    await cluster.delete("v1/configmaps", "smollm2-config")  # the retry (every 10 s) now goes through
+    await cluster.wait_for("generation 3 observed", lambda: cluster.get(CR, "smollm2")["status"].get(
+        "observedGeneration") == 3, 30)
+    assert _conditions(cluster)["Ready"]["reason"] != "SpecNotApplied"
+
+
 async def test_a_deleted_object_that_cannot_be_put_back_at_once_is_put_back_later(cluster):
     """The watch that puts back a deleted Deployment is no spec handler, which kopf would retry: its failed apply is
     retried by the operator's own timer, and said once (one Warning event while the problem stays the same)."""

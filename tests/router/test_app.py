@@ -39,13 +39,18 @@ class SlowWorker:
         self.aborts.append(payload["request_id"])
         return {"ok": True}
 
+    async def get(self, url: str, timeout=None) -> httpx.Response:
+        """A probe's answer: alive and ready (a worker that fails a request but still answers is not down)."""
+        load = {"free_blocks": 100, "total_blocks": 100, "running": 0, "waiting": 0, "role": "decode"}
+        return httpx.Response(200, json=load if url.endswith("/internal/load") else {"status": "ready"})
+
 
 @pytest.fixture
 def router_app():
     router = Router(RouterConfig(decode=[WORKER]))
     router.decode.set_members([WORKER])
     router.decode._set_healthy(router.decode.workers[WORKER], True)
-    router.orchestrator.http = worker = SlowWorker()
+    router.orchestrator.http = router.decode.http = worker = SlowWorker()
     return router, build_app(router), worker
 
 

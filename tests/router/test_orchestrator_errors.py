@@ -44,6 +44,13 @@ class ScriptedWorkers:
             await asyncio.sleep(0)
             yield chunk if isinstance(chunk, list) else [chunk]
 
+    async def get(self, url: str, timeout=None):
+        """A probe's answer: alive and ready (a worker that fails a request but still answers is not down)."""
+        import httpx
+
+        load = {"free_blocks": 100, "total_blocks": 100, "running": 0, "waiting": 0, "role": "both"}
+        return httpx.Response(200, json=load if url.endswith("/internal/load") else {"status": "ready"})
+
     async def post_json(self, worker: str, path: str, payload: dict, timeout_s=None) -> dict:
         if path == "/internal/prefill":
             return {"request_id": payload["request_id"], "first_token_id": 6, "first_token_text": "w",
@@ -310,6 +317,13 @@ def test_a_stream_lost_after_its_last_token_still_ends_with_its_finish_reason():
 
 
 class FailingPrefill(ScriptedWorkers):
+    async def get(self, url: str, timeout=None):
+        """A probe's answer: alive and ready (a worker that fails a request but still answers is not down)."""
+        import httpx
+
+        load = {"free_blocks": 100, "total_blocks": 100, "running": 0, "waiting": 0, "role": "both"}
+        return httpx.Response(200, json=load if url.endswith("/internal/load") else {"status": "ready"})
+
     async def post_json(self, worker: str, path: str, payload: dict, timeout_s=None) -> dict:
         if path == "/internal/prefill":
             raise aiohttp.ClientConnectionError("prefill worker gone")
@@ -329,6 +343,13 @@ class BadPrefillAnswer(ScriptedWorkers):
     def __init__(self, script, answer: dict):
         super().__init__(script)
         self.answer = answer
+
+    async def get(self, url: str, timeout=None):
+        """A probe's answer: alive and ready (a worker that fails a request but still answers is not down)."""
+        import httpx
+
+        load = {"free_blocks": 100, "total_blocks": 100, "running": 0, "waiting": 0, "role": "both"}
+        return httpx.Response(200, json=load if url.endswith("/internal/load") else {"status": "ready"})
 
     async def post_json(self, worker: str, path: str, payload: dict, timeout_s=None) -> dict:
         if path == "/internal/prefill":
@@ -463,3 +484,39 @@ def test_a_request_whose_decode_pool_stays_empty_fails_after_the_wait():
 
     error, took = asyncio.run(run())
     assert error.status == 503 and error.code == "no_workers" and 0.2 <= took < 5
+
+
+def test_a_crashed_lone_decode_worker_is_waited_for_though_one_failure_does_not_eject_it():
+    """With the default --eject-after-failures (3), the crash alone leaves the worker in rotation: the probe the
+    router sends once every worker in rotation has failed the request is what finds it down (found by a review
+    helper: such a request failed with 503 at once)."""
+    import httpx
+
+    orchestrator, pool, http = orchestrator_over({"http://a": [{"token_ids": [7], "text": "x"},
+                                                               aiohttp.ClientConnectionError("reset")]})
+    assert pool.eject_after == 3
+    alive = http.get
+
+    async def down(url, timeout=None):
+        raise httpx.ConnectError("connection refused")
+
+    http.get = down
+
+    async def run():
+        async def restart():
+            while pool.workers["http://a"].healthy:  # until the probe took it out
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.2)
+            http.script["http://a"] = [{"token_ids": [8, 9], "text": "yz", "finish_reason": "length"}]
+            http.get = alive
+            await pool.probe(pool.workers["http://a"])  # the next probe round finds it back
+
+        restarting = asyncio.create_task(restart())
+        deltas = [d async for d in orchestrator.run("r1", [1, 2, 3], SamplingParams(temperature=0, max_tokens=3),
+                                                    Trace())]
+        await restarting
+        return deltas
+
+    deltas = asyncio.run(run())
+    assert [t for d in deltas for t in d.new_token_ids] == [7, 8, 9]
+    assert http.calls == ["http://a", "http://a"]
