@@ -2,12 +2,15 @@
 
 All names carry the `tandem_` prefix and the labels `model` and `pool`
 (prefill | decode | both | router); `slo_class` is added where it applies. Dashboards and
-tests import the names from here, so a renamed metric cannot silently break a panel.
+tests import the names from here, so a renamed metric cannot silently break a panel. A worker's
+load and token counts are also exported under vLLM's names (VLLMNames), for the tools that query those.
 """
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 # The *_created series double every counter's cardinality and no dashboard reads them.
 disable_created_metrics()
@@ -87,6 +90,7 @@ class EngineMetrics:
                                             ENGINE_LABELS, registry=r).labels(**labels)
         self.gc_pauses = gc_pauses("tandem_gc_pause_seconds", "the worker (event loop and engine thread)", labels, r)
         self.labels = labels
+        r.register(VLLMNames(self))
 
     def fallback(self, reason: str) -> None:
         self.kv_transfer_fallbacks.labels(**self.labels, reason=reason).inc()
@@ -178,3 +182,40 @@ def all_metric_names() -> set[str]:
     for family in registry.collect():  # labelled families with no child yet emit no samples: derive names
         names.update(family.name + suffix for suffix in suffixes.get(family.type, ("",)))
     return names
+
+
+class VLLMNames(Collector):
+    """A worker's load under vLLM's metric names and label (`vllm:num_requests_waiting{model_name=...}`, ...), read
+    from the tandem_ series when /metrics is scraped: what KEDA rules, the Gateway API Inference Extension's endpoint
+    picker and vLLM dashboards already query. Only the load and token counts; the rest keep their tandem_ names."""
+
+    def __init__(self, metrics: EngineMetrics):
+        self.metrics = metrics
+
+    def collect(self):
+        m, model = self.metrics, self.metrics.labels["model"]
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            family = GaugeMetricFamily(name, doc, labels=["model_name"])
+            family.add_metric([model], value)
+            return family
+
+        def counter(name: str, doc: str, child) -> CounterMetricFamily:
+            family = CounterMetricFamily(name, doc, labels=["model_name"])
+            family.add_metric([model], _value(child))
+            return family
+
+        total = _value(m.kv_blocks_total)
+        yield gauge("vllm:num_requests_running", "Requests being computed (tandem_num_requests_running)",
+                    _value(m.running))
+        yield gauge("vllm:num_requests_waiting", "Requests queued (tandem_num_requests_waiting)", _value(m.waiting))
+        yield gauge("vllm:kv_cache_usage_perc", "Fraction of the KV cache in use, 0 to 1",
+                    _value(m.kv_blocks_used) / total if total else 0.0)
+        yield counter("vllm:prompt_tokens", "Prompt tokens received (tandem_prompt_tokens)", m.prompt_tokens)
+        yield counter("vllm:generation_tokens", "Tokens generated (tandem_generation_tokens)", m.generation_tokens)
+        yield counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache", m.prefix_queried)
+        yield counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache", m.prefix_hit)
+
+
+def _value(child) -> float:
+    return child._value.get()  # prometheus_client keeps no public getter on a child

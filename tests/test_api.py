@@ -68,6 +68,17 @@ def test_health_ready_models_metrics(worker):
     assert metric(worker, "tandem_kv_blocks_total") == 256
 
 
+def test_load_is_also_exported_under_vllms_names(worker, client):
+    """KEDA rules, the Gateway API Inference Extension and vLLM dashboards query vllm:* series by model_name."""
+    client.completions.create(model="smollm2", prompt="Hello", max_tokens=2)
+    text = httpx.get(worker.url + "/metrics").text
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"):
+        assert re.search(rf'^{name}{{model_name="smollm2"}} \S+$', text, re.M), name
+    assert metric(worker, "vllm:prompt_tokens_total") == metric(worker, "tandem_prompt_tokens_total") > 0
+    assert metric(worker, "vllm:generation_tokens_total") == metric(worker, "tandem_generation_tokens_total") > 0
+    assert 0 <= metric(worker, "vllm:kv_cache_usage_perc") <= 1
+
+
 def test_openai_sdk_completions_stream_equals_non_stream(client):
     prompt = "The three primary colors are"
     full = client.completions.create(model="smollm2", prompt=prompt, max_tokens=24, temperature=0)
