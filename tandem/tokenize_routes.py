@@ -12,8 +12,10 @@ from typing import Annotated
 
 from fastapi import Body, FastAPI
 from pydantic import Discriminator, Field, Tag
+from pydantic.json_schema import SkipJsonSchema
 
 import tandem
+from tandem.errors import APIError
 from tandem.openai_protocol import ChatPrompt, _Request, check_model, check_token_ids
 from tandem.protocol import TokenId
 from tandem.tokenizer import Tokenizer
@@ -34,6 +36,7 @@ class TokenizeChatRequest(ChatPrompt):
     model: str | None = None
     add_special_tokens: bool = Field(False, description="the chat template writes its own; true adds them again")
     return_token_strs: bool = False
+    chat_template: SkipJsonSchema[str | None] = None  # refused, as chat completions refuse it: not what they render
 
 
 # A body with `messages` is a chat's, any other a completion's: its errors are then the ones of the shape it meant.
@@ -57,6 +60,9 @@ def add_tokenize_routes(app: FastAPI, served_name: str, tokenizer: Tokenizer, ma
     async def tokenize(body: _TokenizeRequest = Body(discriminator=_chat_or_completion)):
         check_model(served_name, body.model)
         if isinstance(body, TokenizeChatRequest):
+            if body.chat_template is not None:
+                raise APIError(400, "chat_template is not supported; the model's own template renders every chat",
+                               param="chat_template")
             ids = await encode(body.prompt_text(tokenizer), body.add_special_tokens)
         else:
             ids = await encode(body.prompt, body.add_special_tokens)

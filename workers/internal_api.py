@@ -266,6 +266,7 @@ def check_handle(ctx, body: DecodeRequest, handle: KVHandle) -> None:
 
 
 RELEASE_ATTEMPTS = 3
+RELEASE_TIMEOUT_S = 2.0  # the first try's; each later one waits longer
 
 
 async def release_own_lease(ctx, lease_id: str, after_read: bool = False) -> bool:
@@ -284,7 +285,10 @@ async def release_lease(ctx, handle: KVHandle, after_read: bool = False) -> bool
     body = {"lease_id": handle.lease_id, "after_read": True} if after_read else {"lease_id": handle.lease_id}
     for attempt in range(1, RELEASE_ATTEMPTS + 1):
         try:
-            response = await ctx.http.post(f"{handle.source_url}/internal/kv/release", json=body, timeout=2.0)
+            # Longer each time (2, 4, 6 s): what outlasts the first is most often a long engine step there (a busy
+            # CPU), and a pull that gets no answer at all throws away a read that was good.
+            response = await ctx.http.post(f"{handle.source_url}/internal/kv/release", json=body,
+                                           timeout=RELEASE_TIMEOUT_S * attempt)
             return response.status_code == 200
         except httpx.HTTPError as exc:
             if attempt == RELEASE_ATTEMPTS:

@@ -59,6 +59,8 @@ def test_bad_tokenize_and_detokenize_requests_get_openai_errors(router):
         ("/tokenize", {"messages": [{"role": "user"}]}, 400, "messages.0"),
         ("/tokenize", {"messages": [{"role": "user", "content": "x"}], "continue_final_message": True}, 400,
          "continue_final_message"),
+        ("/tokenize", {"messages": [{"role": "user", "content": "x"}], "chat_template": "{{ 1 }}"}, 400,
+         "chat_template"),  # refused as chat completions refuse it: the count would not be theirs
         ("/detokenize", {"tokens": [1, 10**9]}, 400, "tokens"),
         ("/detokenize", {"tokens": "abc"}, 400, None),
         ("/detokenize", {"model": "other", "tokens": [1]}, 404, "model"),
