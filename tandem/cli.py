@@ -34,7 +34,8 @@ def _serve_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1",
                    help="the address the router listens on (the workers stay on 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="the router's port")
-    p.add_argument("--prefill", type=int, default=1, help="prefill workers")
+    # None, not 1: so that --colocated can tell a --prefill the user gave (refused) from the default.
+    p.add_argument("--prefill", type=int, default=None, help="prefill workers (1 unless --colocated)")
     p.add_argument("--decode", type=int, default=1, help="decode workers")
     p.add_argument("--colocated", action="store_true", help="no prefill pool: --decode workers do everything")
     p.add_argument("--disagg-min-tokens", type=int, default=RouterConfig.model_fields["disagg_min_tokens"].default,
@@ -202,18 +203,18 @@ def _main(argv: list[str] | None) -> int:
     if ns.command == "serve":
         from tandem.local_stack import run_local_stack
 
-        if ns.decode < 1 or ns.prefill < 0:
-            parser.error("serve: needs --decode >= 1 and --prefill >= 0")
-        given = argv if argv is not None else sys.argv[1:]
-        if ns.colocated and any(a == "--prefill" or a.startswith("--prefill=") for a in given):
+        if ns.colocated and ns.prefill is not None:
             parser.error("serve: --colocated runs no prefill pool: drop --prefill (or --colocated)")
+        prefill = 1 if ns.prefill is None else ns.prefill
+        if ns.decode < 1 or prefill < 0:
+            parser.error("serve: needs --decode >= 1 and --prefill >= 0")
         serve_parser = sub.choices["serve"]
         engine = _checked(serve_parser, lambda: model_from_options(EngineConfig, ns))
         # The router's own options too: checked here, not by the router process once the workers have started.
         _checked(serve_parser, lambda: RouterConfig(model=engine.model, host=ns.host, port=ns.port,
                                                    disagg_min_tokens=ns.disagg_min_tokens))
-        return run_local_stack(engine, prefill=ns.prefill, decode=ns.decode,
-                               colocated=ns.colocated or ns.prefill == 0, disagg_min_tokens=ns.disagg_min_tokens,
+        return run_local_stack(engine, prefill=prefill, decode=ns.decode,
+                               colocated=ns.colocated or prefill == 0, disagg_min_tokens=ns.disagg_min_tokens,
                                host=ns.host, port=ns.port, api_key=ns.api_key)
     if ns.command == "router":
         from tandem.router.main import run_router

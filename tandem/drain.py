@@ -18,16 +18,14 @@ def drain(url: str, timeout_s: float, poll_s: float = 0.5) -> int:
     url = url.rstrip("/")
     try:
         httpx.post(f"{url}/internal/drain", timeout=5, headers=internal_headers()).raise_for_status()
-    except httpx.HTTPStatusError as exc:
-        if exc.response.status_code in (401, 403):
+    except httpx.HTTPError as exc:
+        status = exc.response.status_code if isinstance(exc, httpx.HTTPStatusError) else None
+        if status in (401, 403):
             # Not a worker gone but a setup fault (this pod's TANDEM_INTERNAL_TOKEN is not its worker's):
             # the non-zero exit is what makes Kubernetes say so, in a FailedPreStopHook event.
-            print(f"tandem drain: {url} refused the internal token ({exc.response.status_code}); "
+            print(f"tandem drain: {url} refused the internal token ({status}); "
                   "TANDEM_INTERNAL_TOKEN differs from the worker's, so it stops without draining", file=sys.stderr)
             return 1
-        print(f"tandem drain: {url} did not accept the drain ({exc}); nothing to wait for")
-        return 0
-    except httpx.HTTPError as exc:
         print(f"tandem drain: {url} did not accept the drain ({exc}); nothing to wait for")
         return 0
     deadline = time.monotonic() + timeout_s

@@ -386,6 +386,20 @@ def test_a_stopping_worker_ends_what_it_cannot_finish_with_a_reason():
         alone.stop()
 
 
+def stream_with_a_fault(client, max_tokens: int, at_chunk: int, fault) -> tuple[str, str]:
+    """A greedy completion's text, and the same request's streamed text with `fault()` called once chunk `at_chunk`
+    has arrived."""
+    kwargs = dict(model="smollm2", prompt="Tell me a long story about a fox.", max_tokens=max_tokens, temperature=0,
+                  extra_body={"ignore_eos": True})
+    reference = client.completions.create(**kwargs).choices[0].text
+    pieces = []
+    for i, chunk in enumerate(client.completions.create(**kwargs, stream=True)):
+        pieces.append(chunk.choices[0].text if chunk.choices else "")
+        if i == at_chunk:
+            fault()
+    return reference, "".join(pieces)
+
+
 def test_a_stopping_worker_finishes_the_routers_stream_within_its_grace():
     """SIGTERM with no preStop drain before it (Ctrl-C, a pool of one): uvicorn closes WebSockets at once, and every
     request of the router's channel was cut with no worker to resume on. The worker now drains first (found by a
@@ -395,16 +409,8 @@ def test_a_stopping_worker_finishes_the_routers_stream_within_its_grace():
     front = router([], [alone])
     try:
         start_all(front)
-        client = sdk(front)
-        kwargs = dict(model="smollm2", prompt="Tell me a long story about a fox.", max_tokens=40, temperature=0,
-                      extra_body={"ignore_eos": True})
-        reference = client.completions.create(**kwargs).choices[0].text
-        pieces = []
-        for i, chunk in enumerate(client.completions.create(**kwargs, stream=True)):
-            pieces.append(chunk.choices[0].text if chunk.choices else "")
-            if i == 2:
-                alone.proc.send_signal(signal.SIGTERM)
-        assert "".join(pieces) == reference
+        reference, streamed = stream_with_a_fault(sdk(front), 40, 2, lambda: alone.proc.send_signal(signal.SIGTERM))
+        assert streamed == reference
         assert alone.proc.wait(30) in (0, -signal.SIGTERM)  # uvicorn raises the signal again once it is done
     finally:
         front.stop()
@@ -420,30 +426,26 @@ def test_a_decode_worker_lost_mid_stream_the_stream_continues(fault, transport):
     decode = [worker("both"), worker("both")]
     start_all(*decode)
     front = router([], decode, "--eject-after-failures", "1", "--worker-transport", transport)
-    stopped = None
+    lost: dict = {}
+
+    def lose_the_busy_worker():
+        [busy] = [d for d in decode if httpx.get(d.url + "/internal/load").json()["in_flight"] > 0]
+        if fault == "kill":
+            busy.kill()
+        else:
+            os.kill(busy.proc.pid, signal.SIGSTOP)
+            lost["stopped"] = busy
+        lost["at"] = time.monotonic()
+
     try:
         start_all(front)
-        client = sdk(front)
-        kwargs = dict(model="smollm2", prompt="Tell me a long story about a fox.", max_tokens=48, temperature=0,
-                      extra_body={"ignore_eos": True})
-        reference = client.completions.create(**kwargs).choices[0].text
-        pieces = []
-        for i, chunk in enumerate(client.completions.create(**kwargs, stream=True)):
-            pieces.append(chunk.choices[0].text if chunk.choices else "")
-            if i == 5:  # mid-stream: lose the worker that is serving it
-                [busy] = [d for d in decode if httpx.get(d.url + "/internal/load").json()["in_flight"] > 0]
-                if fault == "kill":
-                    busy.kill()
-                else:
-                    os.kill(busy.proc.pid, signal.SIGSTOP)
-                    stopped = busy
-                lost_at = time.monotonic()
-        assert "".join(pieces) == reference
-        assert time.monotonic() - lost_at < 25  # a hang left to the heartbeat alone would take 30 s
+        reference, streamed = stream_with_a_fault(sdk(front), 48, 5, lose_the_busy_worker)  # 5: mid-stream
+        assert streamed == reference
+        assert time.monotonic() - lost["at"] < 25  # a hang left to the heartbeat alone would take 30 s
         assert metric(front.url, "tandem_router_routing_decisions_total", 'path="migrated"') >= 1
     finally:
-        if stopped is not None:
-            os.kill(stopped.proc.pid, signal.SIGCONT)
+        if "stopped" in lost:
+            os.kill(lost["stopped"].proc.pid, signal.SIGCONT)
         front.stop()
         for d in decode:
             d.stop()

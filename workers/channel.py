@@ -36,15 +36,11 @@ log = logging.getLogger(__name__)
 # path -> (body model, handler); a handler answers a dict, or an async iterator of (event, last) for a stream.
 ChannelRoutes = dict[str, tuple[type[BaseModel], Callable[[BaseModel], Awaitable]]]
 
-_answering: set[asyncio.Task] = set()  # every connection's tasks answering a message: done once the answer is sent
+def add_channel_route(app: FastAPI, routes: ChannelRoutes) -> set[asyncio.Task]:
+    """Returns the tasks answering a message, over every connection: each leaves the set once its answer is sent
+    (a worker's drain waits for them: workers/main.py)."""
+    answering: set[asyncio.Task] = set()
 
-
-def requests_in_flight() -> int:
-    """Channel requests whose answer is not sent yet (a worker's drain waits for them: workers/main.py)."""
-    return len(_answering)
-
-
-def add_channel_route(app: FastAPI, routes: ChannelRoutes) -> None:
     @app.websocket("/internal/ws")
     async def channel(ws: WebSocket):
         await ws.accept()
@@ -68,13 +64,15 @@ def add_channel_route(app: FastAPI, routes: ChannelRoutes) -> None:
                     request_id = message["id"]
                     task = serving[request_id] = asyncio.get_running_loop().create_task(
                         serve_message(ws, routes, message))
-                    _answering.add(task)
-                    task.add_done_callback(lambda t, i=request_id: (serving.pop(i, None), _answering.discard(t)))
+                    answering.add(task)
+                    task.add_done_callback(lambda t, i=request_id: (serving.pop(i, None), answering.discard(t)))
         except WebSocketDisconnect:
             pass
         finally:
             for task in list(serving.values()):  # the router is gone: nobody reads these answers
                 cancel_once_started(task)
+
+    return answering
 
 
 def cancel_once_started(task: asyncio.Task) -> None:

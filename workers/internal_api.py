@@ -127,7 +127,7 @@ def add_internal_routes(app: FastAPI, ctx) -> None:
         # a body that began releases the lease itself (decode_events).
         return EventStreamResponse(sse_stream(events), on_close=events.close_unstarted)
 
-    add_channel_route(app, {
+    ctx.channel_answering = add_channel_route(app, {
         "/internal/prefill": (PrefillRequest, lambda body: serve_prefill(ctx, body)),
         "/internal/decode": (DecodeRequest, lambda body: serve_decode(ctx, body)),
         "/internal/abort": (AbortRequest, lambda body: serve_abort(ctx, body)),

@@ -13,7 +13,6 @@ from tandem.graceful import AnswerOnShutdown, GracefulServer
 from tandem.heap import settle_heap
 from tandem.launcher import port_in_use
 from tandem.metrics import EngineMetrics
-from tandem.workers import channel
 from tandem.workers.async_engine import AsyncEngine
 from tandem.workers.engine.llm_engine import LLMEngine, load_engine_model
 from tandem.workers.kv_transfer import create_kv_transfer
@@ -41,7 +40,7 @@ class _Server(GracefulServer):
         deadline = loop.time() + self.config.timeout_graceful_shutdown
         leases = self.ctx.engine.engine.leases  # read from this thread: a length, read whole under the GIL
         # The engine lets go of a request before its last event is written out; the channel's own count ends after.
-        while (self.ctx.engine.num_in_flight or channel.requests_in_flight() or len(leases)) \
+        while (self.ctx.engine.num_in_flight or self.ctx.channel_answering or len(leases)) \
                 and loop.time() < deadline and not self.force_exit:
             await asyncio.sleep(0.05)
         self.config.timeout_graceful_shutdown = max(deadline - loop.time(), 0.1)  # one grace in all

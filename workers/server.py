@@ -58,6 +58,7 @@ class ServingContext:
         self.metrics = metrics
         self.registry = metrics.registry
         self.draining = False
+        self.channel_answering: set = set()  # the router channel's answers not yet sent (add_channel_route)
         # P/D
         self.layout = layout
         self.kv_transfer = kv_transfer
