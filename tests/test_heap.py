@@ -1,6 +1,7 @@
 """The collector in serving processes (tandem.heap): start-up heap frozen, thresholds, pauses observed."""
 
 import gc
+import re
 
 from prometheus_client import generate_latest
 
@@ -36,7 +37,10 @@ def test_settling_freezes_the_heap_sets_the_threshold_and_observes_later_collect
         line = settle_heap(metrics.gc_pauses, young_threshold=12_345)
         assert not any(obj is alive[0] for obj in gc.get_objects())  # frozen: no collection walks it
         assert gc.get_threshold()[0] == 12_345 and gc.get_threshold()[1:] == thresholds[1:]
-        assert f"{gc.get_freeze_count():,} objects" in line
+        # The count when it froze: frozen objects can still be freed (by another thread of this test process too),
+        # so the count now may be a little lower, never higher. (Equality failed once in CI: 743,492 vs 743,490.)
+        frozen = int(re.search(r"frozen: ([\d,]+) objects", line)[1].replace(",", ""))
+        assert 0 < gc.get_freeze_count() <= frozen
         gc.collect()
         assert pause_counts(metrics, "tandem_gc_pause_seconds")["2"] >= 1
     finally:
