@@ -188,6 +188,7 @@ class Orchestrator:
         attempt_id = rid
         tries = failures = 0  # calls made, and calls that failed: MAX_ATTEMPTS failures end the request
         wait_until = None
+        migrating = False
         while failures < MAX_ATTEMPTS:
             first_try, tries = not tries, tries + 1
             url = self._pick_decode(handle, prompt, generated, key, hashes, failed, trace)
@@ -205,6 +206,10 @@ class Orchestrator:
                 if self.decode.healthy() or not await self.decode.wait_for_entry(wait_until - now):
                     raise no_workers(self.config.health_interval_s)
                 url = self._pick_decode(handle, prompt, generated, key, hashes, failed, trace)
+            if migrating:  # counted once it goes on: a request that found no worker to go on to was not migrated
+                migrating = False
+                trace.migrations += 1
+                self._route("migrated")
             touched.add((url, attempt_id))
             trace.decode_workers.append(url)
             body = {"request_id": attempt_id, "sampling": params.model_dump(), "kv_handle": handle,
@@ -283,8 +288,7 @@ class Orchestrator:
                     # the lease gone when it releases it, and does not use what it read (RemoteKV.release).
                     spawn(self._abort(trace.prefill_worker, rid))
                 handle = None  # the KV now comes from recomputing prompt + tokens so far
-                trace.migrations += 1
-                self._route("migrated")
+                migrating = True
                 attempt_id = f"{rid}-m{failures}"
                 if not generated:
                     continue
@@ -308,13 +312,14 @@ class Orchestrator:
             healthy = self.decode.decode_states(exclude=exclude)
             return self.p2c.pick(healthy, needed_blocks=-(-len(prompt) // self.config.block_size)) \
                 if any(s.healthy for s in healthy) else None
-        # it prefills here: place by the prompt, like a prefill
-        return self._place(self.decode, key, hashes, len(prompt) + len(generated), exclude, trace)
+        # it prefills here: place by the prompt, like a prefill, and by the sequences it will decode beside
+        return self._place(self.decode, key, hashes, len(prompt) + len(generated), exclude, trace, decodes_here=True)
 
     def _place(self, pool: WorkerPool, key: int, hashes: list[int], prompt_len: int, exclude: set[str],
-               trace: Trace) -> str | None:
+               trace: Trace, decodes_here: bool = False) -> str | None:
         """The key's sticky worker (bounded loads on keys, see policies/key_table.py) among the pool's healthy
-        workers less `exclude`, unless the in-flight overload valve diverts this one request."""
+        workers less `exclude`, unless an overload valve diverts this one request: the prefill valve (uncached
+        prompt tokens in flight) always, the sequence valve too when the request will also decode there."""
         ring = pool.ring
         table = self._key_table(pool)
         # A key seen before keeps its worker (the usual case) without listing the candidates.
@@ -345,14 +350,35 @@ class Orchestrator:
                 ordered = [preferred, *(u for u in candidates if u != preferred)]
                 url = next((u for u in ordered if loads.get(u, 0) + weight <= capacity), None) \
                     or min(ordered, key=lambda u: loads.get(u, 0))
-                if url != preferred:
-                    self.metrics.plain(self.metrics.overload_diversions, role=pool.role).inc()
+        if decodes_here and url == preferred:
+            url = self._spread_sequences(pool, key, preferred, exclude)
+        if url != preferred:
+            self.metrics.plain(self.metrics.overload_diversions, role=pool.role).inc()
         trace.predicted_hit_tokens = self.predictor.predicted_hit_tokens(url, hashes, prompt_len) \
             if url != preferred else predicted
         trace.uncached_tokens = max(prompt_len - trace.predicted_hit_tokens, 1)
         self.predictor.record(url, hashes)
         self.metrics.plain(self.metrics.predicted_prefix_hit).inc(trace.predicted_hit_tokens)
         return url
+
+    def _spread_sequences(self, pool: WorkerPool, key: int, preferred: str, exclude: set[str]) -> str:
+        """The sequence valve, for a request that decodes where it prefills. Its key keeps one worker however
+        many requests share it (many users behind one system prompt, one prompt asked again and again), and
+        the prefill valve does not see them pile up there: a cached prompt costs no prefill, its decoding does.
+        So bounded loads on the sequences each worker holds (running and waiting, as reported, or this router's
+        own in flight if more): a worker holding at least `decode_overload_min_seqs` (a batch about as quick
+        to decode as one sequence) and over (1 + decode_balance_eps) x the mean after placement passes the
+        request clockwise from the key to the first worker under that bound. The key stays assigned where it is,
+        and its overflow goes to the same next workers every time, whose caches then hold its prefix too."""
+        held = pool.workers[preferred].sequences_held
+        if held < self.config.decode_overload_min_seqs:  # the usual case: no need for the pool's loads
+            return preferred
+        loads = {w.url: w.sequences_held for w in pool.healthy() if w.url not in exclude}
+        bound = (1 + self.config.decode_balance_eps) * (sum(loads.values()) + 1) / len(loads)
+        if held + 1 <= bound:
+            return preferred
+        ordered = [u for u in self._candidates(pool.ring, key, exclude) if u in loads]
+        return next((u for u in ordered if loads[u] + 1 <= bound), None) or min(ordered, key=loads.__getitem__)
 
     @staticmethod
     def _candidates(ring, key: int, exclude: set[str]) -> list[str]:

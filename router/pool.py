@@ -28,6 +28,7 @@ from tandem.router.policies.ring import HashRing
 
 log = logging.getLogger(__name__)
 
+RETURN_PROBE_S = 0.25  # while requests wait for a worker to return, how often the absent ones are probed
 MAX_HOLD_OUT_S = 60.0  # the longest a failing worker is held out of rotation after an ejection
 
 
@@ -40,7 +41,7 @@ class Worker:
     prefill_tokens_in_flight: int = 0  # uncached prompt tokens dispatched, not yet prefilled
     free_blocks: int = 0
     total_blocks: int = 0
-    running: int = 0
+    running: int = 0  # sequences running and waiting on it, as last reported
     max_model_len: int = 0
     silent_probes: int = 0  # probes in a row that got no answer at all
     silence_reported: bool = False  # on_silent was called for this silence
@@ -51,6 +52,12 @@ class Worker:
     prefills: int = 0  # prefills this router has on it now
     shared_time: float = 0.0  # the integral of dt / prefills over the time it had any: see prefill_started
     shared_time_at: float = 0.0  # when shared_time was last brought up to date
+
+    @property
+    def sequences_held(self) -> int:
+        """Its decode load: the last report is up to one probe interval old, so this router's own in-flight
+        requests count when they are more."""
+        return max(self.running, self.in_flight)
 
     def prefill_started(self, now: float) -> float:
         """Counts a prefill dispatched to the worker; returns the mark prefill_done measures it from.
@@ -91,6 +98,7 @@ class WorkerPool:
         self.ring = HashRing()  # healthy workers only
         self.entries = 0  # workers put into rotation so far
         self._entered = asyncio.Event()  # set (and replaced) whenever a worker enters rotation
+        self._return_probe_at = float("-inf")  # loop time of the last probe round made by wait_for_entry
 
     # -- membership ----------------------------------------------------------------------
     def set_members(self, urls: list[str]) -> None:
@@ -126,14 +134,27 @@ class WorkerPool:
         log.info("%s worker %s is %s", self.role, worker.url, "in rotation" if healthy else "out of rotation")
 
     async def wait_for_entry(self, timeout_s: float) -> bool:
-        """Wait until a worker enters rotation; False when none did within `timeout_s`."""
-        if timeout_s <= 0:
-            return False
-        try:
-            await asyncio.wait_for(self._entered.wait(), timeout_s)
-            return True
-        except asyncio.TimeoutError:
-            return False
+        """Wait until a worker enters rotation; False when none did within `timeout_s`.
+
+        Whoever waits here holds a request with its prompt computed, so the workers out of rotation are probed
+        every RETURN_PROBE_S meanwhile (one round per pool however many requests wait), not at the probe loop's
+        interval: a restarted worker is taken back as soon as it is ready, not up to an interval later, when
+        the wait may have run out."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        entered = self._entered
+        while not entered.is_set():
+            left = deadline - loop.time()
+            if left <= 0:
+                return False
+            try:
+                await asyncio.wait_for(entered.wait(), min(RETURN_PROBE_S, left))
+            except asyncio.TimeoutError:
+                if loop.time() >= self._return_probe_at + RETURN_PROBE_S:
+                    self._return_probe_at = loop.time()
+                    absent = [w for w in self.workers.values() if not w.healthy]
+                    await asyncio.gather(*(self.probe(w, RETURN_PROBE_S, counts_silence=False) for w in absent))
+        return True
 
     # -- passive health ------------------------------------------------------------------
     def record_failure(self, url: str) -> None:
@@ -157,7 +178,10 @@ class WorkerPool:
             worker.ejections = 0
 
     # -- active health and load ------------------------------------------------------------
-    async def probe(self, worker: Worker, timeout_s: float = 2.0) -> None:
+    async def probe(self, worker: Worker, timeout_s: float = 2.0, counts_silence: bool = True) -> None:
+        """Reads the worker's load and readiness, and puts it in or out of rotation. Probes made more often than
+        the probe loop's (counts_silence False) leave its count of unanswered probes alone: that count fails a
+        silent worker's requests after `silent_after` rounds of the loop, not sooner."""
         silent = False
         try:
             r = await self.http.get(f"{worker.url}/internal/load", timeout=timeout_s)
@@ -173,8 +197,9 @@ class WorkerPool:
             ready, silent = False, True
         except (httpx.HTTPError, ValueError, KeyError):
             ready = False
-        worker.silent_probes = worker.silent_probes + 1 if silent else 0
-        worker.silence_reported = worker.silence_reported and silent
+        if counts_silence or not silent:
+            worker.silent_probes = worker.silent_probes + 1 if silent else 0
+            worker.silence_reported = worker.silence_reported and silent
         # Held out after failing requests, unless nothing else of the pool is in rotation: then it is the best
         # there is, and holding it out would turn every request into a 503.
         held_out = asyncio.get_running_loop().time() < worker.held_out_until and any(
@@ -198,8 +223,11 @@ class WorkerPool:
         for worker in self.workers.values():
             if worker.silent_probes >= self.silent_after and not worker.silence_reported:
                 worker.silence_reported = True
-                log.warning("%s worker %s has not answered %d probes: failing what it still has in flight",
-                            self.role, worker.url, self.silent_after)
+                if worker.in_flight:
+                    log.warning("%s worker %s has not answered %d probes: failing the %d requests it still has",
+                                self.role, worker.url, self.silent_after, worker.in_flight)
+                else:  # most often one that stopped as asked, or was scaled away: nothing lost, nothing to warn of
+                    log.info("%s worker %s has not answered %d probes", self.role, worker.url, self.silent_after)
                 self.on_silent(worker.url)
 
     # -- placement inputs ------------------------------------------------------------------
@@ -207,8 +235,7 @@ class WorkerPool:
         return {w.url: w.prefill_tokens_in_flight for w in self.healthy()}
 
     def decode_states(self, exclude: set[str] = frozenset()) -> list[DecodeWorkerState]:
-        # Reports are up to one probe interval old: count this router's own in-flight requests too.
-        return [DecodeWorkerState(w.url, free_kv_blocks=max(w.free_blocks, 0), running_seqs=max(w.running, w.in_flight),
+        return [DecodeWorkerState(w.url, free_kv_blocks=max(w.free_blocks, 0), running_seqs=w.sequences_held,
                                   healthy=w.healthy)
                 for w in self.workers.values() if w.url not in exclude]
 

@@ -79,6 +79,12 @@ class RouterConfig(BaseModel):
                                "when that worker holds over (1+eps) x the mean uncached prompt tokens in flight")
     overload_min_tokens: int = Field(2048, ge=0, description="overload valve: a worker with at most this many "
                                      "uncached prompt tokens in flight is not overloaded (about one engine step)")
+    decode_balance_eps: float = Field(0.5, ge=0, description="sequence valve, for requests a decode worker serves "
+                                      "alone: one leaves its key's worker when that worker holds over (1+eps) x the "
+                                      "mean sequences (running and waiting) of the pool")
+    decode_overload_min_seqs: int = Field(8, ge=1, description="sequence valve: a decode worker holding fewer "
+                                          "sequences than this is not overloaded (a batch this small decodes about "
+                                          "as fast as one sequence)")
     key_eps: float = Field(0.0, ge=0, description="sticky key table: no worker holds over ceil((1+eps) x mean) "
                            "active routing keys; higher keeps more keys on their ring owner, lower balances better")
     key_ttl_s: float = Field(600.0, gt=0, description="a routing key unused this long leaves the key table")

@@ -239,8 +239,8 @@ def router():
     return orchestrator, decode
 
 
-def place(orchestrator, pool, key, prompt_len=100, exclude=frozenset()):
-    return orchestrator._place(pool, key, [], prompt_len, set(exclude), Trace())
+def place(orchestrator, pool, key, prompt_len=100, exclude=frozenset(), decodes_here=False):
+    return orchestrator._place(pool, key, [], prompt_len, set(exclude), Trace(), decodes_here=decodes_here)
 
 
 def test_placement_is_sticky_and_balanced(router):
@@ -282,6 +282,44 @@ def test_overload_valve_ignores_small_absolute_loads(router):
     pool.workers[home].prefill_tokens_in_flight = RouterConfig().overload_min_tokens
     assert place(orchestrator, pool, key) == home
     assert orchestrator.metrics.plain(orchestrator.metrics.overload_diversions, role="decode")._value.get() == 0
+
+
+def test_one_key_asked_again_and_again_spreads_its_sequences_over_the_pool(router):
+    """Colocated requests that share a key (one system prompt, one prompt repeated) keep one worker for their
+    prefix, but not for all their decoding: past the sequence bound they go on, clockwise from the key, to the
+    next workers, the same ones every time; each request in flight here counts until it ends."""
+    orchestrator, pool = router
+    key = random_keys(1, 33)[0]
+    clockwise = list(pool.ring.walk(key))
+    config = orchestrator.config
+    diversions = orchestrator.metrics.plain(orchestrator.metrics.overload_diversions, role="decode")
+    placed = collections.Counter()
+    for i in range(64):  # 64 long generations in flight at once, none ended yet
+        url = place(orchestrator, pool, key, decodes_here=True)
+        pool.workers[url].in_flight += 1
+        placed[url] += 1
+        bound = max(config.decode_overload_min_seqs, (1 + config.decode_balance_eps) * (i + 1) / len(pool.workers))
+        assert max(placed.values()) <= math.ceil(bound), (i, placed)
+    along = [placed[u] for u in clockwise]
+    assert along == sorted(along, reverse=True) and len(placed) == 3, along  # filled clockwise, [24, 24, 16, 0]
+    assert diversions._value.get() == 64 - placed[clockwise[0]]
+    # Its own worker's sequences end: the key is back home at once.
+    pool.workers[clockwise[0]].in_flight = 0
+    assert place(orchestrator, pool, key, decodes_here=True) == clockwise[0]
+
+
+def test_the_sequence_valve_leaves_small_batches_and_prefills_alone(router):
+    orchestrator, pool = router
+    key = random_keys(1, 34)[0]
+    home = place(orchestrator, pool, key)
+    # Below decode_overload_min_seqs on its worker, every other one idle: small batches stay with their cache.
+    pool.workers[home].in_flight = orchestrator.config.decode_overload_min_seqs - 1
+    assert place(orchestrator, pool, key, decodes_here=True) == home
+    # A prefill leaves its worker as soon as it is done: its decoding is elsewhere, so sequences do not count.
+    pool.workers[home].running = 1000
+    assert place(orchestrator, pool, key) == home
+    # A decode worker's report counts as well as this router's own requests (other replicas send there too).
+    assert place(orchestrator, pool, key, decodes_here=True) != home
 
 
 def test_an_excluded_worker_is_not_chosen(router):

@@ -15,7 +15,7 @@ from tandem.errors import APIError, error_body
 from tandem.metrics import RouterMetrics
 from tandem.protocol import SamplingParams
 from tandem.router.orchestrator import Orchestrator, Trace
-from tandem.router.pool import Worker, WorkerPool
+from tandem.router.pool import RETURN_PROBE_S, Worker, WorkerPool
 from tandem.router.worker_client import WorkerStatusError
 
 GOOD = {"token_ids": [7], "text": "x", "finish_reason": "length"}
@@ -468,13 +468,16 @@ def test_a_request_whose_decode_pool_empties_waits_for_a_worker_to_come_back():
     deltas = asyncio.run(run())
     assert [t for d in deltas for t in d.new_token_ids] == [7, 8, 9]
     assert http.calls == ["http://a", "http://a"] and http.bodies[1]["first_token_id"] == 7
+    assert metric_value(orchestrator.metrics.registry, "tandem_router_routing_decisions_total", path="migrated") == 1
 
 
 def test_a_request_whose_decode_pool_stays_empty_fails_after_the_wait():
     orchestrator, pool, http = orchestrator_over({"http://a": [{"token_ids": [7], "text": "x"},
                                                                aiohttp.ClientConnectionError("reset")]})
     pool.eject_after = 1
-    orchestrator.config = orchestrator.config.model_copy(update={"worker_return_wait_s": 0.2})
+    orchestrator.config = orchestrator.config.model_copy(update={"worker_return_wait_s": 0.6})
+
+    refuse_probes(http)  # the wait's probes find it still down
 
     async def run():
         started = asyncio.get_running_loop().time()
@@ -483,40 +486,73 @@ def test_a_request_whose_decode_pool_stays_empty_fails_after_the_wait():
         return info.value, asyncio.get_running_loop().time() - started
 
     error, took = asyncio.run(run())
-    assert error.status == 503 and error.code == "no_workers" and 0.2 <= took < 5
+    assert error.status == 503 and error.code == "no_workers" and 0.6 <= took < 5
+    # It had nowhere to go on to: not a migration (a chaos-testing helper saw these counted as migrated).
+    assert metric_value(orchestrator.metrics.registry, "tandem_router_routing_decisions_total", path="migrated") == 0
+
+
+def refuse_probes(http: ScriptedWorkers) -> list[str]:
+    """From now on the workers refuse probes (down); returns the list of URLs probed meanwhile."""
+    import httpx
+
+    probed: list[str] = []
+
+    async def down(url, timeout=None):
+        probed.append(url)
+        raise httpx.ConnectError("connection refused")
+
+    http.get = down
+    return probed
+
+
+def tokens_through_a_restart(orchestrator, pool, http, while_down=lambda probed: None) -> list[int]:
+    """Runs a request whose only decode worker fails mid-stream and refuses probes; once out of rotation it stays
+    down for 4 x RETURN_PROBE_S (`while_down` is then given the URLs probed), then answers again: the request's
+    tokens."""
+    alive = http.get
+    probed = refuse_probes(http)
+
+    async def run():
+        async def restart():
+            while pool.workers["http://a"].healthy:  # until the failure or a probe took it out
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(4 * RETURN_PROBE_S)
+            while_down(probed)
+            http.script["http://a"] = [{"token_ids": [8, 9], "text": "yz", "finish_reason": "length"}]
+            http.get = alive
+
+        restarting = asyncio.create_task(restart())
+        deltas = [d async for d in orchestrator.run("r1", [1, 2, 3], SamplingParams(temperature=0, max_tokens=3),
+                                                    Trace())]
+        await restarting
+        return [t for d in deltas for t in d.new_token_ids]
+
+    return asyncio.run(run())
 
 
 def test_a_crashed_lone_decode_worker_is_waited_for_though_one_failure_does_not_eject_it():
     """With the default --eject-after-failures (3), the crash alone leaves the worker in rotation: the probe the
     router sends once every worker in rotation has failed the request is what finds it down (found by a review
     helper: such a request failed with 503 at once)."""
-    import httpx
-
     orchestrator, pool, http = orchestrator_over({"http://a": [{"token_ids": [7], "text": "x"},
                                                                aiohttp.ClientConnectionError("reset")]})
     assert pool.eject_after == 3
-    alive = http.get
+    assert tokens_through_a_restart(orchestrator, pool, http) == [7, 8, 9]
+    assert http.calls == ["http://a", "http://a"]
 
-    async def down(url, timeout=None):
-        raise httpx.ConnectError("connection refused")
 
-    http.get = down
+def test_a_waiting_request_probes_the_absent_workers_itself():
+    """No probe loop runs here: a worker restarted while a request waits is taken back by the wait's own probes,
+    made every RETURN_PROBE_S, not only at the loop's next round, up to an interval later, when the wait may have
+    run out (found by a chaos-testing helper). Those probes do not count towards the silence that fails a worker's
+    requests: that stays the loop's to judge."""
+    orchestrator, pool, http = orchestrator_over({"http://a": [{"token_ids": [7], "text": "x"},
+                                                               aiohttp.ClientConnectionError("reset")]})
+    pool.eject_after = 1
 
-    async def run():
-        async def restart():
-            while pool.workers["http://a"].healthy:  # until the probe took it out
-                await asyncio.sleep(0.01)
-            await asyncio.sleep(0.2)
-            http.script["http://a"] = [{"token_ids": [8, 9], "text": "yz", "finish_reason": "length"}]
-            http.get = alive
-            await pool.probe(pool.workers["http://a"])  # the next probe round finds it back
+    def while_down(probed):
+        assert len(probed) >= 2  # probed while down, several times...
+        assert pool.workers["http://a"].silent_probes == 0  # ...and none of it counted as silence
 
-        restarting = asyncio.create_task(restart())
-        deltas = [d async for d in orchestrator.run("r1", [1, 2, 3], SamplingParams(temperature=0, max_tokens=3),
-                                                    Trace())]
-        await restarting
-        return deltas
-
-    deltas = asyncio.run(run())
-    assert [t for d in deltas for t in d.new_token_ids] == [7, 8, 9]
+    assert tokens_through_a_restart(orchestrator, pool, http, while_down) == [7, 8, 9]
     assert http.calls == ["http://a", "http://a"]

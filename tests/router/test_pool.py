@@ -169,3 +169,18 @@ async def test_a_worker_discovery_drops_leaves_no_series_behind():
     workers = {s.labels.get("worker") for family in metrics.registry.collect() for s in family.samples}
     assert gone not in workers and kept in workers
     assert metric_value(metrics.registry, "tandem_router_worker_healthy", worker=kept) == 1
+
+
+async def test_a_worker_gone_with_nothing_in_flight_is_not_warned_of(caplog):
+    """A worker that stopped as asked (drained, scaled away) stops answering too: with none of this router's
+    requests on it, that is said at INFO; a warning is for one that takes requests with it."""
+    gone = [f"http://127.0.0.1:{free_port()}" for _ in range(2)]  # nothing listens: refused
+    async with httpx.AsyncClient() as http:
+        pool = WorkerPool("decode", http, RouterMetrics("test"), silent_after=2, on_silent=lambda url: None)
+        pool.set_members(gone)
+        pool.workers[gone[1]].in_flight = 3
+        with caplog.at_level("INFO", logger="tandem.router.pool"):
+            for _ in range(2):
+                await probe_pools([pool], timeout_s=0.2)
+    said = {(r.levelname, r.getMessage().split()[2]) for r in caplog.records if "has not answered" in r.getMessage()}
+    assert said == {("INFO", gone[0]), ("WARNING", gone[1])}
