@@ -163,6 +163,10 @@ def _pod_spec(owner: Owner, component: str, container: dict, settings: PodSettin
         spec["nodeSelector"] = dict(settings.node_selector)
     if settings.tolerations:
         spec["tolerations"] = list(settings.tolerations)
+    if settings.priority_class_name:
+        spec["priorityClassName"] = settings.priority_class_name
+    if settings.runtime_class_name:
+        spec["runtimeClassName"] = settings.runtime_class_name
     # Spread replicas over nodes unless the user placed them explicitly: one node failure, one worker lost.
     spec["affinity"] = settings.affinity or {"podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [{
         "weight": 100, "podAffinityTerm": {"topologyKey": "kubernetes.io/hostname",
@@ -170,8 +174,16 @@ def _pod_spec(owner: Owner, component: str, container: dict, settings: PodSettin
     return spec
 
 
+_SCRAPE_ANNOTATIONS = {"prometheus.io/scrape": "true", "prometheus.io/port": str(HTTP_PORT),
+                       "prometheus.io/path": "/metrics"}
+
+
 def _deployment(owner: Owner, component: str, replicas: int, pod_spec: dict, strategy: dict,
-                pod_annotations: dict) -> dict:
+                settings: PodSettings, operator_annotations: dict) -> dict:
+    # The user's labels and annotations first, the operator's over them (the spec refuses overlaps anyway), but
+    # after the scrape annotations: `prometheus.io/scrape: "false"` turns scraping off.
+    labels = {**(settings.pod_labels or {}), **names.labels(owner.name, component)}
+    annotations = {**_SCRAPE_ANNOTATIONS, **(settings.pod_annotations or {}), **operator_annotations}
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -181,14 +193,10 @@ def _deployment(owner: Owner, component: str, replicas: int, pod_spec: dict, str
             "revisionHistoryLimit": 5,
             "selector": {"matchLabels": names.selector_labels(owner.name, component)},
             "strategy": strategy,
-            "template": {"metadata": {"labels": names.labels(owner.name, component), "annotations": pod_annotations},
+            "template": {"metadata": {"labels": labels, "annotations": annotations},
                          "spec": pod_spec},
         },
     }
-
-
-_SCRAPE_ANNOTATIONS = {"prometheus.io/scrape": "true", "prometheus.io/port": str(HTTP_PORT),
-                       "prometheus.io/path": "/metrics"}
 
 
 # -- the owned objects -----------------------------------------------------------------------------------
@@ -217,7 +225,7 @@ def worker_deployment(owner: Owner, spec: LLMDeploymentSpec, pool: str, replicas
                     spec.image_pull_secrets)
     # GPUs are rarely spare: replace workers one at a time instead of surging an extra one.
     strategy = {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}}
-    return _deployment(owner, pool, replicas, pod, strategy, _with_secret({**_SCRAPE_ANNOTATIONS}, internal_secret))
+    return _deployment(owner, pool, replicas, pod, strategy, settings, _with_secret({}, internal_secret))
 
 
 ROUTER_READS = "slo-classes.json"  # the ConfigMap's file the router reads ($TANDEM_CONFIG_DIR)
@@ -290,8 +298,8 @@ def router_deployment(owner: Owner, spec: LLMDeploymentSpec, internal_secret: st
     strategy = {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
     # Changed SLO classes must restart the routers: their hash is part of the pod template. Only the file the
     # router reads: pool sizes change with every scaling decision, and must not roll the routers each time.
-    annotations = {**_SCRAPE_ANNOTATIONS, names.CONFIG_HASH_ANNOTATION: short_hash({ROUTER_READS: _slo_classes_file(spec)})}
-    return _deployment(owner, "router", router.replicas, pod, strategy, _with_secret(annotations, internal_secret))
+    annotations = {names.CONFIG_HASH_ANNOTATION: short_hash({ROUTER_READS: _slo_classes_file(spec)})}
+    return _deployment(owner, "router", router.replicas, pod, strategy, router, _with_secret(annotations, internal_secret))
 
 
 def _port(port: int) -> dict:

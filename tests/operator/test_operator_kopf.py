@@ -356,6 +356,8 @@ async def test_a_deployment_deleted_with_cascade_orphan_and_made_again_adopts_it
     adopted = cluster.get("v1/secrets", "smollm2-internal")
     assert adopted["metadata"]["uid"] == secret["metadata"]["uid"] and token_of(adopted) == token_of(secret)
     assert {n: d["spec"]["template"] for n, d in cluster.all(DEPLOYMENTS).items()} == templates
+    # The new object's status is written after its objects are adopted: waited for, not assumed.
+    await cluster.wait_for("the new object's status", lambda: "Degraded" in _conditions(cluster), 15)
     assert _conditions(cluster)["Degraded"]["reason"] != "ApplyFailed"
 
 
