@@ -123,6 +123,13 @@ def build_registry(kube: Kube, keeper: StatusKeeper, resync_seconds: float | Non
                     pass  # noted: retry_failed_apply tries again (kopf does not retry an event handler)
         keeper.refresh(namespace, owner, generation=applied)
 
+    @kopf.on.event(*RESOURCE, registry=registry)
+    def resource_event(type, body, name, namespace, **_):
+        if type == "DELETED":  # its owned objects go with it (owner references); what is kept for it here too
+            keeper.forget(namespace, name)
+            if planner is not None:
+                planner.forget(body["metadata"]["uid"])
+
     kopf.on.event("apps", "v1", "deployments", labels=OWNED, registry=registry)(owned_object_changed)
     kopf.on.event("", "v1", "services", labels=OWNED, registry=registry)(owned_object_changed)
 

@@ -95,6 +95,11 @@ class Planner:
             self._last_run[uid] = now
         return True
 
+    def forget(self, uid: str) -> None:
+        """Drops the last decision's time of a deleted LLMDeployment."""
+        with self._guard:
+            self._last_run.pop(uid, None)
+
     def tick(self, namespace: str, name: str) -> Decision | None:
         """Decide once for one LLMDeployment; None when it is gone, invalid, not in planner mode, or its spec
         changed while its metrics were read (its own reconcile applies that; the next tick plans for it)."""

@@ -147,6 +147,15 @@ class StatusKeeper:
         at = self._retry_at.get((namespace, name))
         return at is not None and time.monotonic() >= at
 
+    def forget(self, namespace: str, name: str) -> None:
+        """Drops what is kept for a deleted LLMDeployment: an operator that runs for months sees many come and go.
+        A writer still holding its lock keeps it; a new object of the same name starts afresh."""
+        key = (namespace, name)
+        with self._guard:
+            self._locks.pop(key, None)
+        self._problems.pop(key, None)
+        self._retry_at.pop(key, None)
+
     def _lock(self, namespace: str, name: str) -> threading.Lock:
         with self._guard:
             return self._locks.setdefault((namespace, name), threading.Lock())
@@ -160,7 +169,7 @@ class StatusKeeper:
         with self._lock(namespace, name):
             body = self.kube.get(names.API_VERSION, names.KIND, namespace, name)
             if body is None or body["metadata"].get("deletionTimestamp"):
-                self.note(namespace, name, None)  # a new one of that name starts afresh
+                self.forget(namespace, name)  # a new one of that name starts afresh
                 return None
             deployments, service = observe(self.kube, namespace, name)
             status = compute_status(body, deployments, service, self.clock(), generation,

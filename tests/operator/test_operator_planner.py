@@ -436,3 +436,27 @@ async def test_a_switch_to_manual_during_a_planner_read_is_not_undone(emulator):
         load.release.set()
         await asyncio.sleep(1.0)  # the read returns; its decision comes too late
         assert _replicas(cluster) == (1, 3)
+
+
+def test_what_is_kept_for_a_deleted_llmdeployment_is_dropped():
+    """An operator runs for months while LLMDeployments come and go: nothing kept per object outlives it."""
+    from tandem.operator.planner import Planner
+    from tandem.operator.reconcile import StatusKeeper
+    from tandem.operator.status import Problem
+
+    class Gone:  # the API server, once the object is deleted
+        def get(self, *_):
+            return None
+
+    keeper = StatusKeeper(Gone())
+    keeper.note("ns1", "old", Problem(refused=False, message="conflict"), retry_in_s=5)
+    with keeper.lock("ns1", "old"):
+        pass
+    assert keeper.refresh("ns1", "old") is None  # the last status refresh finds it gone...
+    assert (keeper._locks, keeper._problems, keeper._retry_at) == ({}, {}, {})  # ...and forgets it
+    planner = Planner(Gone(), keeper, source=lambda scraped: None, clock=lambda: 1000.0)
+    body = {"metadata": {"uid": "u1", "generation": 1}, "spec": {"scaling": {"mode": "planner"}},
+            "status": {"observedGeneration": 1}}
+    assert planner.due(body) and not planner.due(body)  # decided once per interval...
+    planner.forget("u1")  # ...and deleted (the resource's DELETED event)
+    assert planner._last_run == {}
