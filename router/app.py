@@ -13,7 +13,6 @@ import logging
 import time
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.middleware.cors import CORSMiddleware
@@ -34,7 +33,7 @@ from tandem.openai_protocol import (
 from tandem.protocol import SamplingParams
 from tandem.router.admission import AdmissionRequest, Reject, RejectReason
 from tandem.router.api_keys import ApiKeyGate, bearer_token, header_value
-from tandem.router.fast_lane import FastLane, validation_error_response
+from tandem.router.fast_lane import FastLane
 from tandem.router.orchestrator import Trace, no_workers
 from tandem.sse import (
     CLIENT_CLOSED_REQUEST,
@@ -58,10 +57,6 @@ def build_app(router) -> FastLane | ApiKeyGate | CORSMiddleware:
     app.add_middleware(BodySizeLimit, max_bytes=router.config.max_body_bytes)
 
     add_openai_error_handlers(app)
-
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, exc: RequestValidationError):
-        return validation_error_response(exc.errors())
 
     @app.get("/health")
     @app.head("/health")  # HEAD too (405 otherwise): load balancers and uptime checks send it

@@ -15,26 +15,14 @@ from collections.abc import Awaitable, Callable
 
 from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
 from tandem.body_limit import declared_length_error, too_large
-from tandem.errors import APIError, api_error_response, error_body, error_param, pydantic_message
+from tandem.errors import APIError, api_error_response, validation_error_response
 from tandem.graceful import shutting_down_response
 from tandem.response_head import head_with_body
 
 Handler = Callable[[BaseModel, Request], Awaitable[Response]]
-
-
-def validation_error_response(errors: list[dict]) -> JSONResponse:
-    """The first pydantic error of a request body as an OpenAI-style 400 naming the parameter."""
-    first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
-    param = error_param(first.get("loc", ()))
-    message = pydantic_message(first) if "msg" in first else "invalid request"
-    if first.get("type") == "json_invalid":
-        message = f"request body is not valid JSON: {message}"
-    elif param is None and first.get("type") in ("model_type", "model_attributes_type", "dict_type", "missing"):
-        message = "request body must be a JSON object"
-    return JSONResponse(error_body(400, f"{param}: {message}" if param else message, param), status_code=400)
 
 
 class FastLane:

@@ -10,7 +10,9 @@ import json
 import math
 from http import HTTPStatus
 
+from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse
 
 _TYPE_BY_STATUS = {
@@ -80,6 +82,18 @@ def api_error_response(exc: APIError) -> JSONResponse:
     return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
 
+def validation_error_response(errors: list[dict]) -> JSONResponse:
+    """The first pydantic error of a request body as an OpenAI-style 400 naming the parameter."""
+    first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
+    param = error_param(first.get("loc", ()))
+    message = pydantic_message(first) if "msg" in first else "invalid request"
+    if first.get("type") == "json_invalid":
+        message = f"request body is not valid JSON: {message}"
+    elif param is None and first.get("type") in ("model_type", "model_attributes_type", "dict_type", "missing"):
+        message = "request body must be a JSON object"
+    return JSONResponse(error_body(400, f"{param}: {message}" if param else message, param), status_code=400)
+
+
 def add_openai_error_handlers(app) -> None:
     """A server's refusals in the OpenAI shape: an APIError, and the framework's own (an unknown path, a wrong
     method, a body it cannot parse). The router and the workers both install these."""
@@ -88,8 +102,19 @@ def add_openai_error_handlers(app) -> None:
         return api_error_response(exc)
 
     async def http_error(_, exc: StarletteHTTPException) -> JSONResponse:
+        if isinstance(exc.__cause__, APIError):  # FastAPI's "error parsing the body", over our 413 while reading it
+            return api_error_response(exc.__cause__)
         return JSONResponse(error_body(exc.status_code, str(exc.detail)), status_code=exc.status_code,
                             headers=exc.headers)
 
+    async def invalid(_, exc: RequestValidationError) -> JSONResponse:
+        return validation_error_response(exc.errors())
+
+    async def client_left(_, exc: ClientDisconnect) -> JSONResponse:
+        # Gone before its body arrived whole: nobody reads this answer, and it is not the server's error to log.
+        return JSONResponse(error_body(400, "the client disconnected before its request body arrived"), 400)
+
     app.add_exception_handler(APIError, api_error)
     app.add_exception_handler(StarletteHTTPException, http_error)
+    app.add_exception_handler(RequestValidationError, invalid)
+    app.add_exception_handler(ClientDisconnect, client_left)

@@ -368,10 +368,17 @@ class ChatPrompt(_Request):
         if self.continue_final_message:  # marked, to cut the rendered text right after it (as transformers does)
             messages[-1]["content"] += _OPEN_END
         try:
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt=self.add_generation_prompt, **extra)
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=self.add_generation_prompt,
+                                                 variables=extra)
         except jinja2.TemplateError as exc:
             raise APIError(400, f"the model's chat template refused the conversation: {exc}",
                            param="messages") from None
+        except (TypeError, ValueError, AttributeError, LookupError) as exc:
+            if not extra:
+                raise
+            # A variable of the client's that the template cannot use (a number where it calls a function).
+            raise APIError(400, f"the model's chat template failed with these chat_template_kwargs: {exc}",
+                           param="chat_template_kwargs") from None
         return _left_open(text) if self.continue_final_message else text
 
 

@@ -281,18 +281,19 @@ class Tokenizer:
         """The text of one token as decoding it alone gives (special tokens included), e.g. for logprobs."""
         return self.backend.decode([token_id], skip_special_tokens=False)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            variables: dict | None = None, **kwargs) -> str:
         """Renders the conversation with the model's chat template, as transformers' apply_chat_template
-        (tokenize=False) does; extra keyword arguments are passed to the template."""
+        (tokenize=False) does; `variables` and extra keyword arguments are passed to the template (a client's
+        chat_template_kwargs come as `variables`: any name, `self` included, is a template variable)."""
         if not self.chat_template:
             raise ValueError("this tokenizer has no chat template")
         if self._compiled_template is None:
             self._compiled_template = _compile_chat_template(self.chat_template)
         # transformers always passes tools and documents (None when unused); templates test `is defined`.
-        variables = {"tools": None, "documents": None, **self._template_vars, **kwargs}
-        return self._compiled_template.render(
-            messages=messages, add_generation_prompt=add_generation_prompt, **variables
-        )
+        context = {"tools": None, "documents": None, **self._template_vars, **kwargs, **(variables or {}),
+                   "messages": messages, "add_generation_prompt": add_generation_prompt}
+        return self._compiled_template.render(context)
 
 
 def _bytes_to_unicode() -> dict[int, str]:

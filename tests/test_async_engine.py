@@ -92,3 +92,47 @@ def _watch_a_hung_step(http: TestClient, release: threading.Event) -> None:
         release.set()
         if answer is not None:
             answer.join(30)
+
+
+def test_the_engine_steps_on_while_a_requests_grammar_compiles(tiny_llama_dir):
+    """Some schemas take seconds to compile: a worker compiled them on the engine thread, and every running stream
+    stopped meanwhile (up to 25 s in a robustness-testing helper's runs). The compile below finishes only once
+    another stream has moved on 20 tokens: compiled on the engine thread, it would wait for good."""
+    from tandem.protocol import StructuredOutput
+    from tandem.workers.engine import grammar as grammar_module
+
+    loaded = load_model(tiny_llama_dir, dtype="float32")
+    engine = LLMEngine(loaded, EngineConfig(num_kv_blocks=32, block_size=16), EngineMetrics(loaded.config.name, "both"))
+    async_engine = AsyncEngine(engine)
+    async_engine.start()
+    other_moved_on = threading.Event()
+    compile_before = grammar_module._compiled
+
+    def slow_compile(*args):
+        if not other_moved_on.wait(30):
+            raise ValueError("the engine did not step while a grammar compiled")
+        return compile_before(*args)
+
+    async def run():
+        async def other():
+            outputs = 0
+            async for _ in async_engine.generate("plain", [5, 6, 7], SamplingParams(temperature=0, max_tokens=60,
+                                                                                     ignore_eos=True), 0.0):
+                outputs += 1
+                if outputs == 20:
+                    other_moved_on.set()
+
+        plain = asyncio.create_task(other())
+        structured = SamplingParams(temperature=0, max_tokens=3, structured=StructuredOutput(kind="regex",
+                                                                                             value="[0-9]+"))
+        outputs = [o async for o in async_engine.generate("structured", [5, 6, 7], structured, 0.0)]
+        await plain
+        return outputs
+
+    grammar_module._compiled = slow_compile
+    try:
+        outputs = asyncio.run(run())
+    finally:
+        grammar_module._compiled = compile_before
+        async_engine.stop()
+    assert outputs[-1].finished and other_moved_on.is_set()

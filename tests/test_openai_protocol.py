@@ -220,3 +220,35 @@ def test_skip_special_tokens_reaches_the_sampling_params():
     chat = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "x"}], skip_special_tokens=False)
     assert chat.sampling_params(16, 100).skip_special_tokens is False
     assert CompletionRequest(model="m", prompt="x", skip_special_tokens=None).sampling_params(16, 100).skip_special_tokens
+
+
+def test_a_client_gone_before_its_body_arrived_is_no_server_error():
+    """A client that declared a longer body than it sent and left: the worker logged a 60-line traceback for it
+    (found by a robustness-testing helper). It is answered quietly, like any client error."""
+    import asyncio
+
+    from fastapi import FastAPI, Request
+
+    from tandem.errors import add_openai_error_handlers
+
+    app = FastAPI()
+    add_openai_error_handlers(app)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return {"bytes": len(await request.body())}
+
+    sent = []
+    incoming = iter([{"type": "http.request", "body": b'{"prom', "more_body": True}, {"type": "http.disconnect"}])
+
+    async def receive():
+        return next(incoming)
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": [(b"content-length", b"100")],
+             "query_string": b"", "http_version": "1.1", "scheme": "http", "server": ("t", 80), "client": ("c", 1),
+             "root_path": "", "app": app}
+    asyncio.run(app(scope, receive, send))  # raised ClientDisconnect out of the app before (uvicorn logged it)
+    assert sent[0]["status"] == 400

@@ -195,3 +195,43 @@ def test_a_spec_past_the_size_bound_is_refused_before_any_compiling():
 def test_a_schema_that_compiles_but_cannot_start_is_refused(grammars):
     with pytest.raises(ValueError, match="structured output"):
         grammars.start(StructuredOutput(kind="json", value='{"$ref": "#"}'), [])
+
+
+def pattern_properties(count: int, nested: bool = False) -> StructuredOutput:
+    patterns = {"type": "object", "patternProperties": {f"^a{i}[a-z]*$": {"type": "integer"} for i in range(count)}}
+    schema = {"type": "object", "properties": {"inner": {"anyOf": [patterns]}}} if nested else patterns
+    return StructuredOutput(kind="json", value=json.dumps(schema))
+
+
+def test_a_schema_with_more_patternproperties_than_compile_quickly_is_refused_before_compiling():
+    """640 of them held the process's grammar thread for over a minute (found by a robustness-testing helper):
+    every structured request waited behind it. Counted wherever they are in the schema."""
+    for spec in (pattern_properties(640), pattern_properties(65, nested=True)):
+        with pytest.raises(APIError) as info:
+            asyncio.run(check(spec, "response_format"))
+        assert info.value.status == 400 and "patternProperties; at most 64" in info.value.message
+    asyncio.run(check(pattern_properties(64, nested=True), "response_format"))  # within the budget: compiled
+
+
+def test_the_engine_thread_finds_a_prepared_grammar_compiled():
+    """A worker compiles a request's grammar while the request waits on the event loop (AsyncEngine.generate
+    calls prepare): the engine thread's start() must not compile it again between two steps."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tandem.workers.engine import grammar as grammar_module
+
+    tokenizer = load_tokenizer("smollm2")
+    fresh = GrammarMatchers(tokenizer, VOCAB, tokenizer.eos_token_ids)
+    spec = StructuredOutput(kind="regex", value="[0-9]{3}-[a-z]+")
+    asyncio.run(fresh.prepare(spec))
+    compiled_on_engine_thread = []
+    compile_before = grammar_module._compiled
+    grammar_module._compiled = lambda *args: compiled_on_engine_thread.append(args) or compile_before(*args)
+    try:
+        with ThreadPoolExecutor(1) as engine_thread:
+            matcher = engine_thread.submit(fresh.start, spec, []).result()
+    finally:
+        grammar_module._compiled = compile_before
+    assert compiled_on_engine_thread == [] and not matcher.is_error()
+    with pytest.raises(ValueError, match="structured output"):  # a bad spec is refused by prepare itself
+        asyncio.run(fresh.prepare(StructuredOutput(kind="json", value='{"$ref": "#"}')))

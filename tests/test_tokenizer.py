@@ -218,3 +218,25 @@ def test_a_developer_message_is_a_system_message_to_a_template_that_knows_no_dev
 
     assert "developer" not in smollm2_tokenizer.chat_template
     assert prompt("developer") == prompt("system") and "Be brief." in prompt("system")
+
+
+def test_any_chat_template_kwarg_is_a_template_variable_or_a_400(smollm2_tokenizer):
+    """`self` collided with a Python parameter (a 500 on router and worker, found by a robustness-testing helper);
+    a variable the template cannot use (a number where it loops) is the client's 400, not a 500."""
+    import copy
+
+    from tandem.errors import APIError
+    from tandem.openai_protocol import ChatCompletionRequest
+
+    def prompt(tokenizer, **kwargs) -> str:
+        return ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "Hi"}],
+                                     chat_template_kwargs=kwargs).prompt_text(tokenizer)
+
+    assert prompt(smollm2_tokenizer, self=1, variables=2) == prompt(smollm2_tokenizer)
+    looping = copy.copy(smollm2_tokenizer)
+    looping.chat_template = "{% for tool in tools or [] %}{{ tool }}{% endfor %}{{ messages[0]['content'] }}"
+    looping._compiled_template = None
+    assert prompt(looping, tools=["t1"]) == "t1Hi"
+    with pytest.raises(APIError) as caught:
+        prompt(looping, tools=5)
+    assert caught.value.status == 400 and caught.value.param == "chat_template_kwargs"

@@ -95,6 +95,8 @@ class AsyncEngine:
         cancelled) aborts the request, which frees its KV blocks at the next step."""
         if not self.alive:
             raise EngineDeadError("the engine is not running")
+        if params.structured is not None:  # compiled here, not on the engine thread while every sequence waits
+            await self.engine.grammars.prepare(params.structured)
         stream: asyncio.Queue = asyncio.Queue()
         with self._streams_lock:
             if request_id in self._streams:

@@ -8,6 +8,8 @@ tandem.structured_output.on_grammar_thread) and its start state copied for each 
 
 from __future__ import annotations
 
+import asyncio
+import threading
 from collections import OrderedDict
 from collections.abc import Iterable
 
@@ -32,18 +34,22 @@ class GrammarMatchers:
         self._ll_tokenizer: llguidance.LLTokenizer | None = None
         self._executor: llguidance.LLExecutor | None = None
         self._start_states: OrderedDict[StructuredOutput, llguidance.LLMatcher] = OrderedDict()  # LRU
+        self._start_states_lock = threading.Lock()  # prepare() fills it from the event loop, start() reads it
+
+    async def prepare(self, spec: StructuredOutput) -> None:
+        """Compiles `spec` on the grammar thread, for start() to find, while the caller's event loop waits: the
+        engine thread, which calls start() between two steps, then does not stop every running sequence for the
+        compile (seconds for some schemas). ValueError if the spec is not valid."""
+        if self._cached(spec) is None:
+            self._keep(spec, await asyncio.wrap_future(on_grammar_thread(self._compile, spec)))
 
     def start(self, spec: StructuredOutput, output_so_far: list[int]) -> llguidance.LLMatcher:
         """A matcher for `spec`, moved past `output_so_far` (the output a continued or resumed request already
-        has). ValueError if the spec is not valid, or the output so far does not follow it."""
-        start = self._start_states.get(spec)
+        has). ValueError if the spec is not valid, or the output so far does not follow it. Compiles `spec` here
+        (on the grammar thread, waited for) only when prepare() did not, or it has left the cache since."""
+        start = self._cached(spec)
         if start is None:
-            start = on_grammar_thread(_compiled, self._tokenizer(), spec).result()
-            self._start_states[spec] = start
-            if len(self._start_states) > _CACHED_GRAMMARS:
-                self._start_states.popitem(last=False)
-        else:
-            self._start_states.move_to_end(spec)
+            start = self._keep(spec, on_grammar_thread(self._compile, spec).result())
         matcher = start.deep_copy()
         if output_so_far and not matcher.consume_tokens(output_so_far):
             raise ValueError(f"the output so far does not follow the structured output: {matcher.get_error()}")
@@ -64,6 +70,24 @@ class GrammarMatchers:
         as_bytes = bits.to(device).view(torch.uint8)
         shifts = torch.arange(8, dtype=torch.uint8, device=device)
         return rows, ((as_bytes.unsqueeze(-1) >> shifts) & 1).view(len(rows), -1)[:, :self.vocab_size].bool()
+
+    def _cached(self, spec: StructuredOutput) -> llguidance.LLMatcher | None:
+        with self._start_states_lock:
+            start = self._start_states.get(spec)
+            if start is not None:
+                self._start_states.move_to_end(spec)
+            return start
+
+    def _keep(self, spec: StructuredOutput, start: llguidance.LLMatcher) -> llguidance.LLMatcher:
+        with self._start_states_lock:
+            self._start_states[spec] = start
+            if len(self._start_states) > _CACHED_GRAMMARS:
+                self._start_states.popitem(last=False)
+        return start
+
+    def _compile(self, spec: StructuredOutput) -> llguidance.LLMatcher:
+        """On the grammar thread, like the llguidance tokenizer it builds the first time."""
+        return _compiled(self._tokenizer(), spec)
 
     def _tokenizer(self) -> llguidance.LLTokenizer:
         # Built at the first request that needs it (with that request's grammar, 230-260 ms for SmolLM2's
