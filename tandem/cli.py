@@ -41,7 +41,8 @@ def _serve_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--disagg-min-tokens", type=int, default=RouterConfig.model_fields["disagg_min_tokens"].default,
                    help="prompts shorter than this skip the prefill pool")
     p.add_argument("--api-key", default=None, help="the router then requires `Authorization: Bearer <key>` on "
-                                                   "/v1/*; none given: $TANDEM_API_KEY's, else the API is open")
+                                                   "/v1/*; none given: $TANDEM_API_KEY's, else the API is open. "
+                                                   "$TANDEM_API_KEY keeps the key out of `ps`")
     add_model_options(p, EngineConfig)
     _add_log_level(p, "info")
     return p
@@ -156,6 +157,17 @@ def _checked(parser: argparse.ArgumentParser, build):
     return config
 
 
+def _device_present(parser: argparse.ArgumentParser, device: str) -> None:
+    """--device cuda on a machine without CUDA: said now, not in torch's traceback once the model has loaded."""
+    if not device.startswith("cuda"):
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        parser.exit(2, f"{parser.prog}: --device {device}: CUDA is not available here (torch "
+                       f"{torch.__version__}, torch.cuda.is_available() is False); use --device cpu or auto\n")
+
+
 def _port_free(parser: argparse.ArgumentParser, host: str, port: int) -> None:
     from tandem.launcher import port_in_use
 
@@ -199,17 +211,21 @@ def _main(argv: list[str] | None) -> int:
     if ns.command == "worker":
         from tandem.workers.main import run_worker
 
-        return run_worker(_checked(sub.choices["worker"], lambda: _worker_config(ns)), log_level=ns.log_level)
+        worker_parser = sub.choices["worker"]
+        config = _checked(worker_parser, lambda: _worker_config(ns))
+        _device_present(worker_parser, config.engine.device)
+        return run_worker(config, log_level=ns.log_level)
     if ns.command == "serve":
         from tandem.local_stack import run_local_stack
 
+        serve_parser = sub.choices["serve"]
         if ns.colocated and ns.prefill is not None:
-            parser.error("serve: --colocated runs no prefill pool: drop --prefill (or --colocated)")
+            serve_parser.error("--colocated runs no prefill pool: drop --prefill (or --colocated)")
         prefill = 1 if ns.prefill is None else ns.prefill
         if ns.decode < 1 or prefill < 0:
-            parser.error("serve: needs --decode >= 1 and --prefill >= 0")
-        serve_parser = sub.choices["serve"]
+            serve_parser.error("needs --decode >= 1 and --prefill >= 0")
         engine = _checked(serve_parser, lambda: model_from_options(EngineConfig, ns))
+        _device_present(serve_parser, engine.device)
         # The router's own options too: checked here, not by the router process once the workers have started.
         _checked(serve_parser, lambda: RouterConfig(model=engine.model, host=ns.host, port=ns.port,
                                                    disagg_min_tokens=ns.disagg_min_tokens))
@@ -240,7 +256,7 @@ def _main(argv: list[str] | None) -> int:
         try:
             config = model_from_options(BenchConfig, ns)
         except ValidationError as exc:
-            parser.error(f"bench: {_options_error(exc)}")
+            sub.choices["bench"].error(_options_error(exc))
         return run_bench_command(config)
     if ns.command == "plan":
         from pydantic import ValidationError
@@ -251,7 +267,7 @@ def _main(argv: list[str] | None) -> int:
         try:
             profile = model_from_options(WorkloadProfile, ns)
         except ValidationError as exc:
-            parser.error(f"plan: {_options_error(exc)}")
+            plan_parser.error(_options_error(exc))
         return run_plan_command(profile, ns.curve, ns.patch_style, ns.patch_out, ns.output_format)
     parser.error(f"unknown command {ns.command}")
     return 2

@@ -14,6 +14,12 @@ import httpx
 from tandem.internal_auth import internal_headers
 
 
+def without_boilerplate(exc: httpx.HTTPError) -> str:
+    """httpx's error text without the line it adds to a status error ("For more information check:
+    https://developer.mozilla.org/..."), which says nothing about this worker."""
+    return str(exc).split("\nFor more information", 1)[0].strip()
+
+
 def drain(url: str, timeout_s: float, poll_s: float = 0.5) -> int:
     url = url.rstrip("/")
     try:
@@ -26,7 +32,13 @@ def drain(url: str, timeout_s: float, poll_s: float = 0.5) -> int:
             print(f"tandem drain: {url} refused the internal token ({status}); "
                   "TANDEM_INTERNAL_TOKEN differs from the worker's, so it stops without draining", file=sys.stderr)
             return 1
-        print(f"tandem drain: {url} did not accept the drain ({exc}); nothing to wait for")
+        if status == 404:
+            # Something answers there, but not a worker (a router's URL, a typo'd port): a drain that did nothing
+            # must not pass for one.
+            print(f"tandem drain: {url} is not a Tandem worker (it has no /internal/drain route: 404); "
+                  "nothing was drained", file=sys.stderr)
+            return 1
+        print(f"tandem drain: {url} did not accept the drain ({without_boilerplate(exc)}); nothing to wait for")
         return 0
     deadline = time.monotonic() + timeout_s
     in_flight = None

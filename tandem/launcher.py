@@ -79,6 +79,12 @@ def port_in_use(host: str, port: int) -> bool:
     return False
 
 
+def is_routine(line: str) -> bool:
+    """A log line that never explains why a process ended: httpx's INFO line per request made (a worker logs one per
+    call to a peer; a crashed one's last dozen lines were all of them), in the format `tandem`'s logging has."""
+    return "INFO httpx: HTTP Request:" in line
+
+
 class ServiceProcess:
     """One `tandem <command>` child process listening on 127.0.0.1:<port>, its output in a log file."""
 
@@ -110,19 +116,33 @@ class ServiceProcess:
         return self
 
     def log_tail(self, chars: int = 4000) -> str:
-        """The end of what the latest start wrote."""
+        """The end of what the latest start wrote, without its routine lines (`is_routine`): a crash's reason stays
+        in view behind a worker's one line per peer call."""
         if self.log.closed:
             return "(its log was removed when it stopped cleanly)"
+        size = os.path.getsize(self.log.name)
+        # 4: UTF-8's widest; 16: room for the routine lines dropped below.
+        start = max(self._log_start, size - 4 * 16 * chars)
         with open(self.log.name, "rb") as f:
-            start = max(self._log_start, os.path.getsize(self.log.name) - 4 * chars)  # 4: UTF-8's widest
             f.seek(start)
-            text = f.read().decode(errors="replace")
-        cut = start > self._log_start or len(text) > chars
+            lines = f.read().decode(errors="replace").splitlines(keepends=True)
+        if start > self._log_start and len(lines) > 1:  # the window began mid-line
+            lines = lines[1:]
+        text = "".join(line for line in lines if not is_routine(line))
+        if len(text) <= chars:
+            return text
         text = text[-chars:]
         newline = text.find("\n")
-        if cut and 0 <= newline < len(text) - 1:  # from the first whole line, unless the last line is all there is
+        if 0 <= newline < len(text) - 1:  # from the first whole line, unless the last line is all there is
             text = text[newline + 1:]
         return text
+
+    def is_ready(self, path: str = "/ready") -> bool:
+        """Whether GET `path` answers 200 now."""
+        try:
+            return httpx.get(self.url + path, timeout=2.0).status_code == 200
+        except httpx.HTTPError:
+            return False
 
     def wait_ready(self, timeout: float = 180.0, path: str = "/ready",
                    notice: tuple[float, Callable[[], str]] | None = None) -> ServiceProcess:
@@ -136,11 +156,8 @@ class ServiceProcess:
                 notice = None
             if self.proc.poll() is not None:
                 raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self.log_tail()}")
-            try:
-                if httpx.get(self.url + path, timeout=2.0).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
+            if self.is_ready(path):
+                return self
             time.sleep(0.2)
         raise TimeoutError(f"{self.name} not ready after {timeout}s:\n{self.log_tail()}")
 
@@ -152,11 +169,14 @@ class ServiceProcess:
 
     def stop(self, timeout: float = 15.0) -> int | None:
         """SIGTERM to the process's group: what it started goes too (a worker's compiler, mid-build, would go on
-        writing the build directory the next start builds in). The log of a process that started once and
-        stopped cleanly goes too: it says nothing anyone needs, and /tmp filled up with them. One that exited
+        writing the build directory the next start builds in). The log of a process that never started, or started once
+        and stopped cleanly, goes too: it says nothing anyone needs, and /tmp filled up with them. One that exited
         by itself, was restarted, or had to be killed keeps its log (the paths printed about them stay true)."""
-        if self.proc is None or self.proc.poll() is not None:
-            return None if self.proc is None else self.proc.returncode
+        if self.proc is None:  # never started (a start that failed or was interrupted first): its log is empty
+            self._remove_log()
+            return None
+        if self.proc.poll() is not None:
+            return self.proc.returncode
         try:
             os.killpg(self.proc.pid, signal.SIGTERM)
         except ProcessLookupError:  # gone meanwhile
@@ -167,10 +187,13 @@ class ServiceProcess:
             self.kill()
             return None
         if self.starts == 1 and code in (0, -signal.SIGTERM):
-            self.log.close()
-            with contextlib.suppress(OSError):
-                os.unlink(self.log.name)
+            self._remove_log()
         return code
+
+    def _remove_log(self) -> None:
+        self.log.close()
+        with contextlib.suppress(OSError):
+            os.unlink(self.log.name)
 
     def __enter__(self) -> ServiceProcess:
         return self.start().wait_ready()

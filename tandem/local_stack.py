@@ -29,13 +29,15 @@ class Supervisor:
     """Keeps the stack up as Kubernetes keeps a deployment up: a process (worker or router) that exits is started
     again on its port; the router serves a worker's requests on the pool's other workers meanwhile (none: 503)
     and takes it back once it is ready. One that keeps exiting soon after its start is restarted after a
-    doubling delay, up to MAX_BACKOFF_S (Kubernetes' CrashLoopBackOff): the rest of the stack goes on."""
+    doubling delay, up to MAX_BACKOFF_S (Kubernetes' CrashLoopBackOff): the rest of the stack goes on. A restarted
+    process is said to be back once it answers its readiness probe."""
 
     def __init__(self, processes: list[ServiceProcess], now: float):
         self.processes = processes
         self.started_at = {p.name: now for p in processes}
         self.quick_exits = dict.fromkeys(self.started_at, 0)
         self.due: dict[str, float] = {}  # name -> when its restart is due
+        self.restarted: set[str] = set()  # started again, not ready yet: its being back is said once it is
 
     def check(self, now: float) -> None:
         for process in self.processes:
@@ -45,18 +47,32 @@ class Supervisor:
                     print(f"restarting {process.name} on {process.url}", file=sys.stderr, flush=True)
                     process.start()
                     self.started_at[process.name] = now
+                    self.restarted.add(process.name)
                 continue
             if process.proc.poll() is None:
+                if process.name in self.restarted and process.is_ready():
+                    self.restarted.discard(process.name)
+                    print(f"{process.name} is serving again on {process.url}", file=sys.stderr, flush=True)
                 continue
-            quick = now - self.started_at[process.name] < RESTART_GRACE_S
-            self.quick_exits[process.name] = self.quick_exits[process.name] + 1 if quick else 0
-            delay = min(MAX_BACKOFF_S, 2.0 ** min(self.quick_exits[process.name], 10) - 1)
-            tail = process.log_tail(1500) if self.quick_exits[process.name] <= 1 else "(as before)"
-            print(f"{process.name} {how_it_ended(process.proc.returncode)}:\n{tail}", file=sys.stderr)
-            if delay:
-                print(f"{process.name} keeps exiting; next try in {delay:.0f} s (its log: {process.log.name})",
-                      file=sys.stderr, flush=True)
-            self.due[process.name] = now + delay
+            self.restarted.discard(process.name)
+            self._schedule_restart(process, now)
+
+    def _schedule_restart(self, process: ServiceProcess, now: float) -> None:
+        """Says how it ended (the end of its log the first time) and when it is started again."""
+        quick = now - self.started_at[process.name] < RESTART_GRACE_S
+        self.quick_exits[process.name] = self.quick_exits[process.name] + 1 if quick else 0
+        quick_exits = self.quick_exits[process.name]
+        delay = min(MAX_BACKOFF_S, 2.0 ** min(quick_exits, 10) - 1)
+        tail = process.log_tail(1500) if quick_exits <= 1 else "(as before)"
+        print(f"{process.name} {how_it_ended(process.proc.returncode)}:\n{tail}", file=sys.stderr)
+        # One exit soon after a start is a crash, not yet a loop: "keeps exiting" waits for a second one.
+        if quick_exits > 1:
+            print(f"{process.name} keeps exiting; next try in {delay:.0f} s (its log: {process.log.name})",
+                  file=sys.stderr, flush=True)
+        elif delay:
+            print(f"{process.name} will be restarted in {delay:.0f} s (its log: {process.log.name})",
+                  file=sys.stderr, flush=True)
+        self.due[process.name] = now + delay
 
 
 def supervise(processes: list[ServiceProcess]) -> int:
@@ -118,6 +134,11 @@ def run_local_stack(engine: EngineConfig, *, prefill: int, decode: int, colocate
     except ValueError as exc:
         print(f"tandem serve: {exc}", file=sys.stderr)
         return 2
+    # Said now, not after the workers have loaded their models; and before any process (and its log file) exists.
+    if port_in_use(host, port):
+        print(f"tandem serve: port {port} on {host} is in use (another tandem serve?); stop it, or choose another "
+              "port, e.g. --port 9000 (with make: make serve ARGS=\"--port 9000\")", file=sys.stderr)
+        return 2
     worker_args = options_to_args(engine)
     roles = ["both"] * decode if colocated else ["prefill"] * prefill + ["decode"] * decode
     # The internal endpoints' shared secret (tandem.internal_auth), one per stack unless the caller set one.
@@ -141,10 +162,6 @@ def run_local_stack(engine: EngineConfig, *, prefill: int, decode: int, colocate
     def stop(*_):
         raise KeyboardInterrupt
 
-    if port_in_use(host, port):  # said now, not after the workers have loaded their models
-        print(f"tandem serve: port {port} on {host} is in use (another tandem serve?); stop it, or choose another "
-              "port with --port (make serve ARGS=\"--port 9000\")", file=sys.stderr)
-        return 2
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per readiness poll is noise
     signal.signal(signal.SIGTERM, stop)
     slow = (15.0, lambda: slow_start_notice(workers, everything))

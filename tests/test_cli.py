@@ -137,3 +137,42 @@ def test_a_process_a_signal_ended_is_said_so():
     from tandem.local_stack import how_it_ended
 
     assert how_it_ended(-9) == "was killed by SIGKILL" and how_it_ended(1) == "exited with 1"
+
+
+def test_device_cuda_without_cuda_is_one_line_before_anything_starts(monkeypatch, capsys):
+    """Found by a newcomer's walkthrough: `serve --device cuda` on a CPU machine loaded the model for 20 s, then
+    ended in torch's "Torch not compiled with CUDA enabled" traceback."""
+    import pytest
+    import torch
+
+    from tandem.cli import main
+
+    def started(*args, **kwargs):
+        raise AssertionError("started with a device that is not there")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr("tandem.local_stack.run_local_stack", started)
+    monkeypatch.setattr("tandem.workers.main.run_worker", started)
+    for command in ("serve", "worker"):
+        with pytest.raises(SystemExit) as exited:
+            main([command, "--device", "cuda", "--port", str(free_port())])
+        err = capsys.readouterr().err
+        assert exited.value.code == 2
+        assert err.startswith(f"tandem {command}: --device cuda: CUDA is not available here") and \
+            len(err.splitlines()) == 1, err
+
+
+def test_serve_says_its_own_argument_errors_with_its_own_usage(capsys):
+    """`serve --decode 0` printed the top-level usage (`tandem [-h] {worker,serve,...}`) and `tandem: error: serve:`."""
+    import pytest
+
+    from tandem.cli import main
+
+    for argv, said in ((["serve", "--decode", "0"], "tandem serve: error: needs --decode >= 1"),
+                       (["serve", "--colocated", "--prefill", "1"], "tandem serve: error: --colocated runs no prefill"),
+                       (["bench", "--requests", "0"], "tandem bench: error: --requests: Input should be greater")):
+        with pytest.raises(SystemExit) as exited:
+            main(argv)
+        err = capsys.readouterr().err
+        assert exited.value.code == 2 and said in err, err
+        assert err.startswith(f"usage: tandem {argv[0]} ") and "tandem: error" not in err, err

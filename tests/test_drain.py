@@ -1,8 +1,10 @@
 """Scale-down drain: a draining worker leaves rotation but finishes every request it already has."""
 
+import contextlib
 import subprocess
 import sys
 import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 import openai
@@ -34,3 +36,41 @@ def test_drain_stops_readiness_and_waits_for_requests_in_flight():
         usage = client.completions.create(model="smollm2", prompt="x", max_tokens=2)  # still answers if asked
         assert usage.choices[0].text is not None
         assert len("".join(pieces)) > 0 and len(pieces) >= 40  # the in-flight stream ran to its end
+
+
+@contextlib.contextmanager
+def _answering(status: int):
+    """A server that answers every POST with `status`: not a worker."""
+    class Answer(BaseHTTPRequestHandler):
+        def do_POST(self):
+            self.send_response(status)
+            self.send_header("content-length", "0")
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Answer)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_drain_of_something_that_is_not_a_worker_says_so_and_fails(capsys):
+    """Found by a newcomer's walkthrough: `tandem drain --url <the router>` printed httpx's text and its MDN link,
+    and exited 0 as if it had drained."""
+    from tandem.drain import drain
+
+    with _answering(404) as url:
+        assert drain(url, timeout_s=1) == 1
+    said = capsys.readouterr()
+    assert said.err.strip() == (f"tandem drain: {url} is not a Tandem worker (it has no /internal/drain route: "
+                                "404); nothing was drained")
+    with _answering(500) as url:  # any other refusal: as before, nothing to wait for, without httpx's boilerplate
+        assert drain(url, timeout_s=1) == 0
+    said = capsys.readouterr().out
+    assert "did not accept the drain (Server error '500 Internal Server Error'" in said
+    assert "mozilla" not in said and "For more information" not in said

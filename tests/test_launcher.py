@@ -33,13 +33,16 @@ class FakeProcess:
     """What Supervisor reads of a ServiceProcess. `dead`: every start of it exits at once."""
 
     def __init__(self, name: str, dead: bool):
-        self.name, self.url, self.starts = name, f"http://{name}", 0
+        self.name, self.url, self.starts, self.dead, self.ready = name, f"http://{name}", 0, dead, True
         self.log = type("Log", (), {"name": f"/tmp/{name}.log"})()
-        self.proc = type("Proc", (), {"poll": lambda _: 1 if dead else None, "returncode": 1})()
+        self.proc = type("Proc", (), {"poll": lambda _: 1 if self.dead else None, "returncode": 1})()
 
     def start(self):
         self.starts += 1
         return self
+
+    def is_ready(self) -> bool:
+        return self.ready
 
     def log_tail(self, chars: int = 4000) -> str:
         return self.tail
@@ -73,6 +76,30 @@ def test_a_process_that_ran_a_while_before_exiting_is_restarted_at_once():
     supervisor.check(RESTART_GRACE_S + 1)  # its exit, after a long run, is noticed
     supervisor.check(RESTART_GRACE_S + 1)  # and the restart is due at once
     assert worker.starts == 1
+
+
+def test_one_crash_is_not_called_a_loop_and_the_restarted_process_is_said_to_be_back(capsys):
+    """Found by a newcomer's walkthrough: one `kill -KILL` of a worker was said as "keeps exiting", and nothing said
+    when it served again."""
+    from tandem.local_stack import Supervisor
+
+    worker = FakeProcess("decode-1", dead=True)
+    supervisor = Supervisor([worker], now=0.0)
+    supervisor.check(5.0)  # killed soon after its start
+    said = capsys.readouterr().err
+    assert "decode-1 exited with 1" in said and "restarted in 1 s" in said and "keeps exiting" not in said
+    worker.dead, worker.ready = False, False
+    supervisor.check(6.0)  # restarted, loading its model
+    supervisor.check(6.5)
+    said = capsys.readouterr().err
+    assert "restarting decode-1" in said and "serving again" not in said
+    worker.ready = True
+    supervisor.check(7.0)
+    supervisor.check(7.5)  # said once
+    assert capsys.readouterr().err.count("decode-1 is serving again on http://decode-1") == 1
+    worker.dead = True
+    supervisor.check(8.0)  # a second quick exit: now it is a loop
+    assert "decode-1 keeps exiting; next try in 3 s" in capsys.readouterr().err
 
 
 def test_a_port_whose_last_connection_is_in_time_wait_is_free_for_the_router():
@@ -158,6 +185,51 @@ def test_a_log_tail_begins_at_a_whole_line():
         process.log.close()
         os.remove(process.log.name)
 
+
+
+def test_a_log_tail_leaves_out_routine_lines():
+    """A crashed worker's tail was a dozen httpx "HTTP Request:" lines, its reason scrolled out of the window."""
+    from tandem.launcher import ServiceProcess
+
+    process = ServiceProcess(["worker"], port=1, name="routine-tail-test")
+    try:
+        process.log.write(b"2026-01-01 00:00:00 ERROR tandem.workers: Traceback ...\nValueError: the reason\n")
+        process.log.write(b"".join(b"2026-01-01 00:00:01 INFO httpx: HTTP Request: POST http://127.0.0.1:9/internal/kv"
+                                   b"/release \"HTTP/1.1 200 OK\"\n" for _ in range(60)))
+        process.log.write(b"2026-01-01 00:00:02 WARNING httpx: HTTP Request: kept, a warning\n")
+        process.log.flush()
+        tail = process.log_tail(1500)
+        assert "ValueError: the reason" in tail and "INFO httpx" not in tail and "kept, a warning" in tail
+    finally:
+        process.log.close()
+        os.remove(process.log.name)
+
+
+def test_a_process_that_never_started_leaves_no_log():
+    """A start that failed (or was interrupted) before the router's left its empty log behind in /tmp."""
+    from tandem.launcher import ServiceProcess
+
+    process = ServiceProcess(["router"], port=1, name="never-started")
+    assert os.path.exists(process.log.name)
+    assert process.stop() is None and not os.path.exists(process.log.name)
+
+
+def test_serve_on_a_port_in_use_creates_no_process_and_no_log(monkeypatch, capsys):
+    from tandem.config import EngineConfig
+    from tandem.local_stack import run_local_stack
+
+    def no_process(*args, **kwargs):
+        raise AssertionError("a process (and its log file) was made for a stack that cannot start")
+
+    monkeypatch.setattr("tandem.local_stack.ServiceProcess", no_process)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        code = run_local_stack(EngineConfig(), prefill=1, decode=1, colocated=False, disagg_min_tokens=512,
+                               host="127.0.0.1", port=taken.getsockname()[1])
+    assert code == 2
+    said = capsys.readouterr().err
+    assert "is in use" in said and "--port 9000" in said and 'make serve ARGS="--port 9000"' in said
 
 
 def test_a_slow_start_is_put_down_to_compiling_only_while_a_worker_compiles():

@@ -13,7 +13,8 @@ from tandem.bench.prompts import parse_token_id_range
 class BenchConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    url: str = Field("http://127.0.0.1:8000", description="base URL of an OpenAI-compatible server")
+    url: str = Field("http://127.0.0.1:8000", description="base URL of an OpenAI-compatible server (an SDK's base URL, "
+                                                                  "ending in /v1, is taken too)")
     model: str | None = Field(None, description="model name to send; default: the first one /v1/models lists")
     endpoint: Literal["completions", "chat"] = Field("completions", description="OpenAI API to exercise")
     input_dist: str = Field("fixed:128", description="prompt tokens: fixed:N, uniform:A:B, lognormal:MEAN:SIGMA, "
@@ -72,7 +73,9 @@ class BenchConfig(BaseModel):
     def _url(cls, value):
         if not value.startswith(("http://", "https://")):
             raise ValueError(f"url {value!r} must start with http:// or https://")
-        return value.rstrip("/")
+        # The SDKs' base URL ends in /v1 (as the README's examples do), and users paste it: the paths bench asks
+        # for (/v1/models, /v1/completions) already begin with it.
+        return value.rstrip("/").removesuffix("/v1")
 
     @model_validator(mode="after")
     def _one_sweep(self):

@@ -102,6 +102,9 @@ async def run_bench(cfg: BenchConfig, progress_stream: TextIO | None = None) -> 
         model = cfg.model or info.get("model")
         if not model:
             raise ValueError(f"cannot list the models of {cfg.url} (GET /v1/models): name one with --model")
+        served = info.get("models") or []
+        if served and model not in served:  # every request would be a 404, and the files would record only that
+            raise ValueError(f"{cfg.url} does not serve --model {model!r}; it serves: {', '.join(map(str, served))}")
         ignore_eos = cfg.ignore_eos == "on" or (cfg.ignore_eos == "auto" and info.get("owned_by") in IGNORE_EOS_SERVERS)
         kind, values = cfg.sweep
         points, all_records = [], []

@@ -119,3 +119,35 @@ def test_a_sweep_against_no_server_stops_before_it_starts(tmp_path, capsys):
         assert run_bench_command(config) == 2
         assert f"nothing answers at {url}" in capsys.readouterr().err
         assert not (tmp_path / "out").exists()
+
+
+def test_an_sdk_base_url_ending_in_v1_is_taken():
+    """Found by a newcomer's walkthrough: `--url http://.../v1` (the SDKs' base URL, as the README writes it) asked
+    for /v1/v1/models, and with --model every request was a 404."""
+    from tandem.bench.config import BenchConfig
+
+    for url in ("http://127.0.0.1:18300/v1", "http://127.0.0.1:18300/v1/", "http://127.0.0.1:18300/"):
+        assert BenchConfig(url=url).url == "http://127.0.0.1:18300"
+    assert BenchConfig(url="http://host/api/v1").url == "http://host/api"
+    assert BenchConfig(url="http://host/v10").url == "http://host/v10"
+
+
+def test_a_model_the_server_does_not_serve_stops_before_the_sweep(tmp_path, capsys, monkeypatch):
+    """Found by a newcomer's walkthrough: `--model gpt-4` sent every request (all 404) and wrote the files of an
+    all-failed run."""
+    from tandem.bench.command import run_bench_command
+    from tandem.bench.config import BenchConfig
+
+    async def serves_smollm2(client, url):
+        return {"models": ["smollm2"], "model": "smollm2", "owned_by": "tandem", "max_model_len": 8192}
+
+    def sent(*args, **kwargs):
+        raise AssertionError("a request was sent")
+
+    monkeypatch.setattr("tandem.bench.loadgen.server_info", serves_smollm2)
+    monkeypatch.setattr("tandem.bench.loadgen.send_streaming", sent)
+    config = BenchConfig(url="http://127.0.0.1:18300", model="gpt-4", out=str(tmp_path / "out"), requests=2)
+    assert run_bench_command(config) == 2
+    assert capsys.readouterr().err.strip() == ("tandem bench: error: http://127.0.0.1:18300 does not serve "
+                                               "--model 'gpt-4'; it serves: smollm2")
+    assert not (tmp_path / "out").exists()
