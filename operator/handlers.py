@@ -42,6 +42,12 @@ def _report(body: Mapping[str, Any], outcomes: list[tuple[Outcome, dict]], reaso
                        message=f"{obj['kind']} {obj['metadata']['name']}")
 
 
+def _condition(body: Mapping[str, Any], kind: str) -> Mapping[str, Any]:
+    """The status condition of type `kind` as `body` holds it ({} if none)."""
+    conditions = (body.get("status") or {}).get("conditions") or []
+    return next((c for c in conditions if c.get("type") == kind), {})
+
+
 def _failed(keeper: StatusKeeper, body: Mapping[str, Any], exc: Exception, refused: bool, reason: str,
             retry_in_s: float | None = None) -> None:
     """A reconcile that could not be carried out: noted for the status (and for the retry timer, with
@@ -97,9 +103,12 @@ def build_registry(kube: Kube, keeper: StatusKeeper, resync_seconds: float | Non
             outcomes, applied = _apply(kube, keeper, body)
         except SpecError as exc:
             # Nothing is created; the reason goes to the status and an event, and kopf does not retry
-            # until the spec changes again.
+            # until the spec changes again. The event is posted once per reason: an edit of the object's labels,
+            # or an operator restart, handles the same spec again, and the status already says it.
+            said = _condition(body, "SpecValid")
             keeper.refresh(namespace, name, generation=meta.get("generation"))
-            kopf.warn(dict(body), reason="InvalidSpec", message=str(exc))
+            if (said.get("status"), said.get("message")) != ("False", str(exc)):
+                kopf.warn(dict(body), reason="InvalidSpec", message=str(exc))
             raise kopf.PermanentError(f"invalid spec: {exc}") from None
         _report(body, outcomes)
         keeper.refresh(namespace, name, generation=applied)

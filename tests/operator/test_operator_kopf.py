@@ -222,6 +222,10 @@ async def test_invalid_spec_sets_spec_valid_false_posts_an_event_and_creates_not
 
     await asyncio.sleep(1.5)  # a retry storm would show up as more attempts within this window
     assert len(cluster.events("InvalidSpec")) == 1
+    # An edit of its labels handles the same spec again: the status already says why, no second event.
+    await cluster.patch(CR, "smollm2", {"metadata": {"labels": {"team": "search"}}})
+    await asyncio.sleep(1.5)
+    assert len(cluster.events("InvalidSpec")) == 1
     for resource in OWNED:
         assert cluster.all(resource) == {}, resource
 
