@@ -580,3 +580,32 @@ def test_browser_origins_get_cors_headers_only_when_allowed_and_before_the_key_g
     assert "access-control-allow-origin" not in other.headers
     closed = app_with([])
     assert "access-control-allow-origin" not in asyncio.run(ask(closed, "OPTIONS", preflight)).headers
+
+
+def test_a_long_conversation_is_rendered_off_the_event_loop_to_the_same_ids():
+    """The chat template is Python: 31,000 messages held the router's loop for 0.4 s (a robustness-testing
+    helper's finding). From LONG_CONVERSATION_MESSAGES on it renders on the tokenizer threads, to the same ids."""
+    import threading
+
+    from tandem.openai_protocol import ChatCompletionRequest
+    from tandem.router.app import LONG_CONVERSATION_MESSAGES, chat_prompt_ids
+
+    router = Router(RouterConfig(decode=[WORKER]))
+    rendered_on = []
+    prompt_text = ChatCompletionRequest.prompt_text
+
+    def spying(self, tokenizer):
+        rendered_on.append(threading.current_thread().name)
+        return prompt_text(self, tokenizer)
+
+    turns = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"turn {i}"}
+             for i in range(LONG_CONVERSATION_MESSAGES + 1)]
+    short, long = (ChatCompletionRequest(model="smollm2", messages=m) for m in (turns[:2], turns))
+    ChatCompletionRequest.prompt_text = spying
+    try:
+        ids = [asyncio.run(chat_prompt_ids(router, body)) for body in (short, long)]
+    finally:
+        ChatCompletionRequest.prompt_text = prompt_text
+    assert rendered_on[0] == "MainThread" and rendered_on[1].startswith("tokenize")
+    for body, got in zip((short, long), ids, strict=True):
+        assert got == router.tokenizer.encode(body.prompt_text(router.tokenizer), False)
