@@ -136,3 +136,55 @@ def test_the_engine_steps_on_while_a_requests_grammar_compiles(tiny_llama_dir):
         grammar_module._compiled = compile_before
         async_engine.stop()
     assert outputs[-1].finished and other_moved_on.is_set()
+
+
+def test_an_engine_that_dies_while_a_grammar_compiles_fails_that_request_too(tiny_llama_dir):
+    """The compile is awaited before the request's stream is registered: a stream registered after the dying engine
+    thread failed the ones it knew would wait for good (found by a review helper)."""
+    from tandem.protocol import StructuredOutput
+    from tandem.workers.engine import grammar as grammar_module
+
+    loaded = load_model(tiny_llama_dir, dtype="float32")
+    engine = LLMEngine(loaded, EngineConfig(num_kv_blocks=32, block_size=16), EngineMetrics(loaded.config.name, "both"))
+    async_engine = AsyncEngine(engine)
+    async_engine.start()
+    engine_died = threading.Event()
+
+    def broken_step():
+        raise RuntimeError("a bug in a step")
+
+    compile_before = grammar_module._compiled
+
+    def compile_while_it_dies(*args):
+        engine.step = broken_step
+        async_engine._inbox.put(_add_plain_request())  # gives the engine a step to fail
+        async_engine._wakeup.set()
+        engine_died.wait(30)
+        return compile_before(*args)
+
+    def _add_plain_request():
+        from tandem.workers.async_engine import _Add
+
+        return _Add("plain", [5, 6, 7], SamplingParams(temperature=0, max_tokens=4), 0.0, {})
+
+    async def run():
+        params = SamplingParams(temperature=0, max_tokens=3, structured=StructuredOutput(kind="regex", value="[0-9]+"))
+        with pytest.raises(EngineDeadError):
+            await asyncio.wait_for(_drain(async_engine.generate("structured", [5, 6, 7], params, 0.0)), 30)
+
+    async def _drain(stream):
+        async for _ in stream:
+            pass
+
+    def watch():
+        while async_engine.error is None:
+            time.sleep(0.01)
+        engine_died.set()
+
+    grammar_module._compiled = compile_while_it_dies
+    threading.Thread(target=watch, daemon=True).start()
+    try:
+        asyncio.run(run())
+    finally:
+        grammar_module._compiled = compile_before
+        async_engine.stop()

@@ -235,3 +235,26 @@ def test_the_engine_thread_finds_a_prepared_grammar_compiled():
     assert compiled_on_engine_thread == [] and not matcher.is_error()
     with pytest.raises(ValueError, match="structured output"):  # a bad spec is refused by prepare itself
         asyncio.run(fresh.prepare(StructuredOutput(kind="json", value='{"$ref": "#"}')))
+
+
+def test_requests_that_bring_one_new_grammar_at_once_share_its_compile_and_a_leaver_keeps_it():
+    from tandem.workers.engine import grammar as grammar_module
+
+    tokenizer = load_tokenizer("smollm2")
+    fresh = GrammarMatchers(tokenizer, VOCAB, tokenizer.eos_token_ids)
+    spec = StructuredOutput(kind="regex", value="[a-f]{2}-[0-9]+")
+    compiles = []
+    compile_before = grammar_module._compiled
+    grammar_module._compiled = lambda *args: compiles.append(args) or compile_before(*args)
+
+    async def run():
+        leaver = asyncio.create_task(fresh.prepare(spec))
+        await asyncio.sleep(0)
+        leaver.cancel()  # its client left while the compile was under way
+        await asyncio.gather(*(fresh.prepare(spec) for _ in range(8)))
+
+    try:
+        asyncio.run(run())
+    finally:
+        grammar_module._compiled = compile_before
+    assert len(compiles) == 1 and fresh._cached(spec) is not None and fresh._compiling == {}

@@ -99,6 +99,11 @@ class AsyncEngine:
             await self.engine.grammars.prepare(params.structured)
         stream: asyncio.Queue = asyncio.Queue()
         with self._streams_lock:
+            # Checked again, under the lock the dying engine thread lists the streams to fail under (after it sets
+            # `error`): the compile above may have taken seconds, and a stream registered after that list was made
+            # would wait for good.
+            if self.error is not None or self._stopping:
+                raise EngineDeadError("the engine is not running")
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already in flight")
             self._streams[request_id] = (asyncio.get_running_loop(), stream)

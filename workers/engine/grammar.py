@@ -9,6 +9,7 @@ tandem.structured_output.on_grammar_thread) and its start state copied for each 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable
@@ -34,14 +35,23 @@ class GrammarMatchers:
         self._ll_tokenizer: llguidance.LLTokenizer | None = None
         self._executor: llguidance.LLExecutor | None = None
         self._start_states: OrderedDict[StructuredOutput, llguidance.LLMatcher] = OrderedDict()  # LRU
-        self._start_states_lock = threading.Lock()  # prepare() fills it from the event loop, start() reads it
+        # prepare() fills it from the event loop, start() reads it on the engine thread; and the compiles under way
+        self._start_states_lock = threading.Lock()
+        self._compiling: dict[StructuredOutput, concurrent.futures.Future] = {}
 
     async def prepare(self, spec: StructuredOutput) -> None:
         """Compiles `spec` on the grammar thread, for start() to find, while the caller's event loop waits: the
         engine thread, which calls start() between two steps, then does not stop every running sequence for the
-        compile (seconds for some schemas). ValueError if the spec is not valid."""
-        if self._cached(spec) is None:
-            self._keep(spec, await asyncio.wrap_future(on_grammar_thread(self._compile, spec)))
+        compile (seconds for some schemas). Requests that bring the same new spec at once share one compile, and
+        one whose client leaves meanwhile does not cancel it: it is kept for the next. ValueError if the spec is
+        not valid."""
+        with self._start_states_lock:
+            if spec in self._start_states:
+                return
+            compiling = self._compiling.get(spec)
+            if compiling is None:
+                compiling = self._compiling[spec] = on_grammar_thread(self._compile_and_keep, spec)
+        await asyncio.shield(asyncio.wrap_future(compiling))
 
     def start(self, spec: StructuredOutput, output_so_far: list[int]) -> llguidance.LLMatcher:
         """A matcher for `spec`, moved past `output_so_far` (the output a continued or resumed request already
@@ -88,6 +98,14 @@ class GrammarMatchers:
     def _compile(self, spec: StructuredOutput) -> llguidance.LLMatcher:
         """On the grammar thread, like the llguidance tokenizer it builds the first time."""
         return _compiled(self._tokenizer(), spec)
+
+    def _compile_and_keep(self, spec: StructuredOutput) -> None:
+        """prepare()'s compile, kept from the grammar thread itself: whoever waited for it may have left."""
+        try:
+            self._keep(spec, self._compile(spec))
+        finally:
+            with self._start_states_lock:
+                self._compiling.pop(spec, None)
 
     def _tokenizer(self) -> llguidance.LLTokenizer:
         # Built at the first request that needs it (with that request's grammar, 230-260 ms for SmolLM2's
