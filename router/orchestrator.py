@@ -431,7 +431,8 @@ def decode_delta(chunks: list[dict]) -> Delta:
     logprobs, prompt_logprobs = event.get("logprobs"), event.get("prompt_logprobs")
     return Delta(event["token_ids"], event.get("text", ""), [_entry(e) for e in logprobs] if logprobs else None,
                  event.get("finish_reason") is not None, event.get("finish_reason"), event.get("num_cached_tokens", 0),
-                 None if prompt_logprobs is None else [e and _entry(e) for e in prompt_logprobs])
+                 None if prompt_logprobs is None else [e and _entry(e) for e in prompt_logprobs],
+                 event.get("stop_reason"))
 
 
 def _batch_delta(url: str, batch: list[dict]) -> tuple[Delta | None, Exception | None]:
@@ -454,7 +455,8 @@ def _first_delta(url: str, answer: dict) -> Delta:
         logprob = answer.get("first_token_logprob")
         first = _typed(Delta([answer["first_token_id"]], answer["first_token_text"],
                              [_entry(logprob)] if logprob else None, answer["finish_reason"] is not None,
-                             answer["finish_reason"], answer.get("num_cached_tokens", 0)))
+                             answer["finish_reason"], answer.get("num_cached_tokens", 0),
+                             stop_reason=answer.get("stop_reason")))
         if not (answer["kv_handle"] is None or type(answer["kv_handle"]) is dict):
             raise TypeError(f"kv_handle is a {type(answer['kv_handle']).__name__}")
         return first
@@ -466,7 +468,8 @@ def _typed(delta: Delta) -> Delta:
     """`delta`, after checking the types of what the request's bookkeeping and formatting use (TypeError)."""
     if not (type(delta.new_token_ids) is list and all(type(t) is int for t in delta.new_token_ids)
             and type(delta.new_text) is str and type(delta.num_cached_tokens) is int
-            and (delta.finish_reason is None or type(delta.finish_reason) is str)):
+            and (delta.finish_reason is None or type(delta.finish_reason) is str)
+            and (delta.stop_reason is None or type(delta.stop_reason) in (int, str))):
         raise TypeError("a field of the wrong type")
     return delta
 

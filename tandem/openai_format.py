@@ -23,6 +23,7 @@ class Delta:
     finish_reason: str | None
     num_cached_tokens: int = 0
     prompt_logprobs: list | None = None  # on the first delta, when asked for: an entry per prompt token (None first)
+    stop_reason: int | str | None = None  # vLLM's: the stop string or stop token id that ended it, if one did
 
 
 RequestOutput = Delta  # the engine's RequestOutput is read through the same fields
@@ -46,6 +47,7 @@ class Formatter:
         self.logprobs: list = []
         self.wants_logprobs = False
         self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
 
     def add(self, out: RequestOutput) -> None:
         self.pieces.append(out.new_text)
@@ -55,7 +57,7 @@ class Formatter:
             self.logprobs.extend(out.new_logprobs)
         self.num_cached_tokens = out.num_cached_tokens
         if out.finished:
-            self.finish_reason = out.finish_reason
+            self.finish_reason, self.stop_reason = out.finish_reason, out.stop_reason
 
     @property
     def text(self) -> str:
@@ -161,13 +163,14 @@ class CompletionFormatter(Formatter):
         if logprobs is not None:
             self.streamed_chars += sum(map(len, logprobs["tokens"]))
         choice = {"index": self.index, "text": (self.echo[0] if echo_now else "") + out.new_text,
-                  "logprobs": logprobs, "finish_reason": out.finish_reason if out.finished else None}
+                  "logprobs": logprobs, "finish_reason": out.finish_reason if out.finished else None,
+                  "stop_reason": out.stop_reason if out.finished else None}
         return [self.envelope(self.chunk_object_name, [choice])]
 
     def final(self) -> dict:
         text = (self.echo[0] if self.echo is not None else "") + self.text
         choice = {"index": self.index, "text": text, "logprobs": self._logprobs_block(self.logprobs, with_prompt=True),
-                  "finish_reason": self.finish_reason}
+                  "finish_reason": self.finish_reason, "stop_reason": self.stop_reason}
         return self.envelope(self.object_name, [choice], self.usage())
 
 
@@ -191,7 +194,7 @@ class ChatFormatter(Formatter):
     def first_chunk(self) -> dict:
         return self.envelope(self.chunk_object_name,
                              [{"index": self.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                               "finish_reason": None}])
+                               "finish_reason": None, "stop_reason": None}])
 
     def chunks(self, out: RequestOutput) -> list[dict]:
         self.add(out)
@@ -199,13 +202,16 @@ class ChatFormatter(Formatter):
         if out.new_text or out.new_logprobs:  # tokens with no text yet still have logprobs to send
             chunks.append(self.envelope(self.chunk_object_name, [
                 {"index": self.index, "delta": {"content": out.new_text},
-                 "logprobs": self._logprobs_block(out.new_logprobs or []), "finish_reason": None}]))
+                 "logprobs": self._logprobs_block(out.new_logprobs or []), "finish_reason": None,
+                 "stop_reason": None}]))
         if out.finished:
             chunks.append(self.envelope(self.chunk_object_name, [
-                {"index": self.index, "delta": {}, "logprobs": None, "finish_reason": out.finish_reason}]))
+                {"index": self.index, "delta": {}, "logprobs": None, "finish_reason": out.finish_reason,
+                 "stop_reason": out.stop_reason}]))
         return chunks
 
     def final(self) -> dict:
         choice = {"index": self.index, "message": {"role": "assistant", "content": self.text},
-                  "logprobs": self._logprobs_block(self.logprobs), "finish_reason": self.finish_reason}
+                  "logprobs": self._logprobs_block(self.logprobs), "finish_reason": self.finish_reason,
+                  "stop_reason": self.stop_reason}
         return self.envelope(self.object_name, [choice], self.usage())

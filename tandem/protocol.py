@@ -124,6 +124,7 @@ class PrefillResponse(BaseModel):
     first_token_text: str = ""
     first_token_logprob: TokenLogprob | None = None
     finish_reason: str | None = Field(None, description="set when the request already ended at its first token")
+    stop_reason: int | str | None = Field(None, description="the stop string or token id that ended it, if one did")
     kv_handle: KVHandle | None = Field(None, description="absent when finished (nothing left to decode)")
     num_cached_tokens: int = 0
 
@@ -154,6 +155,7 @@ class DecodeChunk(BaseModel):
     text: str = ""
     logprobs: list[TokenLogprob] | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # the stop string or stop token id that ended the output, if one did
     num_cached_tokens: int = 0
     kv_source: str | None = Field(None, description="'pulled', 'local' or a fallback reason; on the first chunk")
     prompt_logprobs: list[TokenLogprob | None] | None = Field(None, description="on the first chunk, when asked "
@@ -172,7 +174,7 @@ def join_decode_events(events: list[dict]) -> dict:
     logprobs = [entry for e in events for entry in e.get("logprobs") or ()]
     if logprobs:
         joined["logprobs"] = logprobs
-    for key in ("finish_reason", "num_cached_tokens"):
+    for key in ("finish_reason", "stop_reason", "num_cached_tokens"):
         if key in last:
             joined[key] = last[key]
     for key in ("kv_source", "prompt_logprobs"):  # the first event's

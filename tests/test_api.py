@@ -341,9 +341,13 @@ def test_stop_string_cuts_exactly(client):
     text = client.completions.create(**kwargs).choices[0].text
     stop = text[len(text) // 2:len(text) // 2 + 3]
     assert stop.strip(), text
-    cut = client.completions.create(stop=[stop], **kwargs).choices[0]
+    cut = client.completions.create(stop=[stop, "never in this text"], **kwargs).choices[0]
     assert cut.text == text[:text.index(stop)]
     assert cut.finish_reason == "stop"
+    assert cut.stop_reason == stop  # vLLM's: which of the stops ended it
+    streamed = list(client.completions.create(stop=[stop], stream=True, **kwargs))
+    assert [c.choices[0].stop_reason for c in streamed if c.choices][-1] == stop
+    assert client.completions.create(**kwargs).choices[0].stop_reason is None  # ended by its length
 
 
 BAD_INPUTS = [

@@ -282,7 +282,7 @@ def test_stop_conditions(tiny_llama):
     prompt = tok.encode(TEXT, add_special_tokens=False)[:20]
     engine = make_engine(tiny_llama)
     [free_run] = engine.generate([prompt], greedy(12))
-    assert free_run.finish_reason == "length" and len(free_run.token_ids) == 12
+    assert free_run.finish_reason == "length" and len(free_run.token_ids) == 12 and free_run.stop_reason is None
     assert free_run.text == tok.decode(free_run.token_ids)
 
     # A stop token id: generation ends on it and reports it.
@@ -290,11 +290,15 @@ def test_stop_conditions(tiny_llama):
     first = free_run.token_ids.index(stop_id)
     [stopped] = engine.generate([prompt], greedy(12, stop_token_ids=[stop_id]))
     assert stopped.finish_reason == "stop" and stopped.token_ids == free_run.token_ids[:first + 1]
+    assert stopped.stop_reason == stop_id  # vLLM's stop_reason: which stop ended it
 
     # EOS stops unless ignore_eos; the tiny model has eos id 2 - make it the stop by declaring it EOS.
     engine.eos_token_ids = frozenset({stop_id})
     [eos] = engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=12))
     assert eos.finish_reason == "stop" and eos.token_ids == free_run.token_ids[:first + 1]
+    assert eos.stop_reason is None  # EOS is no stop of the client's
+    [listed] = engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=[stop_id]))
+    assert listed.stop_reason is None  # an EOS the client also listed is still EOS (as in vLLM)
     [ignored] = engine.generate([prompt], greedy(12))
     assert ignored.token_ids == free_run.token_ids
 
@@ -303,7 +307,7 @@ def test_stop_conditions(tiny_llama):
     stop = text[len(text) // 2:len(text) // 2 + 3]
     if stop:
         [cut] = engine.generate([prompt], greedy(12, stop=[stop]))
-        assert cut.finish_reason == "stop" and cut.text == text[:text.index(stop)]
+        assert cut.finish_reason == "stop" and cut.text == text[:text.index(stop)] and cut.stop_reason == stop
         [kept] = engine.generate([prompt], greedy(12, stop=[stop], include_stop_str_in_output=True))
         assert kept.text == text[:text.index(stop) + len(stop)]
     assert engine.num_kv_blocks_used == 0

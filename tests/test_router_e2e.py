@@ -160,6 +160,12 @@ def test_disaggregated_output_equals_colocated(fleet, tokenizer):
     streamed = "".join(c.choices[0].text for c in sdk(fleet["disagg"]).completions.create(**kwargs, stream=True)
                        if c.choices)
     assert streamed == split
+    # vLLM's stop_reason, through both paths: the stop string that ended the text (a P/D split's from its decode
+    # worker, or its prefill worker when the first token already stopped it).
+    for stop in (split[len(split) // 2:len(split) // 2 + 3], split[:2]):
+        for path in ("disagg", "colocated"):
+            choice = sdk(fleet[path]).completions.create(**kwargs, stop=[stop]).choices[0]
+            assert (choice.text, choice.stop_reason) == (split[:split.index(stop)], stop), (path, stop)
 
 
 def test_prefix_families_stay_on_one_prefill_worker(fleet, tokenizer):

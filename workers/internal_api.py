@@ -168,7 +168,7 @@ async def serve_prefill(ctx, body: PrefillRequest) -> dict:
     return PrefillResponse(
         request_id=body.request_id, first_token_id=last.new_token_ids[0], first_token_text=last.new_text,
         first_token_logprob=logprob_entry(last.new_logprobs[0]) if last.new_logprobs else None,
-        finish_reason=last.finish_reason, kv_handle=handle, num_cached_tokens=last.num_cached_tokens,
+        finish_reason=last.finish_reason, stop_reason=last.stop_reason, kv_handle=handle, num_cached_tokens=last.num_cached_tokens,
     ).model_dump()
 
 
@@ -325,6 +325,7 @@ async def decode_events(ctx, outputs: AsyncIterator[RequestOutput], handle: KVHa
             event = DecodeChunk(token_ids=out.new_token_ids, text=out.new_text,
                                 logprobs=[logprob_entry(e) for e in out.new_logprobs] if out.new_logprobs else None,
                                 finish_reason=out.finish_reason if out.finished else None,
+                                stop_reason=out.stop_reason,
                                 num_cached_tokens=out.num_cached_tokens,
                                 kv_source=(out.kv_status or fallback or ("local" if handle is None else None))
                                 if first else None,

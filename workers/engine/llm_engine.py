@@ -56,6 +56,8 @@ class RequestOutput:
     kv_status: str | None = None  # requests with a kv_source, first output: "pulled" or the fallback reason
     # params.prompt_logprobs, first output: one entry per prompt token (None for the first, which nothing predicts)
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    # vLLM's: the stop string or stop token id that ended the output; None when it ended otherwise (EOS included)
+    stop_reason: int | str | None = None
 
 
 @dataclass
@@ -113,6 +115,7 @@ class GenerationResult:
     text: str = ""
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     finish_reason: str | None = None
+    stop_reason: int | str | None = None
     num_cached_tokens: int = 0
 
 
@@ -403,7 +406,7 @@ class LLMEngine:
                 result.logprobs.extend(out.new_logprobs or [])
                 result.num_cached_tokens = out.num_cached_tokens
                 if out.finished:
-                    result.finish_reason = out.finish_reason
+                    result.finish_reason, result.stop_reason = out.finish_reason, out.stop_reason
                     pending.discard(out.request_id)
         return list(results.values())
 
@@ -557,14 +560,16 @@ class LLMEngine:
 
         detokenizer = request.detokenizer
         text = ""
-        reason = None
+        reason = stop_reason = None
         if token_id in request.stop_token_ids:
             reason = "stop"  # the stop token's id is reported, its text is not
+            if token_id not in self.eos_token_ids or seq.params.ignore_eos:  # one of the client's stop_token_ids
+                stop_reason = token_id
         else:
             if detokenizer is not None:
                 text = detokenizer.add_token(token_id)
                 if detokenizer.stopped:
-                    reason = "stop"
+                    reason, stop_reason = "stop", detokenizer.matched_stop
             # A finished grammar admits nothing more (its mask holds EOS alone). One that llguidance gave up on
             # midway (a limit of its own, e.g. an automaton too large to build) ends the answer there too.
             matcher = request.matcher
@@ -594,7 +599,7 @@ class LLMEngine:
         return RequestOutput(seq.request_id, [token_id], text, None if logprobs is None else [logprobs],
                              reason is not None or lease is not None, reason, seq.num_prompt_tokens,
                              seq.num_cached_tokens, kv_lease=lease, kv_status=kv_status,
-                             prompt_logprobs=prompt_logprobs)
+                             prompt_logprobs=prompt_logprobs, stop_reason=stop_reason)
 
     def _finish(self, seq: Sequence, reason: str, now: float) -> None:
         self.scheduler.finish(seq, reason)
