@@ -103,11 +103,13 @@ def build_registry(kube: Kube, keeper: StatusKeeper, resync_seconds: float | Non
             outcomes, applied = _apply(kube, keeper, body)
         except SpecError as exc:
             # Nothing is created; the reason goes to the status and an event, and kopf does not retry
-            # until the spec changes again. The event is posted once per reason: an edit of the object's labels,
-            # or an operator restart, handles the same spec again, and the status already says it.
+            # until the spec changes again. The event is posted once per reason and generation: an edit of the
+            # object's labels, or an operator restart, handles the same spec again, and the status already says
+            # it; a new spec that fails alike is a new attempt, and gets its event.
             said = _condition(body, "SpecValid")
             keeper.refresh(namespace, name, generation=meta.get("generation"))
-            if (said.get("status"), said.get("message")) != ("False", str(exc)):
+            if (said.get("status"), said.get("message"), said.get("observedGeneration")) != (
+                    "False", str(exc), meta.get("generation")):
                 kopf.warn(dict(body), reason="InvalidSpec", message=str(exc))
             raise kopf.PermanentError(f"invalid spec: {exc}") from None
         _report(body, outcomes)
@@ -134,10 +136,13 @@ def build_registry(kube: Kube, keeper: StatusKeeper, resync_seconds: float | Non
 
     @kopf.on.event(*RESOURCE, registry=registry)
     def resource_event(type, body, name, namespace, **_):
-        if type == "DELETED":  # its owned objects go with it (owner references); what is kept for it here too
+        if type != "DELETED":  # its owned objects go with it (owner references); what is kept for it here too
+            return
+        if planner is not None:
+            planner.forget(body["metadata"]["uid"])
+        # Kept by name: unless a new object of that name has come meanwhile (its state is not the old one's).
+        if kube.get(names.API_VERSION, names.KIND, namespace, name) is None:
             keeper.forget(namespace, name)
-            if planner is not None:
-                planner.forget(body["metadata"]["uid"])
 
     kopf.on.event("apps", "v1", "deployments", labels=OWNED, registry=registry)(owned_object_changed)
     kopf.on.event("", "v1", "services", labels=OWNED, registry=registry)(owned_object_changed)

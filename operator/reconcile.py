@@ -149,10 +149,13 @@ class StatusKeeper:
 
     def forget(self, namespace: str, name: str) -> None:
         """Drops what is kept for a deleted LLMDeployment: an operator that runs for months sees many come and go.
-        A writer still holding its lock keeps it; a new object of the same name starts afresh."""
+        Its lock stays while anyone holds it (a second writer must not get a lock of its own meanwhile); the
+        DELETED event that comes after the last write finds it free."""
         key = (namespace, name)
         with self._guard:
-            self._locks.pop(key, None)
+            lock = self._locks.get(key)
+            if lock is not None and not lock.locked():
+                del self._locks[key]
         self._problems.pop(key, None)
         self._retry_at.pop(key, None)
 

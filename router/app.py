@@ -19,7 +19,7 @@ from starlette.middleware.cors import CORSMiddleware
 
 from tandem.background import spawn
 from tandem.body_limit import BodySizeLimit
-from tandem.errors import APIError, add_openai_error_handlers, error_body, retry_after
+from tandem.errors import CLIENT_CLOSED_REQUEST, APIError, add_openai_error_handlers, error_body, retry_after
 from tandem.json_response import FastJSONResponse
 from tandem.model_routes import add_model_routes
 from tandem.openai_choices import Choice, combined, request_choices, staggered
@@ -36,7 +36,6 @@ from tandem.router.api_keys import ApiKeyGate, bearer_token, header_value
 from tandem.router.fast_lane import FastLane
 from tandem.router.orchestrator import Trace, no_workers
 from tandem.sse import (
-    CLIENT_CLOSED_REQUEST,
     CancelOnDisconnect,
     ClientDisconnected,
     EventStreamResponse,

@@ -13,7 +13,9 @@ from http import HTTPStatus
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, Response
+
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left before its answer (nobody reads it)
 
 _TYPE_BY_STATUS = {
     400: "invalid_request_error",
@@ -110,9 +112,9 @@ def add_openai_error_handlers(app) -> None:
     async def invalid(_, exc: RequestValidationError) -> JSONResponse:
         return validation_error_response(exc.errors())
 
-    async def client_left(_, exc: ClientDisconnect) -> JSONResponse:
+    async def client_left(_, exc: ClientDisconnect) -> Response:
         # Gone before its body arrived whole: nobody reads this answer, and it is not the server's error to log.
-        return JSONResponse(error_body(400, "the client disconnected before its request body arrived"), 400)
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
 
     app.add_exception_handler(APIError, api_error)
     app.add_exception_handler(StarletteHTTPException, http_error)

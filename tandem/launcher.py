@@ -119,7 +119,7 @@ class ServiceProcess:
         """The end of what the latest start wrote, without its routine lines (`is_routine`): a crash's reason stays
         in view behind a worker's one line per peer call."""
         if self.log.closed:
-            return "(its log was removed when it stopped cleanly)"
+            return "(its log was removed when it stopped: cleanly, or before it started)"
         size = os.path.getsize(self.log.name)
         # 4: UTF-8's widest; 16: room for the routine lines dropped below.
         start = max(self._log_start, size - 4 * 16 * chars)
@@ -137,10 +137,10 @@ class ServiceProcess:
             text = text[newline + 1:]
         return text
 
-    def is_ready(self, path: str = "/ready") -> bool:
-        """Whether GET `path` answers 200 now."""
+    def is_ready(self, path: str = "/ready", timeout_s: float = 2.0) -> bool:
+        """Whether GET `path` answers 200 within `timeout_s`."""
         try:
-            return httpx.get(self.url + path, timeout=2.0).status_code == 200
+            return httpx.get(self.url + path, timeout=timeout_s).status_code == 200
         except httpx.HTTPError:
             return False
 

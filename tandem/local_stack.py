@@ -50,7 +50,8 @@ class Supervisor:
                     self.restarted.add(process.name)
                 continue
             if process.proc.poll() is None:
-                if process.name in self.restarted and process.is_ready():
+                # A short wait: the loop also watches the other processes, and a restarted one may hang.
+                if process.name in self.restarted and process.is_ready(timeout_s=0.5):
                     self.restarted.discard(process.name)
                     print(f"{process.name} is serving again on {process.url}", file=sys.stderr, flush=True)
                 continue

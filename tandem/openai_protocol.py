@@ -376,9 +376,10 @@ class ChatPrompt(_Request):
         except (TypeError, ValueError, AttributeError, LookupError) as exc:
             if not extra:
                 raise
-            # A variable of the client's that the template cannot use (a number where it calls a function).
-            raise APIError(400, f"the model's chat template failed with these chat_template_kwargs: {exc}",
-                           param="chat_template_kwargs") from None
+            # Most likely a variable of the client's that the template cannot use (a number where it loops), though
+            # the messages may share the blame: the message names both.
+            raise APIError(400, f"the model's chat template failed on these messages with these "
+                                f"chat_template_kwargs: {exc}", param="chat_template_kwargs") from None
         return _left_open(text) if self.continue_final_message else text
 
 

@@ -135,7 +135,6 @@ class ClientDisconnected(Exception):
     """The client closed its connection before its answer was ready."""
 
 
-CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left before its answer (nobody reads it)
 
 
 class CancelOnDisconnect:

@@ -41,7 +41,7 @@ class FakeProcess:
         self.starts += 1
         return self
 
-    def is_ready(self) -> bool:
+    def is_ready(self, path: str = "/ready", timeout_s: float = 2.0) -> bool:
         return self.ready
 
     def log_tail(self, chars: int = 4000) -> str:

@@ -15,7 +15,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from tandem.body_limit import BodySizeLimit
 from tandem.config import WorkerConfig
-from tandem.errors import APIError, add_openai_error_handlers, error_body
+from tandem.errors import CLIENT_CLOSED_REQUEST, APIError, add_openai_error_handlers, error_body
 from tandem.internal_auth import InternalAuth, internal_headers, internal_token
 from tandem.json_response import FastJSONResponse
 from tandem.metrics import EngineMetrics
@@ -30,7 +30,6 @@ from tandem.openai_protocol import (
 )
 from tandem.protocol import LayoutFingerprint, SamplingParams
 from tandem.sse import (
-    CLIENT_CLOSED_REQUEST,
     CancelOnDisconnect,
     ClientDisconnected,
     EventStreamResponse,

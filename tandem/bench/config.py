@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from typing import Literal
+from urllib.parse import urlsplit, urlunsplit
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -75,7 +76,8 @@ class BenchConfig(BaseModel):
             raise ValueError(f"url {value!r} must start with http:// or https://")
         # The SDKs' base URL ends in /v1 (as the README's examples do), and users paste it: the paths bench asks
         # for (/v1/models, /v1/completions) already begin with it.
-        return value.rstrip("/").removesuffix("/v1")
+        parts = urlsplit(value.rstrip("/"))
+        return urlunsplit(parts._replace(path=parts.path.removesuffix("/v1")))
 
     @model_validator(mode="after")
     def _one_sweep(self):

@@ -314,3 +314,12 @@ def test_pod_labels_annotations_priority_and_runtime_class_reach_the_pods_and_no
 def test_the_operators_own_pod_labels_and_annotations_are_refused(changes, message):
     with pytest.raises(SpecError, match=message):
         validate_spec(_variant(**changes), OWNER.name)
+
+
+def test_the_refused_pod_label_keys_are_the_operators_own():
+    """tandem.config cannot import the operator's names: a label the operator adds must be refused there too."""
+    from tandem.config import CRD_GROUP, OPERATOR_LABEL_KEYS
+    from tandem.operator import names
+
+    own = set(names.labels("x", "decode"))
+    assert {k for k in own if not k.startswith(f"{CRD_GROUP}/")} == set(OPERATOR_LABEL_KEYS)

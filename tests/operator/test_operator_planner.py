@@ -452,8 +452,13 @@ def test_what_is_kept_for_a_deleted_llmdeployment_is_dropped():
     keeper.note("ns1", "old", Problem(refused=False, message="conflict"), retry_in_s=5)
     with keeper.lock("ns1", "old"):
         pass
-    assert keeper.refresh("ns1", "old") is None  # the last status refresh finds it gone...
-    assert (keeper._locks, keeper._problems, keeper._retry_at) == ({}, {}, {})  # ...and forgets it
+    assert keeper.refresh("ns1", "old") is None  # the last status refresh finds it gone, and forgets it...
+    assert (keeper._problems, keeper._retry_at) == ({}, {})
+    keeper.forget("ns1", "old")  # ...but for the lock it held meanwhile, which its DELETED event finds free
+    assert keeper._locks == {}
+    with keeper.lock("ns1", "held"):
+        keeper.forget("ns1", "held")  # one that is held stays: a second writer must not get a lock of its own
+        assert keeper.lock("ns1", "held").locked()
     planner = Planner(Gone(), keeper, source=lambda scraped: None, clock=lambda: 1000.0)
     body = {"metadata": {"uid": "u1", "generation": 1}, "spec": {"scaling": {"mode": "planner"}},
             "status": {"observedGeneration": 1}}

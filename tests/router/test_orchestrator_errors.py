@@ -507,17 +507,18 @@ def refuse_probes(http: ScriptedWorkers) -> list[str]:
 
 def tokens_through_a_restart(orchestrator, pool, http, while_down=lambda probed: None) -> list[int]:
     """Runs a request whose only decode worker fails mid-stream and refuses probes; once out of rotation it stays
-    down for 4 x RETURN_PROBE_S (`while_down` is then given the URLs probed), then answers again: the request's
-    tokens."""
+    down for 4 x RETURN_PROBE_S (`while_down(probed URLs)` is then called, its return value kept), then answers
+    again: the request's tokens, and what while_down returned."""
     alive = http.get
     probed = refuse_probes(http)
+    seen = []
 
     async def run():
         async def restart():
             while pool.workers["http://a"].healthy:  # until the failure or a probe took it out
                 await asyncio.sleep(0.01)
             await asyncio.sleep(4 * RETURN_PROBE_S)
-            while_down(probed)
+            seen.append(while_down(list(probed)))  # asserted by the caller: a failure here would only hang the test
             http.script["http://a"] = [{"token_ids": [8, 9], "text": "yz", "finish_reason": "length"}]
             http.get = alive
 
@@ -527,7 +528,7 @@ def tokens_through_a_restart(orchestrator, pool, http, while_down=lambda probed:
         await restarting
         return [t for d in deltas for t in d.new_token_ids]
 
-    return asyncio.run(run())
+    return asyncio.run(run()), seen[0]
 
 
 def test_a_crashed_lone_decode_worker_is_waited_for_though_one_failure_does_not_eject_it():
@@ -537,7 +538,7 @@ def test_a_crashed_lone_decode_worker_is_waited_for_though_one_failure_does_not_
     orchestrator, pool, http = orchestrator_over({"http://a": [{"token_ids": [7], "text": "x"},
                                                                aiohttp.ClientConnectionError("reset")]})
     assert pool.eject_after == 3
-    assert tokens_through_a_restart(orchestrator, pool, http) == [7, 8, 9]
+    assert tokens_through_a_restart(orchestrator, pool, http)[0] == [7, 8, 9]
     assert http.calls == ["http://a", "http://a"]
 
 
@@ -550,9 +551,7 @@ def test_a_waiting_request_probes_the_absent_workers_itself():
                                                                aiohttp.ClientConnectionError("reset")]})
     pool.eject_after = 1
 
-    def while_down(probed):
-        assert len(probed) >= 2  # probed while down, several times...
-        assert pool.workers["http://a"].silent_probes == 0  # ...and none of it counted as silence
-
-    assert tokens_through_a_restart(orchestrator, pool, http, while_down) == [7, 8, 9]
-    assert http.calls == ["http://a", "http://a"]
+    tokens, (probed, silent_probes) = tokens_through_a_restart(
+        orchestrator, pool, http, lambda probed: (probed, pool.workers["http://a"].silent_probes))
+    assert tokens == [7, 8, 9] and http.calls == ["http://a", "http://a"]
+    assert len(probed) >= 2 and silent_probes == 0  # probed while down, several times, none of it counted as silence

@@ -130,6 +130,7 @@ def test_an_sdk_base_url_ending_in_v1_is_taken():
         assert BenchConfig(url=url).url == "http://127.0.0.1:18300"
     assert BenchConfig(url="http://host/api/v1").url == "http://host/api"
     assert BenchConfig(url="http://host/v10").url == "http://host/v10"
+    assert BenchConfig(url="http://v1").url == "http://v1"  # a host named v1 is no path (a review helper's case)
 
 
 def test_a_model_the_server_does_not_serve_stops_before_the_sweep(tmp_path, capsys, monkeypatch):
