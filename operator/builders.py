@@ -272,6 +272,8 @@ def router_deployment(owner: Owner, spec: LLMDeploymentSpec, internal_secret: st
     args += ["--graceful-shutdown-s", str(ROUTER_GRACE_SECONDS - DRAIN_SECONDS - 5)]
     if router.disagg_min_tokens is not None:
         args += ["--disagg-min-tokens", str(router.disagg_min_tokens)]
+    if router.decode_overload_min_seqs is not None:
+        args += ["--decode-overload-min-seqs", str(router.decode_overload_min_seqs)]
     if spec.engine.block_size is not None:  # the router hashes prompts in the workers' blocks
         args += ["--block-size", str(spec.engine.block_size)]
     # Balance on keys is tightest at eps 0, but independent replicas then agree on only about half of the keys

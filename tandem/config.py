@@ -338,6 +338,10 @@ class RouterSpec(PodSettings):
     port: int = Field(8000, ge=1, le=65535, description="port of the router Service")
     disagg_min_tokens: int | None = Field(None, ge=0, description="prompts shorter than this skip the prefill "
                                                                   "pool (default: the router's)")
+    decode_overload_min_seqs: int | None = Field(None, ge=1, description="a decode worker holding fewer sequences "
+                                                 "keeps every colocated request of its prefix key (router "
+                                                 "--decode-overload-min-seqs; default 8): raise it on GPUs, where a "
+                                                 "larger batch decodes about as fast")
     key_eps: float | None = Field(None, ge=0, description="bounded loads on prefix keys (router --key-eps); "
                                   "default 0 with one replica, 0.25 with more, so that replicas agree on more keys")
     slo_classes: list[SLOClass] | None = Field(None, description="admission classes with latency targets")

@@ -46,6 +46,7 @@ VARIANTS = {
                                     router__serviceAnnotations={
                                         "service.beta.kubernetes.io/aws-load-balancer-scheme": "internal"},
                                     router__loadBalancerSourceRanges=["10.0.0.0/8", "192.168.1.0/24"],
+                                    router__decodeOverloadMinSeqs=32,
                                     imagePullSecrets=["registry-credentials"]),
     "hostpath-gguf-tenants": _variant(model__source={"hostPath": {"path": "/data/models/smollm2.Q4_1.gguf"}},
                                       router__tenantsSecret="tandem-tenants",
@@ -258,6 +259,8 @@ def test_a_private_registry_and_an_internal_load_balancer():
     objects = _objects(VARIANTS["pvc-hf-loadbalancer"])
     for deployment in _by_name(objects, "Deployment").values():  # every pod pulls with the registry's credentials
         assert deployment["spec"]["template"]["spec"]["imagePullSecrets"] == [{"name": "registry-credentials"}]
+    router_args = _by_name(objects, "Deployment")["smollm2-router"]["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert router_args[router_args.index("--decode-overload-min-seqs") + 1] == "32"
     router = _by_name(objects, "Service")["smollm2-router"]
     assert router["metadata"]["annotations"] == {"service.beta.kubernetes.io/aws-load-balancer-scheme": "internal"}
     assert router["spec"]["loadBalancerSourceRanges"] == ["10.0.0.0/8", "192.168.1.0/24"]
