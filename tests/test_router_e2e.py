@@ -237,6 +237,8 @@ def test_bad_input_follows_the_worker_contract(fleet):
         r = httpx.post(fleet["disagg"].url + path, content=content, headers={"content-type": "application/json"},
                        timeout=30)
         assert r.status_code == status, (name, r.text)
+        if status == 200:  # a row that is not bad after all (a template variable named `self`)
+            continue
         err = r.json()["error"]
         assert set(err) >= {"message", "type", "param", "code"}, name
         assert fragment in err["message"] or fragment == err["param"], (name, err)
