@@ -179,7 +179,8 @@ async def serve(router, request: Request, body: CompletionRequest | ChatCompleti
     whole = sum(map(len, prompts)) + params.max_tokens * len(choices)
     # The prompt tokens each prompt's first sample will compute (a prompt's later samples prefill from its cache).
     predictor = router.orchestrator.predictor
-    uncached = [len(ids) - predictor.best_hit_tokens(workers, hashes, len(ids))
+    now = time.monotonic()
+    uncached = [len(ids) - predictor.admission_hit_tokens(workers, hashes, len(ids), now)
                 for ids, (hashes, _) in zip(prompts, plans, strict=True)]
     tickets = {}
     try:
@@ -192,6 +193,8 @@ async def serve(router, request: Request, body: CompletionRequest | ChatCompleti
         for request_id in tickets:
             router.dispatcher.withdraw(request_id)
         raise
+    for hashes, _ in plans:  # admitted: the requests of a burst behind the same prefix are charged it once
+        predictor.expect(hashes, now)
     bill = Bill(router.admission, tickets[choices[0].request_id], choices)
     streams = staggered(choices, body.n, lambda c, after: dispatch(
         router, c.request_id, c.prompt_ids, c.params, tickets[c.request_id], slo_name, plans[c.prompt],

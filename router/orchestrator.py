@@ -204,6 +204,9 @@ class Orchestrator:
                 now = asyncio.get_running_loop().time()
                 wait_until = wait_until or now + self.config.worker_return_wait_s
                 if self.decode.healthy() or not await self.decode.wait_for_entry(wait_until - now):
+                    log.warning("request %s: no decode worker came back within %g s (--worker-return-wait-s); it "
+                                "ends with no_workers after %d tokens", rid, self.config.worker_return_wait_s,
+                                len(generated))
                     raise no_workers(self.config.health_interval_s)
                 url = self._pick_decode(handle, prompt, generated, key, hashes, failed, trace)
             if migrating:  # counted once it goes on: a request that found no worker to go on to was not migrated

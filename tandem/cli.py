@@ -14,6 +14,10 @@ from tandem.cli_args import add_model_options, model_from_options
 from tandem.config import EngineConfig, RouterConfig, WorkerConfig
 from tandem.errors import pydantic_message
 
+# `tandem serve` restarts a worker in place, and it reloads its model meanwhile (10-25 s seen on a busy CPU): its
+# router waits longer for it than a cluster's router, whose pools have other workers, does by default.
+SERVE_WORKER_RETURN_WAIT_S = 60.0
+
 
 def _add_log_level(p: argparse.ArgumentParser, default: str) -> None:
     p.add_argument("--log-level", default=default, choices=["debug", "info", "warning", "error"], help="what to log")
@@ -40,6 +44,10 @@ def _serve_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--colocated", action="store_true", help="no prefill pool: --decode workers do everything")
     p.add_argument("--disagg-min-tokens", type=int, default=RouterConfig.model_fields["disagg_min_tokens"].default,
                    help="prompts shorter than this skip the prefill pool")
+    p.add_argument("--worker-return-wait-s", type=float, default=SERVE_WORKER_RETURN_WAIT_S,
+                   help="how long a request whose decode workers are all gone waits for one to be back (the router's "
+                        "option; longer than its own default here: a worker restarted on this machine reloads its "
+                        "model, 10-25 s on a busy CPU)")
     p.add_argument("--api-key", default=None, help="the router then requires `Authorization: Bearer <key>` on "
                                                    "/v1/*; none given: $TANDEM_API_KEY's, else the API is open. "
                                                    "$TANDEM_API_KEY keeps the key out of `ps`")
@@ -228,10 +236,12 @@ def _main(argv: list[str] | None) -> int:
         _device_present(serve_parser, engine.device)
         # The router's own options too: checked here, not by the router process once the workers have started.
         _checked(serve_parser, lambda: RouterConfig(model=engine.model, host=ns.host, port=ns.port,
-                                                   disagg_min_tokens=ns.disagg_min_tokens))
+                                                   disagg_min_tokens=ns.disagg_min_tokens,
+                                                   worker_return_wait_s=ns.worker_return_wait_s))
         return run_local_stack(engine, prefill=prefill, decode=ns.decode,
                                colocated=ns.colocated or prefill == 0, disagg_min_tokens=ns.disagg_min_tokens,
-                               host=ns.host, port=ns.port, api_key=ns.api_key)
+                               host=ns.host, port=ns.port, api_key=ns.api_key,
+                               worker_return_wait_s=ns.worker_return_wait_s)
     if ns.command == "router":
         from tandem.router.main import run_router
 

@@ -107,6 +107,8 @@ def test_tandem_serve_with_the_openai_sdk():
             worker_url = f"http://127.0.0.1:{child_port(serve.proc.pid, f'--role {role}')}"
             assert httpx.get(worker_url + "/health").status_code == 200
             assert httpx.get(worker_url + "/internal/load").status_code == 401
+        # Its router waits for a restarted worker as long as one takes to reload its model here (not 10 s).
+        assert child_pid(serve.proc.pid, "router --model") == child_pid(serve.proc.pid, "--worker-return-wait-s 60")
 
         # A worker that dies is started again, as Kubernetes would restart its pod; the stack stays up.
         decode_pid = child_pid(serve.proc.pid, "--role decode")
