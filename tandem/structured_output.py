@@ -34,6 +34,8 @@ MAX_SPEC_CHARS = 64 * 1024
 # llguidance limit bounds, on a thread every structured request of the process waits for. Objects each with a few
 # (60 objects of 2) compile at once. Real schemas have a handful per object.
 MAX_PATTERN_PROPERTIES = 64
+# Keywords whose values are JSON data, not schemas: a "patternProperties" key in them is a value's.
+_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
 # llguidance compiles recursively along a grammar's nesting: the chain of 4,000 Lark rules in
 # test_a_deeply_nested_grammar_compiles_without_taking_the_process_down, checked on a thread with the default 8 MiB
 # stack, kills the process (SIGSEGV). Grammars are compiled on a thread of their own whose stack holds far more than a MAX_SPEC_CHARS spec can
@@ -102,7 +104,7 @@ def _within_budget(schema_text: str) -> None:
             if isinstance(patterns, dict) and len(patterns) > MAX_PATTERN_PROPERTIES:
                 raise ValueError(f"an object of the schema has {len(patterns)} patternProperties; at most "
                                  f"{MAX_PATTERN_PROPERTIES} per object are compiled")
-            pending.extend(node.values())
+            pending.extend(value for key, value in node.items() if key not in _DATA_KEYWORDS)
         elif isinstance(node, list):
             pending.extend(node)
 

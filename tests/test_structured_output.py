@@ -216,6 +216,8 @@ def test_an_object_with_more_patternproperties_than_compile_quickly_is_refused_b
         assert info.value.status == 400 and "patternProperties; at most 64 per object" in info.value.message
     asyncio.run(check(pattern_properties(64, nested=True), "response_format"))  # within the budget: compiled
     asyncio.run(check(pattern_properties(2, nested=True, objects=60), "response_format"))
+    data = {"const": json.loads(pattern_properties(65).value)}  # a value that looks like one: data, not a schema
+    asyncio.run(check(StructuredOutput(kind="json", value=json.dumps(data)), "response_format"))
 
 
 def test_the_engine_thread_finds_a_prepared_grammar_compiled():
