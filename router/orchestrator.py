@@ -280,7 +280,10 @@ class Orchestrator:
                 if finished:  # only the end of a finished stream was lost: nothing to resume
                     self.decode.record_success(url)
                     return
-                log.info("decode on %s failed (%r); request %s goes on another decode worker if one is left", url, exc, rid)
+                others = any(w.url != url for w in self.decode.healthy())
+                log.info("decode on %s failed (%r); request %s %s", url, exc, rid,
+                         "goes on another decode worker" if others else
+                         f"waits up to {self.config.worker_return_wait_s:g} s for a decode worker to be back")
                 self.decode.record_failure(url)
                 self._abandon(touched, url, attempt_id)  # a worker that only stopped answering may still be at it
                 failed[url] = self.decode.workers[url].entered if url in self.decode.workers else 0

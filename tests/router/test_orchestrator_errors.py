@@ -444,7 +444,7 @@ def test_a_split_requests_cached_tokens_are_the_prefill_workers():
         assert [d.num_cached_tokens for d in deltas] == [expected, expected]
 
 
-def test_a_request_whose_decode_pool_empties_waits_for_a_worker_to_come_back():
+def test_a_request_whose_decode_pool_empties_waits_for_a_worker_to_come_back(caplog):
     """The only decode worker dies mid-stream and is ejected (a pool of one restarting; a whole pool frozen): the
     request waits for a worker to enter rotation, then resumes there after the tokens already sent, the restarted
     worker at the same address included (found by a chaos-testing helper: such requests failed with 503 at once)."""
@@ -465,9 +465,11 @@ def test_a_request_whose_decode_pool_empties_waits_for_a_worker_to_come_back():
         await restarting
         return deltas
 
-    deltas = asyncio.run(run())
+    with caplog.at_level("INFO", logger="tandem.router.orchestrator"):
+        deltas = asyncio.run(run())
     assert [t for d in deltas for t in d.new_token_ids] == [7, 8, 9]
     assert http.calls == ["http://a", "http://a"] and http.bodies[1]["first_token_id"] == 7
+    assert "r1 waits up to 10 s for a decode worker to be back" in caplog.text  # not "goes on another" (none)
     assert metric_value(orchestrator.metrics.registry, "tandem_router_routing_decisions_total", path="migrated") == 1
 
 
