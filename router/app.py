@@ -132,8 +132,8 @@ LONG_CONVERSATION_MESSAGES = 64
 async def chat_prompt_ids(router, body: ChatCompletionRequest) -> list[int]:
     """The conversation's prompt ids: rendered by the chat template, then tokenized (`tokenize`). A long one is
     rendered on the tokenizer threads too: the template is Python and holds the GIL, but there it leaves the loop
-    a turn every switch interval (5 ms) rather than none for its whole render (0.4 s for 31,000 messages in a
-    robustness-testing helper's runs, while every other request of the router waited)."""
+    a turn every switch interval (5 ms) rather than none for its whole render, which grows with the messages (a
+    robustness-testing helper held every other request of the router back with one conversation of thousands)."""
     if len(body.messages) < LONG_CONVERSATION_MESSAGES:
         return await tokenize(router, body.prompt_text(router.tokenizer), add_special_tokens=False)
 
@@ -180,8 +180,8 @@ async def serve(router, request: Request, body: CompletionRequest | ChatCompleti
     # The prompt tokens each prompt's first sample will compute (a prompt's later samples prefill from its cache).
     # Each request is charged its whole uncached prompt, a prefix that requests dispatched beside it will also be
     # computing included: the engines compute a prefix once per request that reaches them before its blocks are
-    # cached, and charging such a burst the prefix once admitted requests that then missed their target by 1.4-2.5x
-    # (a testing helper's measure, on CPU).
+    # cached, and charging such a burst the prefix once admitted requests that then missed their target (a
+    # re-testing helper's runs on CPU, with scratch scripts).
     predictor = router.orchestrator.predictor
     uncached = [len(ids) - predictor.best_hit_tokens(workers, hashes, len(ids))
                 for ids, (hashes, _) in zip(prompts, plans, strict=True)]

@@ -170,7 +170,6 @@ class _Server(GracefulServer):
 
 
 def run_router(config: RouterConfig, log_level: str = "info") -> int:
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per health probe is noise
     router = Router(config)
     app = build_app(router)
     # proxy_headers off: the router reads no client address, so rewriting it from X-Forwarded-For (uvicorn's

@@ -353,9 +353,8 @@ class Orchestrator:
             if preferred_load > capacity:
                 if candidates is None:
                     candidates = self._candidates(ring, key, exclude)
-                ordered = [preferred, *(u for u in candidates if u != preferred)]
-                url = next((u for u in ordered if loads.get(u, 0) + weight <= capacity), None) \
-                    or min(ordered, key=lambda u: loads.get(u, 0))
+                url = _first_with_room([preferred, *(u for u in candidates if u != preferred)], loads, weight,
+                                       capacity)
         if decodes_here and url == preferred:
             url = self._spread_sequences(pool, key, preferred, exclude)
         if url != preferred:
@@ -383,8 +382,7 @@ class Orchestrator:
         bound = (1 + self.config.decode_balance_eps) * (sum(loads.values()) + 1) / len(loads)
         if held + 1 <= bound:
             return preferred
-        ordered = [u for u in self._candidates(pool.ring, key, exclude) if u in loads]
-        return next((u for u in ordered if loads[u] + 1 <= bound), None) or min(ordered, key=loads.__getitem__)
+        return _first_with_room([u for u in self._candidates(pool.ring, key, exclude) if u in loads], loads, 1, bound)
 
     @staticmethod
     def _candidates(ring, key: int, exclude: set[str]) -> list[str]:
@@ -429,6 +427,13 @@ class _Entry:
 
 def _entry(d: dict) -> _Entry:
     return _Entry(d)
+
+
+def _first_with_room(ordered: list[str], loads: dict[str, float], weight: float, bound: float) -> str:
+    """An overload valve's choice: the first of `ordered` whose load plus `weight` stays within `bound`, else the
+    least loaded of them."""
+    return next((u for u in ordered if loads.get(u, 0) + weight <= bound), None) \
+        or min(ordered, key=lambda u: loads.get(u, 0))
 
 
 def decode_delta(chunks: list[dict]) -> Delta:

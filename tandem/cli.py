@@ -14,8 +14,9 @@ from tandem.cli_args import add_model_options, model_from_options
 from tandem.config import EngineConfig, RouterConfig, WorkerConfig
 from tandem.errors import pydantic_message
 
-# `tandem serve` restarts a worker in place, and it reloads its model meanwhile (10-25 s seen on a busy CPU): its
-# router waits longer for it than a cluster's router, whose pools have other workers, does by default.
+# `tandem serve` restarts a worker in place, and it reloads its model meanwhile (longer than the router's default
+# wait on a busy CPU, in a testing helper's runs): its router waits longer for it than a cluster's router, whose
+# pools have other workers, does by default.
 SERVE_WORKER_RETURN_WAIT_S = 60.0
 
 
@@ -47,7 +48,7 @@ def _serve_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--worker-return-wait-s", type=float, default=SERVE_WORKER_RETURN_WAIT_S,
                    help="how long a request whose decode workers are all gone waits for one to be back (the router's "
                         "option; longer than its own default here: a worker restarted on this machine reloads its "
-                        "model, 10-25 s on a busy CPU)")
+                        "model first)")
     p.add_argument("--api-key", default=None, help="the router then requires `Authorization: Bearer <key>` on "
                                                    "/v1/*; none given: $TANDEM_API_KEY's, else the API is open. "
                                                    "$TANDEM_API_KEY keeps the key out of `ps`")
@@ -215,6 +216,9 @@ def _main(argv: list[str] | None) -> int:
             plan_parser.error(str(exc))
         ns = parser.parse_args(argv)
     logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # httpx says every request it makes at INFO: a router's probes, a worker's calls to peers, serve's readiness
+    # polls. That buries what every tandem process has to say.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
 
     if ns.command == "worker":
         from tandem.workers.main import run_worker

@@ -84,7 +84,7 @@ def api_error_response(exc: APIError) -> JSONResponse:
     return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
 
-def validation_error_response(errors: list[dict]) -> JSONResponse:
+def validation_error(errors: list[dict]) -> APIError:
     """The first pydantic error of a request body as an OpenAI-style 400 naming the parameter."""
     first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
     param = error_param(first.get("loc", ()))
@@ -93,7 +93,11 @@ def validation_error_response(errors: list[dict]) -> JSONResponse:
         message = f"request body is not valid JSON: {message}"
     elif param is None and first.get("type") in ("model_type", "model_attributes_type", "dict_type", "missing"):
         message = "request body must be a JSON object"
-    return JSONResponse(error_body(400, f"{param}: {message}" if param else message, param), status_code=400)
+    return APIError(400, f"{param}: {message}" if param else message, param=param)
+
+
+def validation_error_response(errors: list[dict]) -> JSONResponse:
+    return api_error_response(validation_error(errors))
 
 
 def add_openai_error_handlers(app) -> None:

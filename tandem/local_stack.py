@@ -7,7 +7,6 @@ again, and stops everything on Ctrl-C or SIGTERM.
 
 from __future__ import annotations
 
-import logging
 import os
 import secrets
 import signal
@@ -165,7 +164,6 @@ def run_local_stack(engine: EngineConfig, *, prefill: int, decode: int, colocate
     def stop(*_):
         raise KeyboardInterrupt
 
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per readiness poll is noise
     signal.signal(signal.SIGTERM, stop)
     slow = (15.0, lambda: slow_start_notice(workers, everything))
     try:

@@ -94,6 +94,11 @@ _VLLM_DEFAULTS = {"bad_words": []}
 _REFUSED_WHEN_FALSE = ("spaces_between_special_tokens",)
 
 
+def refusal(name: str) -> APIError:
+    """The 400 for one of the _REFUSED parameters, set."""
+    return APIError(400, f"{name} is not supported{_REFUSED[name]}", param=name)
+
+
 class _CommonParams(_Request):
     model: str | None = Field(None, description="the served model's name; optional, as in vLLM: there is one")
     temperature: float | None = Field(None, ge=0.0, le=2.0)
@@ -220,10 +225,10 @@ class _CommonParams(_Request):
                            param="min_tokens")
         if self.stream_options is not None and not self.stream:  # as OpenAI and vLLM answer it
             raise APIError(400, "stream_options is only allowed with stream: true", param="stream_options")
-        for name, instead in _REFUSED.items():
+        for name in _REFUSED:
             value = getattr(self, name)
             if value is not None and value is not False and value != _VLLM_DEFAULTS.get(name):
-                raise APIError(400, f"{name} is not supported{instead}", param=name)
+                raise refusal(name)
         for name in _REFUSED_WHEN_FALSE:
             if getattr(self, name) is False:
                 raise APIError(400, f"{name}: false is not supported", param=name)

@@ -29,10 +29,10 @@ ANY_JSON_OBJECT = '{"type": "object"}'
 # Compiling takes time and memory that grow with the spec: bounded.
 MAX_SPEC_CHARS = 64 * 1024
 # And faster than the spec for one feature: llguidance compiles an object's patternProperties into a regular
-# expression of the keys none of them matches, at a cost that grows about as their count to the fourth power (on
-# the reference CPU, in one object: 100 of them 0.03 s, 160 0.3 s, 320 6.5 s, 640 over a minute), which no
-# llguidance limit bounds, on a thread every structured request of the process waits for. Objects each with a few
-# (60 objects of 2) compile at once. Real schemas have a handful per object.
+# expression of the keys none of them matches, at a cost that grows twenty- to thirtyfold per doubling of their
+# count past 160 (benchmarks/schema_compile.py, AMD EPYC, two runs: 64 in one object 0.009 s, 100 0.027 s, 160
+# 0.28-0.30 s, 320 5.9-8.2 s; 60 objects of 2 each 0.003-0.004 s), which none of llguidance's limits bounds, on the
+# one thread every structured request of the process waits for. Real schemas have a handful per object.
 MAX_PATTERN_PROPERTIES = 64
 # Keywords whose values are JSON data, not schemas: a "patternProperties" key in them is a value's.
 _DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})

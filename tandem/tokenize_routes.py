@@ -15,8 +15,7 @@ from pydantic import Discriminator, Field, Tag
 from pydantic.json_schema import SkipJsonSchema
 
 import tandem
-from tandem.errors import APIError
-from tandem.openai_protocol import ChatPrompt, _Request, check_model, check_token_ids
+from tandem.openai_protocol import ChatPrompt, _Request, check_model, check_token_ids, refusal
 from tandem.protocol import TokenId
 from tandem.tokenizer import Tokenizer
 
@@ -60,9 +59,8 @@ def add_tokenize_routes(app: FastAPI, served_name: str, tokenizer: Tokenizer, ma
     async def tokenize(body: _TokenizeRequest = Body(discriminator=_chat_or_completion)):
         check_model(served_name, body.model)
         if isinstance(body, TokenizeChatRequest):
-            if body.chat_template is not None:
-                raise APIError(400, "chat_template is not supported; the model's own template renders every chat",
-                               param="chat_template")
+            if body.chat_template is not None:  # as chat completions refuse it
+                raise refusal("chat_template")
             ids = await encode(body.prompt_text(tokenizer), body.add_special_tokens)
         else:
             ids = await encode(body.prompt, body.add_special_tokens)

@@ -86,8 +86,6 @@ def _engine_summary(async_engine: AsyncEngine) -> str:
 
 
 def run_worker(config: WorkerConfig, log_level: str = "info") -> int:
-    # One line per call to a peer (every KV lease released, every agent looked up) buries what matters.
-    logging.getLogger("httpx").setLevel(logging.WARNING)
     if config.port and port_in_use(config.host, config.port):  # said now, not after loading the model
         raise SystemExit(f"tandem worker: port {config.port} on {config.host} is in use; choose another with --port")
     ctx, async_engine = build_worker(config)

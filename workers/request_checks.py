@@ -7,7 +7,7 @@ import orjson
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
-from tandem.errors import APIError, error_param, pydantic_message
+from tandem.errors import APIError, validation_error
 
 
 async def parse_body(request: Request, model: type[BaseModel]) -> BaseModel:
@@ -28,7 +28,4 @@ def validate_payload(payload, model: type[BaseModel]) -> BaseModel:
     try:
         return model.model_validate(payload)
     except ValidationError as exc:
-        first = exc.errors()[0]
-        param = error_param(first["loc"])
-        message = pydantic_message(first)
-        raise APIError(400, f"{param}: {message}" if param else message, param=param) from None
+        raise validation_error(exc.errors()) from None

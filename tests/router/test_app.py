@@ -583,8 +583,8 @@ def test_browser_origins_get_cors_headers_only_when_allowed_and_before_the_key_g
 
 
 def test_a_long_conversation_is_rendered_off_the_event_loop_to_the_same_ids():
-    """The chat template is Python: 31,000 messages held the router's loop for 0.4 s (a robustness-testing
-    helper's finding). From LONG_CONVERSATION_MESSAGES on it renders on the tokenizer threads, to the same ids."""
+    """The chat template is Python: one conversation of thousands of messages held the router's loop (a
+    robustness-testing helper's finding). From LONG_CONVERSATION_MESSAGES on it renders on the tokenizer threads, to the same ids."""
     import threading
 
     from tandem.openai_protocol import ChatCompletionRequest
