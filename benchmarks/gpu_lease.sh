@@ -48,6 +48,7 @@ stage() {  # stage NAME SECONDS COMMAND...: runs it, its output to the console a
 
 {
     nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv
+    lscpu | grep -E "^(Model name|CPU\(s\)):"  # the host launches the kernels: short ones' timings depend on it
     "$PY" -c "import torch, triton, transformers, platform; print('python', platform.python_version(), \
 'torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, 'transformers', \
 transformers.__version__); print(torch.cuda.get_device_name(), torch.cuda.get_device_properties(0).multi_processor_count, 'SMs')"

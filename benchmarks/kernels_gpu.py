@@ -6,7 +6,9 @@
     (32 query heads, 8 KV heads, head dim 128, bf16, block size 16, shuffled block tables, the cache
     in the engine's [num_blocks, num_layers, 2, block_size, Hkv, D] layout read through a layer view).
     Achieved bytes/s (K and V read once, plus query and output) as a fraction of (a).
-(c) Batch-1 decode at a long context, split-KV (flash decoding) as the heuristic picks it vs forced off.
+(c) Batch-1 decode at a long context, split-KV (flash decoding) as the heuristic picks it vs forced off; then
+    (c) as a CUDA graph's replay too (no host launch gaps), and (c) and (b) again with the kernel specialized on
+    the batch size and the block table's stride.
 (d) Prefill: one 4,096-token causal prefill, TFLOP/s (causal FLOPs only), with torch SDPA on the same
     shape (contiguous tensors, no paging) as a reference point.
 Prints its conditions; never asserts. Exits with a message when there is no CUDA device.
@@ -93,7 +95,7 @@ def main() -> None:
         )
 
     import triton
-    from triton.testing import do_bench
+    from triton.testing import do_bench, do_bench_cudagraph
 
     from tandem.workers.kernels import paged_attention as pa
 
@@ -114,7 +116,9 @@ def main() -> None:
 
     scale = HEAD_DIM**-0.5
 
-    def decode(batch: int, context: int, label: str, forced_splits: list[int | None]) -> None:
+    def decode(batch: int, context: int, label: str, forced_splits: list[int | None], graph: bool = False) -> None:
+        """graph: timed as a CUDA graph's replay, which leaves out the host's launch time between the kernel
+        and the split merge (eager timings include any gap the host leaves the device)."""
         query_lens, seq_lens = [1] * batch, [context] * batch
         query, k_cache, v_cache, meta = paged_setup(
             query_lens, seq_lens, args.block_size, args.layers, device
@@ -122,12 +126,17 @@ def main() -> None:
         moved = attention_bytes(query_lens, seq_lens)
         for splits in forced_splits:
             chosen = splits or pa.choose_num_splits(batch, HKV, context, device)
-            ms = do_bench(
-                lambda s=splits: pa.paged_attention(query, k_cache, v_cache, meta, scale, num_splits=s),
-                warmup=25, rep=200, return_mode="median",
-            )  # fmt: skip
+            run = lambda s=splits: pa.paged_attention(query, k_cache, v_cache, meta, scale, num_splits=s)  # noqa: E731
+            if graph:
+                try:
+                    ms = do_bench_cudagraph(run, rep=200, return_mode="median")
+                except RuntimeError as exc:  # a capture CUDA refuses: say so, measure the rest
+                    print(f"{label} (CUDA graph): capture failed: {exc}")
+                    continue
+            else:
+                ms = do_bench(run, warmup=25, rep=200, return_mode="median")
             bw = moved / (ms * 1e-3)
-            how = "heuristic" if splits is None else "forced"
+            how = ("heuristic" if splits is None else "forced") + (", CUDA graph" if graph else "")
             print(f"{label} num_splits={chosen} ({how}): {ms * 1e3:.1f} us, {moved / 1e9:.3f} GB -> "
                   f"{bw / 1e12:.2f} TB/s = {bw / copy_bw:.0%} of copy bandwidth")  # fmt: skip
 
@@ -136,6 +145,16 @@ def main() -> None:
     decode(args.batch, args.context, f"(b) decode {args.batch} x {args.context}", [None])
     # (c) batch-1 decode at a long context: split-KV on (heuristic) vs off
     decode(1, args.long_context, f"(c) decode 1 x {args.long_context}", [None, 1])
+    decode(1, args.long_context, f"(c) decode 1 x {args.long_context}", [None], graph=True)
+    # ... and the same with the kernel specialized on num_seqs and the block table's stride, as it was before
+    # 619965a stopped that (to compile fewer builds): on an H200 the 32-split case took 65.6 us before, 115.0 after.
+    served = pa._paged_attention_kernel
+    pa._paged_attention_kernel = triton.jit(served.fn)
+    try:
+        decode(1, args.long_context, f"(c) specialized, decode 1 x {args.long_context}", [None])
+        decode(args.batch, args.context, f"(b) specialized, decode {args.batch} x {args.context}", [None])
+    finally:
+        pa._paged_attention_kernel = served
 
     # (d) prefill
     n = args.prefill

@@ -108,7 +108,10 @@ def load():
                         name=name,
                         sources=_SOURCES,
                         extra_cflags=["-O3", "-march=native", "-fopenmp"],
-                        extra_ldflags=["-fopenmp"],
+                        # libstdc++ named as a shared library: a compiler that links it statically by default
+                        # (the GPU image's CXX, /opt/gcc/bin/g++) put a second C++ runtime beside torch's, and
+                        # an error message with a number in it then crashed the process.
+                        extra_ldflags=["-fopenmp", "-Wl,--no-as-needed", "-l:libstdc++.so.6"],
                         build_directory=build_directory,
                         verbose=False,
                     )

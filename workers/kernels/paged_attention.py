@@ -355,8 +355,9 @@ def choose_num_splits(
         return 1
     by_occupancy = triton.cdiv(target, programs)
     by_length = max_seq_len // max(_MIN_KEYS_PER_SPLIT, tile_n)
-    # Rounded up (_MAX_SPLITS is a power of two): a few more splits than needed cost little (on an H200 a
-    # 32,768-key decode took 55, 53 and 55 us at 32, 64 and 128 splits), a few fewer leave SMs idle.
+    # Rounded up (_MAX_SPLITS is a power of two): a few more splits than needed add only merge work, a few fewer
+    # leave SMs idle. (docs/benchmarks.md: the 32-split decode at 32,768 keys measured slower on an H200 after
+    # this change and do_not_specialize than before; which of the two costs it is not yet measured.)
     return triton.next_power_of_2(max(1, min(by_occupancy, by_length, _MAX_SPLITS)))
 
 
