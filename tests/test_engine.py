@@ -231,6 +231,25 @@ def test_prefix_cache_hit_keeps_tokens_identical(mut):
     assert got == mut.hf_greedy(second, 10)
 
 
+def test_a_burst_behind_one_new_prefix_computes_it_once_with_the_same_tokens(tiny_llama):
+    """Four requests arriving together behind one new 200-token prefix: the first computes it, the others wait
+    a step or two for its blocks and compute only their own tokens. Their tokens are those of the same burst
+    on an engine where each computes the prefix itself."""
+    prefix = [(7 * i) % 250 + 3 for i in range(200)]
+    requests = [(prefix + [11 + i, 12 + i, 13 + i], greedy(5)) for i in range(4)]
+    computed, tokens = {}, {}
+    for waits in (True, False):
+        engine = make_engine(tiny_llama, max_num_batched_tokens=1024)  # room for all four in one step
+        engine.block_manager.wait_for_blocks_being_computed = waits
+        tokens[waits], _ = run(engine, requests)
+        computed[waits] = metric(engine, "tandem_computed_prompt_tokens_total")
+        if waits:
+            assert metric(engine, "tandem_prefix_cache_hit_tokens_total") == 3 * 192, "12 full blocks, 3 times"
+    assert tokens[True] == tokens[False]
+    assert computed[False] == 4 * 203
+    assert computed[True] == 203 + 3 * (203 - 192)
+
+
 def test_preemption_keeps_tokens_identical(mut):
     # 8 blocks of 16 tokens for six requests that need up to 3 blocks each: they must take turns,
     # and a request preempted mid-decode recomputes its prompt and the tokens it already produced.

@@ -280,3 +280,73 @@ def test_when_nothing_runs_a_request_holding_its_blocks_goes_first():
     imported.num_computed_tokens = 8
     imported.append_token(7)
     assert [s.request_id for s in sched.schedule().admitted] == ["imported"]
+
+
+def shared_prefix_pair(sched: Scheduler, prefix_blocks: int = 4, suffix: int = 2) -> tuple[Sequence, Sequence]:
+    """Two requests behind one new prefix of prefix_blocks full blocks, each with a suffix of its own."""
+    base = next(_next_token) * 1000
+    prefix = list(range(base, base + prefix_blocks * BS))
+    first = Sequence("first", prefix + [1, 2][:suffix], SamplingParams(max_tokens=2))
+    second = Sequence("second", prefix + [3, 4][:suffix], SamplingParams(max_tokens=2))
+    sched.add(first)
+    sched.add(second)
+    return first, second
+
+
+def test_a_request_behind_a_prefix_being_computed_waits_for_it_instead_of_computing_it_again():
+    sched = make(budget=64)
+    first, second = shared_prefix_pair(sched)
+    out = sched.schedule()
+    assert out.seqs == [first], "the second would compute the same 4 blocks in the same step"
+    complete_step(sched, out)
+    out = sched.schedule()
+    assert out.seqs == [first, second] and out.num_new_tokens == [1, 2], "4 blocks cached: only its own 2 tokens"
+    assert second.num_cached_tokens == 4 * BS
+    run_to_completion(sched)
+    assert sched.block_manager.num_used_blocks == 0 and not sched.block_manager._computing
+
+
+def test_it_waits_over_a_chunked_prefill_and_others_go_meanwhile():
+    sched = make(budget=3 * BS)  # the first request's 18 tokens take it two steps
+    first, second = shared_prefix_pair(sched)
+    other = add(sched, "other", BS)
+    out = sched.schedule()
+    assert out.seqs == [first] and out.num_new_tokens == [3 * BS]
+    complete_step(sched, out)
+    out = sched.schedule()
+    assert out.seqs == [first, other], "block 3 is still being computed: the second waits, the budget left goes on"
+    complete_step(sched, out)
+    out = sched.schedule()
+    assert second in out.seqs and out.num_new_tokens[out.seqs.index(second)] == 2
+    assert second.num_cached_tokens == 4 * BS
+    run_to_completion(sched)
+
+
+def test_a_request_not_behind_it_is_not_held_back():
+    sched = make(budget=64)
+    first, _ = shared_prefix_pair(sched, suffix=0)
+    unrelated = add(sched, "unrelated", 3 * BS)
+    out = sched.schedule()
+    assert out.seqs == [first, unrelated]
+
+
+@pytest.mark.parametrize("how", ["abort", "abort, blocks kept", "preempt"])
+def test_when_the_one_computing_it_stops_the_waiting_request_computes_it(how):
+    sched = make(budget=2 * BS)
+    first, second = shared_prefix_pair(sched)
+    complete_step(sched, sched.schedule())  # blocks 0-1 computed, 2-3 announced
+    if how == "preempt":
+        sched._preempt(first)
+        sched.waiting.remove(first)  # out of the way: what matters is that its announcement is withdrawn
+    else:
+        sched.abort("first", free_blocks=how == "abort")
+    out = sched.schedule()
+    assert out.seqs == [second] and second.num_cached_tokens == 2 * BS
+
+
+def test_a_request_wanting_prompt_logprobs_never_waits_since_it_cannot_use_the_cache():
+    sched = make(budget=64)
+    first, second = shared_prefix_pair(sched)
+    second.prompt_logprobs = []
+    out = sched.schedule()
+    assert out.seqs == [first, second]

@@ -5,6 +5,11 @@ admission the longest run of its leading full blocks already in the cache is sha
 of recomputed; after each step the blocks that became full and computed are registered under
 their chained hash (tandem.hashing) so later requests, and this one after a preemption, can
 find them - during prefill and decode alike.
+
+A block is cached only once computed, so requests arriving together behind one new prefix (a
+system prompt many users share) would each compute it. The blocks an admitted sequence is about
+to compute are announced instead (`_computing`), and the scheduler holds back a request whose
+next uncached block is one of them: a step or a few later it finds that block cached.
 """
 
 from __future__ import annotations
@@ -25,6 +30,10 @@ class BlockManager:
         # Cumulative prefix-cache counters, in tokens, counted once per admission.
         self.num_queried_tokens = 0
         self.num_hit_tokens = 0
+        # Block hash -> the running sequence that will compute that block (admitted, not yet computed).
+        self._computing: dict[int, Sequence] = {}
+        # benchmarks/engine_cpu.py turns this off to measure what waiting for a block being computed saves.
+        self.wait_for_blocks_being_computed = True
 
     @property
     def num_total_blocks(self) -> int:
@@ -47,10 +56,8 @@ class BlockManager:
         At least one token is always left to compute, because sampling needs the logits of
         the last one: a prompt that is entirely cached still recomputes its last block.
         """
-        if not self.enable_prefix_caching:
+        if not self._can_use_cache(seq):
             return []
-        if seq.prompt_logprobs is not None and len(seq.prompt_logprobs) < seq.num_prompt_tokens:
-            return []  # its prompt logprobs need the logits of every prompt position not yet recorded
         self._extend_hashes(seq)
         max_blocks = (seq.num_tokens - 1) // self.block_size
         hits: list[int] = []
@@ -60,6 +67,18 @@ class BlockManager:
                 break
             hits.append(block_id)
         return hits
+
+    def waits_for_a_block_being_computed(self, seq: Sequence, hits: list[int]) -> bool:
+        """Whether `seq`'s first block after its cached prefix `hits` is being computed by another sequence now:
+        held back until that one has computed it, `seq` finds it cached rather than computing it a second time
+        (the owner's prefill goes on in every step, before admissions, so the wait is a step or a few)."""
+        if not self._computing or not self.wait_for_blocks_being_computed or not self._can_use_cache(seq):
+            return False
+        i = len(hits)
+        if i >= min((seq.num_tokens - 1) // self.block_size, len(seq.block_hashes)):
+            return False  # nothing left that a cache hit could cover (see find_cached_prefix)
+        owner = self._computing.get(seq.block_hashes[i])
+        return owner is not None and owner is not seq
 
     def allocate_slots(self, seq: Sequence, num_new_tokens: int, prefix_blocks: list[int] | None = None) -> bool:
         """Give `seq` room for its next `num_new_tokens` tokens; False (and no change) if the pool is short.
@@ -88,6 +107,10 @@ class BlockManager:
                 seq.num_cached_tokens = min(num_hit_tokens, seq.num_prompt_tokens)
                 self.num_queried_tokens += seq.num_prompt_tokens
                 self.num_hit_tokens += seq.num_cached_tokens
+            if self.enable_prefix_caching:  # announce the full blocks it is admitted to compute
+                self._extend_hashes(seq)
+                for block_hash in seq.block_hashes[len(seq.block_table):]:
+                    self._computing.setdefault(block_hash, seq)
         for _ in range(num_new_blocks):
             seq.block_table.append(self.pool.allocate())
         return True
@@ -101,10 +124,20 @@ class BlockManager:
             return
         if len(seq.block_hashes) < num_full:
             self._extend_hashes(seq)
-        table, hashes, pool = seq.block_table, seq.block_hashes, self.pool
+        table, hashes, pool, computing = seq.block_table, seq.block_hashes, self.pool, self._computing
         for i in range(seq.num_cached_blocks, num_full):
             pool.cache_block(table[i], hashes[i])
+            if computing and computing.get(hashes[i]) is seq:
+                del computing[hashes[i]]
         seq.num_cached_blocks = num_full
+
+    def stop_computing(self, seq: Sequence) -> None:
+        """Withdraw what `seq` announced it would compute (it finished, was aborted or preempted), so that no
+        request waits for blocks nobody computes."""
+        if self._computing:
+            for block_hash in seq.block_hashes[seq.num_cached_blocks:]:
+                if self._computing.get(block_hash) is seq:
+                    del self._computing[block_hash]
 
     def free(self, seq: Sequence) -> None:
         """Release every block of `seq` at once (finish, abort, preemption).
@@ -112,9 +145,15 @@ class BlockManager:
         Freed tail first: the tail is the least likely to be shared, so it is reused first
         and the common prefix stays cached longest.
         """
+        self.stop_computing(seq)
         self.pool.free_all(reversed(seq.block_table))
         seq.block_table = []
         seq.num_cached_blocks = 0
+
+    def _can_use_cache(self, seq: Sequence) -> bool:
+        # Prompt logprobs need the logits of every prompt position not yet recorded: those are computed.
+        return self.enable_prefix_caching and (seq.prompt_logprobs is None
+                                               or len(seq.prompt_logprobs) >= seq.num_prompt_tokens)
 
     def _extend_hashes(self, seq: Sequence) -> None:
         known = seq.block_hashes

@@ -7,7 +7,8 @@ Each step has a token budget (max_num_batched_tokens) and a cap on running seque
      each taking as much of the remaining budget as it needs (chunked prefill);
   3. admissions from the waiting queue in arrival order, after a prefix-cache lookup so cached
      blocks cost no budget; once one does not fit, only those behind it that already hold their
-     imported KV blocks may still go (see schedule()).
+     imported KV blocks may still go (see schedule()). One whose next uncached block another
+     sequence is computing waits for it to be cached, and those behind it may go.
 When a running sequence cannot get a block, the latest-arrived running sequence is preempted
 by recompute: its blocks are freed, its progress reset, and it goes back to the head of the
 waiting queue. No admission happens in a step that preempted.
@@ -103,6 +104,8 @@ class Scheduler:
                     admitted = self.block_manager.allocate_slots(seq, num_tokens)
                 else:
                     hits = self.block_manager.find_cached_prefix(seq)
+                    if self.block_manager.waits_for_a_block_being_computed(seq, hits):
+                        continue  # finds it cached in a step or a few (block_manager's docstring); others may go
                     num_tokens = min(seq.num_tokens - len(hits) * self.block_manager.block_size, budget)
                     admitted = self.block_manager.allocate_slots(seq, num_tokens, prefix_blocks=hits)
                 if not admitted:
@@ -123,6 +126,7 @@ class Scheduler:
         """Retire a sequence that stopped; its blocks go back to the pool at once (unless `free_blocks` is False:
         the caller frees them later)."""
         self._remove(seq)
+        self.block_manager.stop_computing(seq)
         if free_blocks:
             self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
