@@ -6,7 +6,10 @@ token), and for the refused ones (429) the TTFT the router predicted. A request 
 router expected to serve within 1 s; the admitted TTFTs say how right it was, the refusals what it cost.
 
     PYTHONSAFEPATH=1 .venv/bin/python benchmarks/admission.py [--requests 32] [--concurrency 1 2 4 8]
-        [--server-pythonpath DIR]
+        [--server-pythonpath DIR] [--burst 16 --shared-prefix 300 --bursts 3]
+
+--burst N sends bursts instead: N requests at once, each a new prefix of --shared-prefix tokens that all N share (a
+system prompt) followed by 16 tokens of its own; a new prefix for each of --bursts bursts.
 
 --server-pythonpath runs the stack from another checkout (a folder holding a `tandem` package laid out as the
 installed one), for a before/after comparison on one machine; the load and the figures are this checkout's.
@@ -63,12 +66,26 @@ async def point(url: str, concurrency: int, requests: int, rng: random.Random) -
                 results.append(await one(session, url, queue.pop()))
 
         await asyncio.gather(*(client() for _ in range(concurrency)))
+    return summary(results)
+
+
+async def burst(url: str, size: int, prefix_len: int, rng: random.Random) -> dict:
+    """`size` requests sent together behind one new prefix of `prefix_len` tokens, 16 tokens of their own each."""
+    prefix = [rng.randrange(1000, 30000) for _ in range(prefix_len)]
+    prompts = [prefix + [rng.randrange(1000, 30000) for _ in range(16)] for _ in range(size)]
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
+        results = await asyncio.gather(*(one(session, url, p) for p in prompts))
+    return summary(results)
+
+
+def summary(results: list[tuple[str, float | None]]) -> dict:
     ttft = [v for kind, v in results if kind == "ok" and v is not None]
     predicted = [v for kind, v in results if kind == "refused" and v is not None]
     return {"admitted": sum(kind == "ok" for kind, _ in results), "refused": sum(kind == "refused" for kind, _ in results),
             "errors": sorted({kind for kind, _ in results if kind.startswith("error")}),
             "ttft_p50": float(np.percentile(ttft, 50)) if ttft else None,
             "ttft_p99": float(np.percentile(ttft, 99)) if ttft else None,
+            "ttft_max": max(ttft) if ttft else None,
             "predicted": statistics.median(predicted) if predicted else None}
 
 
@@ -81,6 +98,9 @@ async def main() -> None:
     ap.add_argument("--requests", type=int, default=32, help="measured requests per concurrency")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8])
     ap.add_argument("--server-pythonpath", help="run the stack from this folder's tandem package (before/after)")
+    ap.add_argument("--burst", type=int, help="send bursts of this many requests behind one new shared prefix")
+    ap.add_argument("--shared-prefix", type=int, default=300, help="the bursts' shared prefix, in tokens")
+    ap.add_argument("--bursts", type=int, default=3)
     args = ap.parse_args()
     env = {"PYTHONPATH": args.server_pythonpath} if args.server_pythonpath else None
     stack = ServiceProcess(["serve", "--model", "smollm2", "--kv-transfer", "tcp"], name="admission-serve", env=env)
@@ -95,6 +115,16 @@ async def main() -> None:
         stack.start().wait_ready(300)
         rng = random.Random(0)
         await point(stack.url, 1, 2, rng)  # warm-up: the first requests' compile and cache effects
+        if args.burst:
+            print(f"bursts of {args.burst} requests at once, each burst behind a new {args.shared_prefix}-token prefix"
+                  f" + 16 tokens of each request's own")
+            print(f"{'burst':>5} {'admitted':>9} {'TTFT p50':>9} {'TTFT max':>9} {'refused':>8} "
+                  f"{'predicted TTFT of the refused (median)':>40}")
+            for i in range(args.bursts):
+                r = await burst(stack.url, args.burst, args.shared_prefix, rng)
+                print(f"{i + 1:>5} {r['admitted']:>5}/{args.burst:<3} {ms(r['ttft_p50']):>9} {ms(r['ttft_max']):>9} "
+                      f"{r['refused']:>8} {ms(r['predicted']):>40}" + (f"  {r['errors']}" if r["errors"] else ""))
+            return
         print(f"{'concurrency':>11} {'admitted':>9} {'TTFT p50':>9} {'TTFT p99':>9} {'refused':>8} "
               f"{'predicted TTFT of the refused (median)':>40}")
         for c in args.concurrency:

@@ -178,12 +178,12 @@ async def serve(router, request: Request, body: CompletionRequest | ChatCompleti
     # bucket is checked and taken once, with each prompt counted once as usage counts it.
     whole = sum(map(len, prompts)) + params.max_tokens * len(choices)
     # The prompt tokens each prompt's first sample will compute (a prompt's later samples prefill from its cache).
-    # Each request is charged its whole uncached prompt, a prefix that requests dispatched beside it will also be
-    # computing included: the engines compute a prefix once per request that reaches them before its blocks are
-    # cached, and charging such a burst the prefix once admitted requests that then missed their target (a
-    # re-testing helper's runs on CPU, with scratch scripts).
+    # A prefix that requests admitted just before are to compute is charged to the first of them only: the workers
+    # compute a prefix once for the requests that reach them together (block_manager: the others wait for its
+    # blocks), and the bounded-load hashing sends requests behind one prefix to one worker.
     predictor = router.orchestrator.predictor
-    uncached = [len(ids) - predictor.best_hit_tokens(workers, hashes, len(ids))
+    now = time.monotonic()
+    uncached = [len(ids) - predictor.admission_hit_tokens(workers, hashes, len(ids), now)
                 for ids, (hashes, _) in zip(prompts, plans, strict=True)]
     tickets = {}
     try:
@@ -196,6 +196,8 @@ async def serve(router, request: Request, body: CompletionRequest | ChatCompleti
         for request_id in tickets:
             router.dispatcher.withdraw(request_id)
         raise
+    for hashes, _ in plans:  # admitted: the requests of a burst behind the same prefix are charged it once
+        predictor.expect(hashes, now)
     bill = Bill(router.admission, tickets[choices[0].request_id], choices)
     streams = staggered(choices, body.n, lambda c, after: dispatch(
         router, c.request_id, c.prompt_ids, c.params, tickets[c.request_id], slo_name, plans[c.prompt],

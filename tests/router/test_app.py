@@ -609,3 +609,46 @@ def test_a_long_conversation_is_rendered_off_the_event_loop_to_the_same_ids():
     assert rendered_on[0] == "MainThread" and rendered_on[1].startswith("tokenize")
     for body, got in zip((short, long), ids, strict=True):
         assert got == router.tokenizer.encode(body.prompt_text(router.tokenizer), False)
+
+
+def test_a_burst_behind_one_new_prefix_is_charged_the_prefix_once():
+    """Sixteen requests behind one new 300-token system prompt (0.3 s of prefill at the measured rate), each with a
+    question of its own, sent together: the worker computes the prefix once for them all, so all fit the 1 s
+    target. Charged all of it each, as no worker had it yet, they were refused from the fourth on. One dispatch
+    slot, taken by another request: they wait to be placed, so none is placed (where its prefix is recorded)
+    before the others are admitted."""
+    router = Router(RouterConfig(decode=[WORKER], max_in_flight=1))
+    router.decode.set_members([WORKER])
+    router.decode._set_healthy(router.decode.workers[WORKER], True)
+    router.orchestrator.http = router.decode.http = SlowWorker()
+    app = build_app(router)
+    router.admission.rates.record_prefill(1000, 1.0)  # 1,000 tokens/s per worker
+    system = " ".join(["word"] * 300)
+
+    async def burst():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://r") as client:
+            holder = asyncio.create_task(client.post("/v1/completions", json={
+                "model": "smollm2", "prompt": "hold the slot", "max_tokens": 50}))
+            while not router.orchestrator.decode.workers[WORKER].in_flight:
+                await asyncio.sleep(0.01)
+            return await asyncio.gather(holder, *(client.post("/v1/completions", json={
+                "model": "smollm2", "prompt": f"{system} question {i}?", "max_tokens": 4}) for i in range(16)))
+
+    answers = asyncio.run(burst())
+    assert [r.status_code for r in answers] == [200] * 17, [r.text for r in answers if r.status_code != 200][:1]
+    assert_forgotten(router)
+
+
+def test_an_expected_prefix_counts_for_a_while_only():
+    """What an admitted request is about to compute counts until placement's record can take over, not for good: a
+    request admitted, then refused or withdrawn before it ran, leaves the guess wrong only that long."""
+    from tandem.router.prefix_predictor import EXPECT_S, PrefixPredictor
+
+    predictor = PrefixPredictor(block_size=16)
+    hashes = [11, 12, 13]
+    assert predictor.admission_hit_tokens(["w"], hashes, 50, now=0.0) == 0
+    predictor.expect(hashes, now=0.0)
+    assert predictor.admission_hit_tokens(["w"], hashes, 50, now=1.0) == 48
+    assert predictor.admission_hit_tokens(["w"], [11, 99, 13], 50, now=1.0) == 16  # a shared start only
+    assert predictor.best_hit_tokens(["w"], hashes, 50) == 0  # placement goes by what workers hold
+    assert predictor.admission_hit_tokens(["w"], hashes, 50, now=EXPECT_S + 0.5) == 0
