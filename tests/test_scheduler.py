@@ -350,3 +350,53 @@ def test_a_request_wanting_prompt_logprobs_never_waits_since_it_cannot_use_the_c
     second.prompt_logprobs = []
     out = sched.schedule()
     assert out.seqs == [first, second]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_bursts_behind_shared_prefixes_always_drain_and_leave_nothing_announced(seed):
+    """Requests behind a few shared prefixes arrive in bursts into a pool tight enough to preempt, some are aborted
+    mid-way (their blocks freed or kept) and some want prompt logprobs: every request still finishes (a request
+    never waits for a block nobody computes), no block leaks, nothing stays announced."""
+    rng = random.Random(seed)
+    sched = make(num_blocks=16, max_num_seqs=6, budget=rng.choice([12, 16, 40]))
+    prefixes: list[list[int]] = []
+    kept: list[Sequence] = []  # aborted with their blocks kept, as the engine does while a pull writes into them
+    added = waits = 0
+    announced = sched.block_manager.waits_for_a_block_being_computed
+
+    def counted(seq, hits):  # how often a request waited, so that the test shows it exercised that
+        nonlocal waits
+        waiting = announced(seq, hits)
+        waits += waiting
+        return waiting
+
+    sched.block_manager.waits_for_a_block_being_computed = counted
+    for _ in range(400):
+        if added < 40 and rng.random() < 0.3:
+            if not prefixes or rng.random() < 0.5:  # a burst behind a new prefix, or one seen before
+                prefixes.append([rng.randrange(50_000, 90_000) for _ in range(rng.randint(1, 5) * BS)])
+            prefix = rng.choice(prefixes)
+            for _ in range(min(rng.randint(2, 5), 40 - added)):
+                prompt = prefix + [rng.randrange(1000) for _ in range(rng.randint(0, 9))]
+                seq = Sequence(f"r{added}", prompt, SamplingParams(max_tokens=rng.randint(1, 12)))
+                if rng.random() < 0.15:
+                    seq.prompt_logprobs = []
+                sched.add(seq)
+                added += 1
+        if sched.running and rng.random() < 0.05:
+            victim = rng.choice(sched.running)
+            keep = rng.random() < 0.5
+            sched.abort(victim.request_id, free_blocks=not keep)
+            if keep:
+                kept.append(victim)
+        if kept and rng.random() < 0.3:  # the pull writing into them is over
+            sched.block_manager.free(kept.pop(0))
+        if not sched.num_unfinished and added >= 40:
+            break
+        complete_step(sched, sched.schedule())
+    for seq in kept:
+        sched.block_manager.free(seq)
+    run_to_completion(sched)
+    assert added == 40 and waits > 0 and sched.num_preemptions > 0, (waits, sched.num_preemptions)
+    assert sched.block_manager.num_used_blocks == 0
+    assert not sched.block_manager._computing
