@@ -1,4 +1,4 @@
-"""Measured service rates: prefill and decode tokens per second, smoothed with an EWMA."""
+"""Measured service rates: prefill and decode tokens per second, exponentially smoothed over the time measured."""
 
 from __future__ import annotations
 
@@ -8,18 +8,24 @@ import math
 class EWMARate:
     """Tokens per second from (tokens, seconds) measurements.
 
-    The rate is the ratio of an EWMA of tokens to an EWMA of seconds rather than an EWMA of per-sample
-    tokens/s: each measurement then counts in proportion to the work it covered, so a run of tiny prefills
-    whose fixed overhead dominates cannot drag down the rate that the long prompts in the queue will see.
+    The rate is the ratio of a decaying sum of tokens to a decaying sum of seconds rather than an average of
+    per-sample tokens/s: each measurement then counts in proportion to the work it covered, so a run of tiny
+    prefills whose fixed overhead dominates cannot drag down the rate that the long prompts in the queue will see.
+    Both sums decay with the seconds measured (by half every `half_life_s`), not with the number of measurements:
+    prefill measurements are shares of their worker's busy time (router.pool.Worker.prefill_started), so the rate
+    is the worker's over its last few seconds of work however many requests those were split into. Decaying per
+    measurement instead weighed a burst's requests by the order they finished in: of 16 prefills done in one step,
+    the one that computed a shared prefix for all of them counted for little once the 15 that each computed a few
+    tokens after it were recorded, and the rate came out far below what the worker had just done.
     `initial_tps` is a prior used until the first measurement, which replaces it.
     """
 
-    def __init__(self, alpha: float = 0.2, initial_tps: float | None = None):
-        if not 0 < alpha <= 1:
-            raise ValueError(f"alpha must be in (0, 1], got {alpha}")
+    def __init__(self, half_life_s: float = 2.0, initial_tps: float | None = None):
+        if not (math.isfinite(half_life_s) and half_life_s > 0):
+            raise ValueError(f"half_life_s must be a positive number of seconds, got {half_life_s}")
         if initial_tps is not None and not (math.isfinite(initial_tps) and initial_tps > 0):
             raise ValueError(f"initial_tps must be a positive rate, got {initial_tps}")
-        self.alpha = alpha
+        self.half_life_s = half_life_s
         self.initial_tps = initial_tps
         self.samples = 0
         self._tokens = 0.0
@@ -35,8 +41,9 @@ class EWMARate:
                 return
             self._tokens, self._seconds = tokens, seconds
         else:
-            self._tokens += self.alpha * (tokens - self._tokens)
-            self._seconds += self.alpha * (seconds - self._seconds)
+            kept = 0.5 ** (seconds / self.half_life_s)
+            self._tokens = self._tokens * kept + tokens
+            self._seconds = self._seconds * kept + seconds
         self.samples += 1
 
     @property
@@ -57,10 +64,10 @@ class ServiceRates:
     the prefill rate; the decode rate is there for the planner and for reporting.
     """
 
-    def __init__(self, alpha: float = 0.2, initial_prefill_tps: float | None = None,
+    def __init__(self, half_life_s: float = 2.0, initial_prefill_tps: float | None = None,
                  initial_decode_tps: float | None = None):
-        self.prefill = EWMARate(alpha, initial_prefill_tps)
-        self.decode = EWMARate(alpha, initial_decode_tps)
+        self.prefill = EWMARate(half_life_s, initial_prefill_tps)
+        self.decode = EWMARate(half_life_s, initial_decode_tps)
 
     def record_prefill(self, tokens: float, seconds: float) -> None:
         self.prefill.record(tokens, seconds)
