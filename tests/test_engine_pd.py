@@ -352,6 +352,33 @@ def test_running_requests_keep_decoding_while_a_prompts_kv_arrives(pd_pair, colo
     assert status == "pulled" and tokens == run(colocated, "arriving-alone", prompt)[0]
 
 
+def test_a_request_behind_a_prefix_whose_kv_is_on_the_way_computes_it_rather_than_wait(pd_pair, colocated):
+    """Blocks a pull is to fill are not announced as being computed: a local request behind the same prefix does
+    not wait for the pull, which may be slow or queued behind another's (it waited for the whole held pull)."""
+    prefill, decode = pd_pair
+    prompt = prompt_of(100, seed=15)
+    first, source, lease_id = prefilled(prefill, "pulled", prompt)
+    real, decode.kv_transfer = decode.kv_transfer, HeldTransfer(decode.kv_transfer)
+    try:
+        decode.add_request("pulled", prompt, GREEDY, first_token_id=first, kv_source=source)
+        local = prompt[:96] + [7, 8, 9]
+        decode.add_request("local", local, GREEDY)
+        while_held = [out for _ in range(10) for out in decode.step()]
+        assert decode.kv_transfer.started.is_set()
+        assert "local" in [out.request_id for out in while_held]
+        decode.kv_transfer.release.set()
+        tokens = {"pulled": [first], "local": [out_id for out in while_held for out_id in out.new_token_ids]}
+        while decode.has_unfinished_requests():
+            for out in decode.step():
+                tokens[out.request_id] += out.new_token_ids
+    finally:
+        decode.kv_transfer = real
+        prefill.release_lease(lease_id)
+    assert tokens["local"] == run(colocated, "local-alone", local)[0]
+    assert tokens["pulled"] == run(colocated, "pulled-alone", prompt)[0]
+    assert decode.num_kv_blocks_used == 0 and not decode.block_manager._computing
+
+
 def test_where_steps_wait_for_pulls_a_stuck_pull_holds_them_up_only_so_long(tiny, colocated, monkeypatch):
     """kv_pull_in_background off (a CPU's default): a step waits for the pull, but a pull stuck on a dead peer
     would stall every running request until its timeout. Past the bound the steps go on, the pull beside them."""

@@ -107,10 +107,6 @@ class BlockManager:
                 seq.num_cached_tokens = min(num_hit_tokens, seq.num_prompt_tokens)
                 self.num_queried_tokens += seq.num_prompt_tokens
                 self.num_hit_tokens += seq.num_cached_tokens
-            if self.enable_prefix_caching:  # announce the full blocks it is admitted to compute
-                self._extend_hashes(seq)
-                for block_hash in seq.block_hashes[len(seq.block_table):]:
-                    self._computing.setdefault(block_hash, seq)
         for _ in range(num_new_blocks):
             seq.block_table.append(self.pool.allocate())
         return True
@@ -130,6 +126,16 @@ class BlockManager:
             if computing and computing.get(hashes[i]) is seq:
                 del computing[hashes[i]]
         seq.num_cached_blocks = num_full
+
+    def announce_computing(self, seq: Sequence) -> None:
+        """`seq` was just admitted to compute its uncached full blocks: requests behind the same prefix wait for
+        them (waits_for_a_block_being_computed). The scheduler calls this, not allocate_slots: blocks that a KV pull
+        is to fill are not announced, since a pull may be queued behind another for a long while, and a request
+        computes its prefix sooner than it waits for that."""
+        if self.enable_prefix_caching:
+            self._extend_hashes(seq)
+            for block_hash in seq.block_hashes[seq.num_cached_blocks:]:
+                self._computing.setdefault(block_hash, seq)
 
     def stop_computing(self, seq: Sequence) -> None:
         """Withdraw what `seq` announced it would compute (it finished, was aborted or preempted), so that no

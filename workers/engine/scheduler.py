@@ -98,7 +98,8 @@ class Scheduler:
                     continue
                 if blocked and not seq.block_table:
                     continue
-                if seq.block_table:
+                imported = bool(seq.block_table)
+                if imported:
                     # Its prompt's KV was imported: the prefix lookup is done, only the rest needs room.
                     num_tokens = min(seq.num_uncomputed_tokens, budget)
                     admitted = self.block_manager.allocate_slots(seq, num_tokens)
@@ -117,6 +118,8 @@ class Scheduler:
                 scheduled[seq] = num_tokens
                 budget -= num_tokens
                 out.admitted.append(seq)
+                if not imported:  # its uncached blocks are computed here, from this step on
+                    self.block_manager.announce_computing(seq)
 
         out.seqs = list(scheduled)
         out.num_new_tokens = list(scheduled.values())
