@@ -25,13 +25,15 @@ from tandem.protocol import SamplingParams, join_decode_events
 from tandem.router.policies.key_table import KeyAssignments
 from tandem.router.policies.p2c import PowerOfTwoChoices
 from tandem.router.policies.ring import routing_key
-from tandem.router.pool import WorkerPool
+from tandem.router.pool import Worker, WorkerPool
 from tandem.router.prefix_predictor import PrefixPredictor
 from tandem.router.worker_client import TRANSPORT_ERRORS, UnreadableAnswer, WorkerClient, WorkerStatusError
 
 log = logging.getLogger(__name__)
 
 MAX_ATTEMPTS = 3  # per phase: a request survives two worker failures
+# The sequence valve's floor, unless given: an eighth of a decode worker's max_num_seqs (8 when it reports none).
+SEQUENCE_FLOOR_SHARE = 8
 
 
 def no_workers(health_interval_s: float) -> APIError:
@@ -371,18 +373,27 @@ class Orchestrator:
         many requests share it (many users behind one system prompt, one prompt asked again and again), and
         the prefill valve does not see them pile up there: a cached prompt costs no prefill, its decoding does.
         So bounded loads on the sequences each worker holds (running and waiting, as reported, or this router's
-        own in flight if more): a worker holding at least `decode_overload_min_seqs` (a batch about as quick
+        own in flight if more): a worker holding at least its floor (`sequence_floor`: a batch about as quick
         to decode as one sequence) and over (1 + decode_balance_eps) x the mean after placement passes the
         request clockwise from the key to the first worker under that bound. The key stays assigned where it is,
         and its overflow goes to the same next workers every time, whose caches then hold its prefix too."""
-        held = pool.workers[preferred].sequences_held
-        if held < self.config.decode_overload_min_seqs:  # the usual case: no need for the pool's loads
+        home = pool.workers[preferred]
+        held = home.sequences_held
+        if held < self.sequence_floor(home):  # the usual case: no need for the pool's loads
             return preferred
         loads = {w.url: w.sequences_held for w in pool.healthy() if w.url not in exclude}
         bound = (1 + self.config.decode_balance_eps) * (sum(loads.values()) + 1) / len(loads)
         if held + 1 <= bound:
             return preferred
         return _first_with_room([u for u in self._candidates(pool.ring, key, exclude) if u in loads], loads, 1, bound)
+
+    def sequence_floor(self, worker: Worker) -> int:
+        """The sequences a decode worker holds before the sequence valve looks at the pool: --decode-overload-min-seqs
+        if given, else an eighth of the max_num_seqs it reports. A batch that small decodes about as fast as one
+        sequence, and how large that is grows with the batch a worker is set up for (a GPU's 256, a CPU's 64)."""
+        if self.config.decode_overload_min_seqs is not None:
+            return self.config.decode_overload_min_seqs
+        return max(1, worker.max_num_seqs // SEQUENCE_FLOOR_SHARE) if worker.max_num_seqs else SEQUENCE_FLOOR_SHARE
 
     @staticmethod
     def _candidates(ring, key: int, exclude: set[str]) -> list[str]:

@@ -43,6 +43,7 @@ class Worker:
     total_blocks: int = 0
     running: int = 0  # sequences running and waiting on it, as last reported
     max_model_len: int = 0
+    max_num_seqs: int = 0  # its engine's batch limit, as reported (0: not reported)
     silent_probes: int = 0  # probes in a row that got no answer at all
     silence_reported: bool = False  # on_silent was called for this silence
     misplaced: bool = False  # its role is not its pool's (a decode worker listed as a prefill one)
@@ -191,6 +192,7 @@ class WorkerPool:
                 worker.free_blocks, worker.total_blocks = load["free_blocks"], load["total_blocks"]
                 worker.running = load["running"] + load["waiting"]
                 worker.max_model_len = load.get("max_model_len", 0)
+                worker.max_num_seqs = load.get("max_num_seqs", 0)
                 ok = self._serves_this_pool(worker, load.get("role"))
             ready = ok and (await self.http.get(f"{worker.url}/ready", timeout=timeout_s)).status_code == 200
         except httpx.TransportError:  # no answer: refused, reset, or nothing within the timeout

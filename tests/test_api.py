@@ -66,6 +66,8 @@ def test_health_ready_models_metrics(worker):
     other = httpx.get(worker.url + "/v1/models/org/other")
     assert other.status_code == 404 and other.json()["error"]["code"] == "model_not_found"
     assert metric(worker, "tandem_kv_blocks_total") == 256
+    load = httpx.get(worker.url + "/internal/load").json()  # what the router's probes read
+    assert (load["max_model_len"], load["max_num_seqs"], load["total_blocks"]) == (2048, 64, 256)
 
 
 def test_load_is_also_exported_under_vllms_names(worker, client):

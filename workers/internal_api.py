@@ -89,7 +89,7 @@ def add_internal_routes(app: FastAPI, ctx) -> None:
         return {"role": ctx.config.role, "free_blocks": engine.num_kv_blocks_total - engine.num_kv_blocks_used,
                 "total_blocks": engine.num_kv_blocks_total, "running": engine.num_running,
                 "waiting": engine.num_waiting, "in_flight": ctx.engine.num_in_flight,
-                "max_model_len": ctx.max_model_len}
+                "max_model_len": ctx.max_model_len, "max_num_seqs": engine.config.max_num_seqs}
 
     @app.post("/internal/drain")
     async def drain():

@@ -298,7 +298,8 @@ def test_one_key_asked_again_and_again_spreads_its_sequences_over_the_pool(route
         url = place(orchestrator, pool, key, decodes_here=True)
         pool.workers[url].in_flight += 1
         placed[url] += 1
-        bound = max(config.decode_overload_min_seqs, (1 + config.decode_balance_eps) * (i + 1) / len(pool.workers))
+        floor = orchestrator.sequence_floor(pool.workers[clockwise[0]])
+        bound = max(floor, (1 + config.decode_balance_eps) * (i + 1) / len(pool.workers))
         assert max(placed.values()) <= math.ceil(bound), (i, placed)
     along = [placed[u] for u in clockwise]
     assert along == sorted(along, reverse=True) and len(placed) == 3, along  # filled clockwise, [24, 24, 16, 0]
@@ -312,14 +313,34 @@ def test_the_sequence_valve_leaves_small_batches_and_prefills_alone(router):
     orchestrator, pool = router
     key = random_keys(1, 34)[0]
     home = place(orchestrator, pool, key)
-    # Below decode_overload_min_seqs on its worker, every other one idle: small batches stay with their cache.
-    pool.workers[home].in_flight = orchestrator.config.decode_overload_min_seqs - 1
+    # Below the floor on its worker, every other one idle: small batches stay with their cache.
+    pool.workers[home].in_flight = orchestrator.sequence_floor(pool.workers[home]) - 1
     assert place(orchestrator, pool, key, decodes_here=True) == home
     # A prefill leaves its worker as soon as it is done: its decoding is elsewhere, so sequences do not count.
     pool.workers[home].running = 1000
     assert place(orchestrator, pool, key) == home
     # A decode worker's report counts as well as this router's own requests (other replicas send there too).
     assert place(orchestrator, pool, key, decodes_here=True) != home
+
+
+def test_the_sequence_floor_is_an_eighth_of_the_batch_a_worker_is_set_up_for_unless_given(router):
+    """A GPU worker (max_num_seqs 256) decodes 31 sequences about as fast as one: its colocated requests of one key
+    stay on it until 32; a CPU worker's (64) until 8, as one that reports nothing. A given floor is kept."""
+    orchestrator, pool = router
+    key = random_keys(1, 35)[0]
+    home = place(orchestrator, pool, key)
+    worker = pool.workers[home]
+    assert orchestrator.sequence_floor(worker) == 8  # reports no max_num_seqs
+    worker.max_num_seqs = 256
+    assert orchestrator.sequence_floor(worker) == 32
+    worker.in_flight = 31
+    assert place(orchestrator, pool, key, decodes_here=True) == home
+    worker.in_flight = 32
+    assert place(orchestrator, pool, key, decodes_here=True) != home
+    worker.max_num_seqs = 64
+    assert orchestrator.sequence_floor(worker) == 8
+    orchestrator.config = orchestrator.config.model_copy(update={"decode_overload_min_seqs": 40})
+    assert orchestrator.sequence_floor(worker) == 40
 
 
 def test_an_excluded_worker_is_not_chosen(router):

@@ -20,7 +20,8 @@ from tandem.router.pool import WorkerPool, probe_pools
 async def probed_worker(port: int, ready: bool) -> web.AppRunner:
     """A worker as the pool's probes see it: its load, and /ready answering 200, or 503 (draining)."""
     async def load(_):
-        return web.json_response({"free_blocks": 1, "total_blocks": 1, "running": 1, "waiting": 0})
+        return web.json_response({"free_blocks": 1, "total_blocks": 1, "running": 1, "waiting": 0,
+                                  "max_num_seqs": 256})
 
     async def readiness(_):
         if ready:
@@ -184,3 +185,18 @@ async def test_a_worker_gone_with_nothing_in_flight_is_not_warned_of(caplog):
                 await probe_pools([pool], timeout_s=0.2)
     said = {(r.levelname, r.getMessage().split()[2]) for r in caplog.records if "has not answered" in r.getMessage()}
     assert said == {("INFO", gone[0]), ("WARNING", gone[1])}
+
+
+async def test_a_probe_reads_the_batch_a_worker_is_set_up_for():
+    """The sequence valve's floor is an eighth of it (router.orchestrator.Orchestrator.sequence_floor)."""
+    port = free_port()
+    runner = await probed_worker(port, ready=True)
+    try:
+        async with httpx.AsyncClient() as http:
+            pool = WorkerPool("decode", http, RouterMetrics("test"))
+            pool.set_members([f"http://127.0.0.1:{port}"])
+            await probe_pools([pool], timeout_s=2.0)
+    finally:
+        await runner.cleanup()
+    (worker,) = pool.healthy()
+    assert worker.max_num_seqs == 256 and worker.running == 1
