@@ -25,6 +25,7 @@ from tandem.model_routes import add_model_routes
 from tandem.openai_choices import Choice, combined, request_choices, staggered
 from tandem.openai_protocol import (
     ChatCompletionRequest,
+    ChatPrompt,
     CompletionRequest,
     check_model,
     check_request,
@@ -75,7 +76,8 @@ def build_app(router) -> FastLane | ApiKeyGate | CORSMiddleware:
 
     add_model_routes(app, router.served_name, lambda: router.max_model_len)
     add_tokenize_routes(app, router.served_name, router.tokenizer, lambda: router.max_model_len,
-                        lambda text, add_special_tokens: tokenize(router, text, add_special_tokens))
+                        lambda text, add_special_tokens: tokenize(router, text, add_special_tokens),
+                        lambda body, add_special_tokens: chat_prompt_ids(router, body, add_special_tokens))
 
     async def completions_handler(body: CompletionRequest, request: Request) -> Response:
         check_model(router.served_name, body.model)
@@ -129,16 +131,17 @@ async def tokenize(router, text: str, add_special_tokens: bool = True) -> list[i
 LONG_CONVERSATION_MESSAGES = 64
 
 
-async def chat_prompt_ids(router, body: ChatCompletionRequest) -> list[int]:
-    """The conversation's prompt ids: rendered by the chat template, then tokenized (`tokenize`). A long one is
-    rendered on the tokenizer threads too: the template is Python and holds the GIL, but there it leaves the loop
-    a turn every switch interval (5 ms) rather than none for its whole render, which grows with the messages (a
-    robustness-testing helper held every other request of the router back with one conversation of thousands)."""
+async def chat_prompt_ids(router, body: ChatPrompt, add_special_tokens: bool = False) -> list[int]:
+    """The conversation's prompt ids (a chat completion's, or one /tokenize is asked about): rendered by the chat
+    template, then tokenized (`tokenize`). A long one is rendered on the tokenizer threads too: the template is
+    Python and holds the GIL, but there it leaves the loop a turn every switch interval (5 ms) rather than none for
+    its whole render, which grows with the messages (a robustness-testing helper held every other request of the
+    router back with one conversation of thousands)."""
     if len(body.messages) < LONG_CONVERSATION_MESSAGES:
-        return await tokenize(router, body.prompt_text(router.tokenizer), add_special_tokens=False)
+        return await tokenize(router, body.prompt_text(router.tokenizer), add_special_tokens)
 
     def render_and_encode() -> list[int]:
-        return router.tokenizer.encode(body.prompt_text(router.tokenizer), False)
+        return router.tokenizer.encode(body.prompt_text(router.tokenizer), add_special_tokens)
 
     return await asyncio.get_running_loop().run_in_executor(router.tokenize_pool, render_and_encode)
 

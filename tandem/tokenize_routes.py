@@ -21,6 +21,8 @@ from tandem.tokenizer import Tokenizer
 
 # Tokenizes `text` (with or without the model's special tokens); the router's may do it on a thread.
 Encode = Callable[[str, bool], Awaitable[list[int]]]
+# Renders a conversation by the chat template and tokenizes it; the router's renders a long one on a thread.
+EncodeChat = Callable[[ChatPrompt, bool], Awaitable[list[int]]]
 
 
 class TokenizeCompletionRequest(_Request):
@@ -52,8 +54,12 @@ class DetokenizeRequest(_Request):
 
 
 def add_tokenize_routes(app: FastAPI, served_name: str, tokenizer: Tokenizer, max_model_len: Callable[[], int],
-                        encode: Encode) -> None:
-    """`max_model_len` is asked per request: a router learns its workers' context length after it starts."""
+                        encode: Encode, encode_chat: EncodeChat | None = None) -> None:
+    """`max_model_len` is asked per request: a router learns its workers' context length after it starts.
+    Without `encode_chat`, a conversation is rendered here and tokenized by `encode`."""
+    if encode_chat is None:
+        async def encode_chat(body: ChatPrompt, add_special_tokens: bool) -> list[int]:
+            return await encode(body.prompt_text(tokenizer), add_special_tokens)
 
     @app.post("/tokenize")
     async def tokenize(body: _TokenizeRequest = Body(discriminator=_chat_or_completion)):
@@ -61,7 +67,7 @@ def add_tokenize_routes(app: FastAPI, served_name: str, tokenizer: Tokenizer, ma
         if isinstance(body, TokenizeChatRequest):
             if body.chat_template is not None:  # as chat completions refuse it
                 raise refusal("chat_template")
-            ids = await encode(body.prompt_text(tokenizer), body.add_special_tokens)
+            ids = await encode_chat(body, body.add_special_tokens)
         else:
             ids = await encode(body.prompt, body.add_special_tokens)
         pieces = [tokenizer.backend.id_to_token(t) for t in ids] if body.return_token_strs else None

@@ -611,6 +611,43 @@ def test_a_long_conversation_is_rendered_off_the_event_loop_to_the_same_ids():
         assert got == router.tokenizer.encode(body.prompt_text(router.tokenizer), False)
 
 
+def test_the_routers_tokenize_renders_a_long_conversation_off_the_event_loop_too():
+    """POST /tokenize with `messages` renders the chat template as chat completions do (it was rendered on the loop
+    whatever its length), with the request's add_special_tokens."""
+    import threading
+
+    from tandem.router.app import LONG_CONVERSATION_MESSAGES
+    from tandem.tokenize_routes import TokenizeChatRequest
+
+    router = Router(RouterConfig(decode=[WORKER]))
+    app = build_app(router)
+    rendered_on = []
+    prompt_text = TokenizeChatRequest.prompt_text
+
+    def spying(self, tokenizer):
+        rendered_on.append(threading.current_thread().name)
+        return prompt_text(self, tokenizer)
+
+    turns = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"turn {i}"}
+             for i in range(LONG_CONVERSATION_MESSAGES + 1)]
+
+    async def ask(special: bool) -> dict:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://r") as client:
+            r = await client.post("/tokenize", json={"messages": turns, "add_special_tokens": special})
+            assert r.status_code == 200, r.text
+            return r.json()
+
+    TokenizeChatRequest.prompt_text = spying
+    try:
+        plain, special = asyncio.run(ask(False)), asyncio.run(ask(True))
+    finally:
+        TokenizeChatRequest.prompt_text = prompt_text
+    assert all(name.startswith("tokenize") for name in rendered_on) and len(rendered_on) == 2, rendered_on
+    text = TokenizeChatRequest(messages=turns).prompt_text(router.tokenizer)
+    assert plain["tokens"] == router.tokenizer.encode(text, False)
+    assert special["tokens"] == router.tokenizer.encode(text, True)
+
+
 def test_a_burst_behind_one_new_prefix_is_charged_the_prefix_once():
     """Sixteen requests behind one new 300-token system prompt (0.3 s of prefill at the measured rate), each with a
     question of its own, sent together: the worker computes the prefix once for them all, so all fit the 1 s
