@@ -77,12 +77,15 @@ def request_choices(body: CompletionRequest | ChatCompletionRequest, prompts: li
     formatter = ChatFormatter if chat else CompletionFormatter
     request_id, created = new_id("chatcmpl" if chat else "cmpl"), now()
     echoes = None
+    tool_mode = body.tool_call_mode() if chat else None
     if not chat and body.echo:  # each prompt as the client sent it (token ids decoded)
         echoes = [(text if isinstance(text, str) else tokenizer.decode(ids), ids)
                   for text, ids in zip(body.prompts(), prompts, strict=True)]
 
     def make_formatter(num_prompt_tokens: int, index: int) -> Formatter:
         fmt = formatter(request_id, served_name, created, tokenizer, num_prompt_tokens, index)
+        if tool_mode is not None:
+            fmt.tool_mode = tool_mode
         if echoes is not None:
             fmt.echo = echoes[index // body.n]
             fmt.echo_only = body.echo_only

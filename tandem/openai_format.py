@@ -9,7 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tandem.openai_protocol import new_id
 from tandem.tokenizer import Tokenizer
+from tandem.tool_calls import ToolCallMode
 
 
 @dataclass
@@ -177,6 +179,10 @@ class CompletionFormatter(Formatter):
 class ChatFormatter(Formatter):
     object_name = "chat.completion"
     chunk_object_name = "chat.completion.chunk"
+    # Set when the output is tool calls (tandem.tool_calls): one named call's arguments stream as they come; the
+    # calls of a "required" output are whole only at its end, so they are sent then.
+    tool_mode: ToolCallMode | None = None
+    _named_call_id: str | None = None
 
     def _logprobs_block(self, entries: list) -> dict | None:
         if not self.wants_logprobs:
@@ -199,9 +205,25 @@ class ChatFormatter(Formatter):
     def chunks(self, out: RequestOutput) -> list[dict]:
         self.add(out)
         chunks = []
-        if out.new_text or out.new_logprobs:  # tokens with no text yet still have logprobs to send
+        mode = self.tool_mode
+        if mode is not None and mode.name is None:  # "required": the calls, once the array is whole
+            if out.finished:
+                calls = mode.calls(self.text, new_id)
+                delta = {"tool_calls": [{"index": i, **call} for i, call in enumerate(calls)]} if calls is not None \
+                    else {"content": self.text}
+                chunks.append(self.envelope(self.chunk_object_name, [
+                    {"index": self.index, "delta": delta, "logprobs": None, "finish_reason": None,
+                     "stop_reason": None}]))
+        elif out.new_text or out.new_logprobs:  # tokens with no text yet still have logprobs to send
+            delta = {"content": out.new_text}
+            if mode is not None:  # one named call: its arguments as they come, its id and name with the first
+                delta = {"tool_calls": [{"index": 0, "function": {"arguments": out.new_text}}]}
+                if self._named_call_id is None:
+                    self._named_call_id = new_id("chatcmpl-tool")
+                    delta["tool_calls"][0].update(id=self._named_call_id, type="function")
+                    delta["tool_calls"][0]["function"]["name"] = mode.name
             chunks.append(self.envelope(self.chunk_object_name, [
-                {"index": self.index, "delta": {"content": out.new_text},
+                {"index": self.index, "delta": delta,
                  "logprobs": self._logprobs_block(out.new_logprobs or []), "finish_reason": None,
                  "stop_reason": None}]))
         if out.finished:
@@ -211,7 +233,11 @@ class ChatFormatter(Formatter):
         return chunks
 
     def final(self) -> dict:
-        choice = {"index": self.index, "message": {"role": "assistant", "content": self.text},
+        message = {"role": "assistant", "content": self.text}
+        calls = self.tool_mode.calls(self.text, new_id) if self.tool_mode is not None else None
+        if calls is not None:
+            message = {"role": "assistant", "content": None, "tool_calls": calls}
+        choice = {"index": self.index, "message": message,
                   "logprobs": self._logprobs_block(self.logprobs), "finish_reason": self.finish_reason,
                   "stop_reason": self.stop_reason}
         return self.envelope(self.object_name, [choice], self.usage())

@@ -26,6 +26,7 @@ from tandem.protocol import (
 )
 from tandem.structured_output import ANY_JSON_OBJECT, MAX_SPEC_CHARS, choice_spec, json_schema_spec
 from tandem.structured_output import check as check_structured
+from tandem.tool_calls import Tool, ToolCall, ToolCallMode, ToolChoice, resolve, template_tool_calls
 
 MAX_N = 128  # completions per prompt: OpenAI's bound on n
 MAX_LOGIT_BIAS = 300  # biased tokens per request: each costs the worker work at every step
@@ -327,6 +328,8 @@ class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's calls, sent back in the conversation
+    tool_call_id: str | None = None  # a tool message's: the call it answers
 
     @model_validator(mode="after")
     def _content_given(self):
@@ -353,7 +356,21 @@ class ChatPrompt(_Request):
                                                                 "enable_thinking (ext.)")
 
     def template_messages(self) -> list[dict]:
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+        messages = []
+        for m in self.messages:
+            message = {"role": m.role, "content": m.text()}
+            if m.tool_calls:
+                message["tool_calls"] = template_tool_calls(m.tool_calls)
+            if m.tool_call_id is not None:
+                message["tool_call_id"] = m.tool_call_id
+            if m.name is not None:
+                message["name"] = m.name
+            messages.append(message)
+        return messages
+
+    def template_tools(self) -> list[dict] | None:
+        """The tools the chat template is shown (chat completions' `tools`)."""
+        return None
 
     def prompt_text(self, tokenizer) -> str:
         """The conversation rendered by the model's chat template. A template that refuses it (Llama 2's and
@@ -364,9 +381,13 @@ class ChatPrompt(_Request):
             raise APIError(400, "continue_final_message needs add_generation_prompt: false (the last message goes "
                                 "on; no new turn opens)", param="continue_final_message")
         extra = dict(self.chat_template_kwargs or {})
-        taken = sorted(set(extra) & {"messages", "add_generation_prompt", "continue_final_message"})
+        tools = self.template_tools()
+        taken = sorted(set(extra) & {"messages", "add_generation_prompt", "continue_final_message",
+                                     *(("tools",) if tools else ())})
         if taken:
             raise APIError(400, f"chat_template_kwargs may not set {', '.join(taken)}", param="chat_template_kwargs")
+        if tools:
+            extra["tools"] = tools
         messages = self.template_messages()
         if "developer" not in tokenizer.chat_template:  # OpenAI's newer name for the system role
             messages = [{**m, "role": "system"} if m["role"] == "developer" else m for m in messages]
@@ -397,18 +418,43 @@ class ChatCompletionRequest(ChatPrompt, _CommonParams):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    tools: list | None = None  # not implemented (function calling): refused unless empty
+    tools: list[Tool] | None = None  # function calling: tandem.tool_calls
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     echo: SkipJsonSchema[bool] = False  # vLLM's, on chat: not implemented, refused (sampling_params)
-    functions: list | None = None  # the same, in its older spelling
-    tool_choice: str | dict | None = None
+    functions: list | None = None  # function calling's older spelling: refused
+
+    def tool_call_mode(self) -> ToolCallMode | None:
+        """How the output becomes tool calls (None: it is the answer's text); a 400 for tools it cannot serve."""
+        return resolve(self.tools, self.tool_choice, self.parallel_tool_calls)[0]
+
+    def template_tools(self) -> list[dict] | None:
+        return [tool.model_dump(exclude_none=True) for tool in self.tools] if self.tools else None
+
+    @property
+    def structured_param(self) -> str | None:
+        mode, _ = resolve(self.tools, self.tool_choice, self.parallel_tool_calls)
+        return "tool_choice" if mode is not None else super().structured_param
+
+    def structured_output(self):
+        mode, schema = resolve(self.tools, self.tool_choice, self.parallel_tool_calls)
+        if mode is None:
+            return super().structured_output()
+        other = super().structured_param
+        if other is not None:
+            raise APIError(400, f"this tool_choice constrains the output to tool calls; leave out {other}",
+                           param="tool_choice")
+        spec = json_schema_spec(schema)
+        if len(spec.value) > MAX_SPEC_CHARS:
+            raise APIError(400, f"tools: at most {MAX_SPEC_CHARS} characters of parameter schemas are accepted, "
+                                f"got {len(spec.value)}", param="tools")
+        return spec
 
     def sampling_params(self, default_max_tokens: int, vocab_size: int) -> SamplingParams:
         """`vocab_size` bounds the token ids of logit_bias."""
-        for name in ("tools", "functions"):
-            if getattr(self, name):
-                raise APIError(400, f"{name} (function calling) are not supported", param=name)
-        if self.tool_choice not in (None, "none", "auto"):
-            raise APIError(400, "tool_choice needs tools, which are not supported", param="tool_choice")
+        if self.functions:
+            raise APIError(400, "functions (the older spelling of function calling) are not supported; use tools",
+                           param="functions")
         if self.top_logprobs is not None and not self.logprobs:  # as OpenAI and vLLM answer it
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         if self.echo:

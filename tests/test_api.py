@@ -415,8 +415,23 @@ BAD_INPUTS = [
     ("two structured outputs", "/v1/completions",
      {"model": "smollm2", "prompt": "x", "structured_outputs": {"regex": "a", "choice": ["b"]}}, 400,
      "structured_outputs"),
-    ("tools", "/v1/chat/completions", {"model": "smollm2", "messages": [{"role": "user", "content": "x"}],
-                                       "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+    ("tool_choice auto (the default with tools)", "/v1/chat/completions",
+     {"model": "smollm2", "messages": [{"role": "user", "content": "x"}],
+      "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tool_choice"),
+    ("tool_choice names no tool", "/v1/chat/completions",
+     {"model": "smollm2", "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {
+         "name": "f"}}], "tool_choice": {"type": "function", "function": {"name": "g"}}}, 400, "tool_choice"),
+    ("tool_choice without tools", "/v1/chat/completions",
+     {"model": "smollm2", "messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}, 400,
+     "tool_choice"),
+    ("tool calls and a response_format", "/v1/chat/completions",
+     {"model": "smollm2", "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {
+         "name": "f"}}], "tool_choice": "required", "response_format": {"type": "json_object"}}, 400, "tool_choice"),
+    ("tool name not valid", "/v1/chat/completions",
+     {"model": "smollm2", "messages": [{"role": "user", "content": "x"}],
+      "tools": [{"type": "function", "function": {"name": "no spaces"}}], "tool_choice": "required"}, 400, "tools"),
+    ("functions", "/v1/chat/completions", {"model": "smollm2", "messages": [{"role": "user", "content": "x"}],
+                                           "functions": [{"name": "f"}]}, 400, "functions"),
     ("min_tokens past max_tokens", "/v1/completions",
      {"model": "smollm2", "prompt": "x", "max_tokens": 4, "min_tokens": 5}, 400, "min_tokens"),
     ("best_of", "/v1/completions", {"model": "smollm2", "prompt": "x", "best_of": 3}, 400, "best_of"),
@@ -589,3 +604,75 @@ def test_a_chunked_body_over_the_limit_is_a_413_on_every_route(worker):
         r = httpx.post(worker.url + path, content=chunks(), headers={"content-type": "application/json"})
         assert r.status_code == 413, (path, r.text)
         assert "limit" in r.json()["error"]["message"]
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                            "parameters": {"type": "object", "properties": {
+                                                "city": {"type": "string", "enum": ["Paris", "London", "Tokyo"]},
+                                                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+                                                "required": ["city", "unit"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "London"]}}, "required": ["city"],
+    "additionalProperties": False}}}
+ASK = [{"role": "user", "content": "What is the weather like in Paris?"}]
+
+
+def streamed_tool_calls(client, **kwargs) -> tuple[list[dict], str]:
+    """The tool calls a streamed answer made, put together from their deltas as the SDKs do, and its finish_reason."""
+    calls: dict[int, dict] = {}
+    finish = None
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
+        for choice in chunk.choices:
+            finish = choice.finish_reason or finish
+            for delta in choice.delta.tool_calls or []:
+                call = calls.setdefault(delta.index, {"id": None, "name": None, "arguments": ""})
+                call["id"] = delta.id or call["id"]
+                if delta.function is not None:
+                    call["name"] = delta.function.name or call["name"]
+                    call["arguments"] += delta.function.arguments or ""
+    return [calls[i] for i in sorted(calls)], finish
+
+
+def test_a_named_tool_choice_answers_with_that_call_streamed_or_not(client):
+    """tool_choice naming a function: its arguments follow its parameters' schema (a structured output) and the
+    answer is one call of it, with no content; streamed, the arguments come as they are made."""
+    kwargs = dict(model="smollm2", messages=ASK, tools=[WEATHER, TIME], temperature=0, max_tokens=60,
+                  tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    answer = client.chat.completions.create(**kwargs)
+    choice = answer.choices[0]
+    assert choice.message.content is None and choice.finish_reason == "stop"
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.id.startswith("chatcmpl-tool-") and call.function.name == "get_weather"
+    arguments = json.loads(call.function.arguments)
+    assert set(arguments) == {"city", "unit"} and arguments["city"] in ("Paris", "London", "Tokyo")
+    calls, finish = streamed_tool_calls(client, **kwargs)
+    assert [(c["name"], c["arguments"]) for c in calls] == [("get_weather", call.function.arguments)]
+    assert calls[0]["id"].startswith("chatcmpl-tool-") and finish == "stop"
+
+
+def test_tool_choice_required_answers_with_calls_of_the_tools_streamed_or_not(client):
+    kwargs = dict(model="smollm2", messages=ASK, tools=[WEATHER, TIME], tool_choice="required", temperature=0,
+                  max_tokens=120, parallel_tool_calls=False)
+    answer = client.chat.completions.create(**kwargs)
+    choice = answer.choices[0]
+    assert choice.message.content is None and choice.finish_reason == "stop", choice
+    (call,) = choice.message.tool_calls  # parallel_tool_calls false: one
+    assert call.function.name in ("get_weather", "get_time")
+    schema = (WEATHER if call.function.name == "get_weather" else TIME)["function"]["parameters"]
+    assert set(json.loads(call.function.arguments)) == set(schema["required"])
+    calls, finish = streamed_tool_calls(client, **kwargs)
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls] == [
+        (call.function.name, json.loads(call.function.arguments))] and finish == "stop"
+
+
+def test_a_conversation_with_tool_calls_and_their_results_goes_on(client):
+    """An assistant's calls and the tool's answer, sent back: accepted and rendered; tool_choice none answers in
+    text with the tools shown to the template."""
+    messages = ASK + [
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "call-1", "type": "function", "function": {
+            "name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'}}]},
+        {"role": "tool", "tool_call_id": "call-1", "content": "18 degrees, sunny"}]
+    answer = client.chat.completions.create(model="smollm2", messages=messages, tools=[WEATHER], tool_choice="none",
+                                            max_tokens=8, temperature=0)
+    choice = answer.choices[0]
+    assert choice.message.tool_calls is None and choice.message.content

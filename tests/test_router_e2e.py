@@ -15,12 +15,16 @@ import httpx
 import openai
 import pytest
 from test_api import (
+    ASK,
     BAD_INPUTS,
     MAX_BODY,
+    TIME,
+    WEATHER,
     check_echo,
     check_logit_bias,
     check_several_completions,
     check_structured_outputs,
+    streamed_tool_calls,
     wait_for,
 )
 
@@ -202,6 +206,25 @@ def test_structured_outputs_through_prefill_and_decode(fleet, tokenizer):
     before = metric(fleet["disagg"].url, "tandem_router_routing_decisions_total", 'path="disagg"')
     check_structured_outputs(sdk(fleet["disagg"]), preamble)
     assert metric(fleet["disagg"].url, "tandem_router_routing_decisions_total", 'path="disagg"') == before + 3
+
+
+def test_tool_calls_through_prefill_and_decode(fleet, tokenizer):
+    """A named call and "required" calls, with a conversation long enough to be prefilled on the prefill worker:
+    the router formats them as a worker does, streamed or not."""
+    notes = [{"role": "system", "content": f"Some notes to ignore: {long_text(5)}."}]
+    before = metric(fleet["disagg"].url, "tandem_router_routing_decisions_total", 'path="disagg"')
+    client = sdk(fleet["disagg"])
+    kwargs = dict(model="smollm2", messages=notes + ASK, tools=[WEATHER, TIME], temperature=0, max_tokens=60)
+    named = client.chat.completions.create(tool_choice={"type": "function", "function": {"name": "get_weather"}},
+                                           **kwargs).choices[0].message
+    (call,) = named.tool_calls
+    assert named.content is None and call.function.name == "get_weather"
+    assert set(json.loads(call.function.arguments)) == {"city", "unit"}
+    calls, finish = streamed_tool_calls(client, tool_choice="required", **kwargs)
+    assert calls and finish == "stop" and all(c["name"] in ("get_weather", "get_time") for c in calls)
+    for c in calls:
+        json.loads(c["arguments"])
+    assert metric(fleet["disagg"].url, "tandem_router_routing_decisions_total", 'path="disagg"') == before + 2
 
 
 def test_echo_with_prompt_logprobs_is_served_by_one_worker(fleet, tokenizer):

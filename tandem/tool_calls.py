@@ -1,0 +1,142 @@
+"""Function calling (`tools` on chat completions), as vLLM serves it without a model-specific parser.
+
+`tool_choice` says what the answer is:
+  {"type": "function", "function": {"name": N}}   one call of N: the output is constrained to N's `parameters`
+                                                 schema, and is that call's arguments;
+  "required"                                      one call or more: the output is constrained to a JSON array of
+                                                 {"name": ..., "parameters": ...} objects, one of the tools each
+                                                 (vLLM's schema; at most one with parallel_tool_calls false);
+  "none"                                          no call: the tools are only shown to the chat template.
+"auto" (the default when tools are given) lets the model choose between text and calls, which takes a parser for
+the model's own call format; like vLLM without --tool-call-parser, it is refused, saying what to use instead.
+
+Both constrained forms go through structured outputs (tandem.structured_output), so they hold on every path a
+structured output does (P/D, resumed decodes). The answer's message then has `tool_calls` and no content; its
+finish_reason stays the output's own ("stop", or "length" when max_tokens cut it), as in vLLM. A required output
+cut short is no JSON array: it is answered as content, so the client sees what came.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from tandem.errors import APIError
+
+NO_PARAMETERS = {"type": "object", "properties": {}}
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+
+
+class FunctionDefinition(_Model):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict | None = Field(None, description="a JSON schema of the arguments")
+    strict: bool | None = None
+
+
+class Tool(_Model):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(_Model):
+    name: str
+
+
+class NamedToolChoice(_Model):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class FunctionCall(_Model):
+    name: str
+    arguments: str
+
+
+class ToolCall(_Model):
+    """A call an assistant message made, as a client sends it back in the conversation."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
+@dataclass(frozen=True)
+class ToolCallMode:
+    """How a constrained output becomes tool calls: `name` for one call of that function, None for "required"."""
+
+    name: str | None
+
+    def calls(self, text: str, new_id) -> list[dict] | None:
+        """The output as OpenAI tool_calls; None when it is not a whole call list (cut by max_tokens)."""
+        if self.name is not None:
+            return [_call(new_id, self.name, text)]
+        try:
+            return [_call(new_id, item["name"], json.dumps(item["parameters"], ensure_ascii=False))
+                    for item in json.loads(text)]
+        except (ValueError, TypeError, KeyError):
+            return None
+
+
+def _call(new_id, name: str, arguments: str) -> dict:
+    return {"id": new_id("chatcmpl-tool"), "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def resolve(tools: list[Tool] | None, choice: ToolChoice | None,
+            parallel_tool_calls: bool | None) -> tuple[ToolCallMode | None, dict | None]:
+    """(how the output becomes calls, the JSON schema that constrains it), both None for an answer in text: a 400
+    for a choice that cannot be served."""
+    if not tools:
+        if choice not in (None, "none"):
+            raise APIError(400, "tool_choice needs tools", param="tool_choice")
+        return None, None
+    names = [tool.function.name for tool in tools]
+    if len(set(names)) != len(names):
+        raise APIError(400, "tools must have distinct names", param="tools")
+    if choice is None or choice == "auto":
+        raise APIError(400, 'tool_choice "auto" (the default with tools) lets the model answer in text or in calls, '
+                            "which needs a parser for this model's call format, and none is configured; set "
+                            'tool_choice to "required", to "none", or to {"type": "function", "function": '
+                            '{"name": ...}}', param="tool_choice")
+    if choice == "none":
+        return None, None
+    if choice == "required":
+        items = {"type": "object", "anyOf": [_named_call_schema(tool) for tool in tools]}
+        schema = {"type": "array", "minItems": 1, "items": items}
+        if parallel_tool_calls is False:
+            schema["maxItems"] = 1
+        return ToolCallMode(None), schema
+    tool = next((t for t in tools if t.function.name == choice.function.name), None)
+    if tool is None:
+        raise APIError(400, f"tool_choice names {choice.function.name!r}, which is not among the tools: {names}",
+                       param="tool_choice")
+    return ToolCallMode(tool.function.name), tool.function.parameters or NO_PARAMETERS
+
+
+def _named_call_schema(tool: Tool) -> dict:
+    return {"properties": {"name": {"type": "string", "enum": [tool.function.name]},
+                           "parameters": tool.function.parameters or NO_PARAMETERS},
+            "required": ["name", "parameters"]}
+
+
+def template_tool_calls(calls: list[ToolCall]) -> list[dict]:
+    """An assistant message's calls as chat templates read them (transformers' convention, vLLM's too): the
+    arguments as an object, where they parse as one."""
+    out = []
+    for call in calls:
+        try:
+            arguments = json.loads(call.function.arguments)
+        except ValueError:
+            arguments = call.function.arguments
+        out.append({"id": call.id, "type": call.type, "function": {"name": call.function.name,
+                                                                  "arguments": arguments}})
+    return out
