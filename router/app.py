@@ -181,13 +181,14 @@ async def serve(router, request: Request, body: CompletionRequest | ChatCompleti
     # bucket is checked and taken once, with each prompt counted once as usage counts it.
     whole = sum(map(len, prompts)) + params.max_tokens * len(choices)
     # The prompt tokens each prompt's first sample will compute (a prompt's later samples prefill from its cache).
-    # A prefix that requests admitted just before are to compute is charged to the first of them only: the workers
-    # compute a prefix once for the requests that reach them together (block_manager: the others wait for its
-    # blocks), and the bounded-load hashing sends requests behind one prefix to one worker.
+    # Each request is charged its whole uncached prompt, a new prefix that requests admitted just before it are to
+    # compute included. A worker computes such a prefix once for the requests that reach it together, but admission
+    # cannot tell that they will: the valves may place them on other workers, and the earliest-deadline-first queue
+    # may dispatch this one before the one it would be waiting for (a client could send a batch-class request
+    # ahead to have its interactive ones charged nothing). A prompt whose logprobs are asked computes all of it.
     predictor = router.orchestrator.predictor
-    now = time.monotonic()
-    uncached = [len(ids) - predictor.admission_hit_tokens(workers, hashes, len(ids), now)
-                for ids, (hashes, _) in zip(prompts, plans, strict=True)]
+    uncached = [len(ids) if params.prompt_logprobs is not None else len(ids) - predictor.best_hit_tokens(
+        workers, hashes, len(ids)) for ids, (hashes, _) in zip(prompts, plans, strict=True)]
     tickets = {}
     try:
         for choice in choices:
@@ -199,8 +200,6 @@ async def serve(router, request: Request, body: CompletionRequest | ChatCompleti
         for request_id in tickets:
             router.dispatcher.withdraw(request_id)
         raise
-    for hashes, _ in plans:  # admitted: the requests of a burst behind the same prefix are charged it once
-        predictor.expect(hashes, now)
     bill = Bill(router.admission, tickets[choices[0].request_id], choices)
     streams = staggered(choices, body.n, lambda c, after: dispatch(
         router, c.request_id, c.prompt_ids, c.params, tickets[c.request_id], slo_name, plans[c.prompt],

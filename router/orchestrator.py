@@ -390,7 +390,7 @@ class Orchestrator:
     def sequence_floor(self, worker: Worker) -> int:
         """The sequences a decode worker holds before the sequence valve looks at the pool: --decode-overload-min-seqs
         if given, else an eighth of the max_num_seqs it reports. A batch that small decodes about as fast as one
-        sequence, and how large that is grows with the batch a worker is set up for (a GPU's 256, a CPU's 64)."""
+        sequence, and how large that is grows with the batch a worker is set up for (the default 64 gives 8)."""
         if self.config.decode_overload_min_seqs is not None:
             return self.config.decode_overload_min_seqs
         return max(1, worker.max_num_seqs // SEQUENCE_FLOOR_SHARE) if worker.max_num_seqs else SEQUENCE_FLOOR_SHARE

@@ -192,12 +192,12 @@ class WorkerPool:
                 worker.free_blocks, worker.total_blocks = load["free_blocks"], load["total_blocks"]
                 worker.running = load["running"] + load["waiting"]
                 worker.max_model_len = load.get("max_model_len", 0)
-                worker.max_num_seqs = load.get("max_num_seqs", 0)
+                worker.max_num_seqs = int(load.get("max_num_seqs") or 0)
                 ok = self._serves_this_pool(worker, load.get("role"))
             ready = ok and (await self.http.get(f"{worker.url}/ready", timeout=timeout_s)).status_code == 200
         except httpx.TransportError:  # no answer: refused, reset, or nothing within the timeout
             ready, silent = False, True
-        except (httpx.HTTPError, ValueError, KeyError):
+        except (httpx.HTTPError, ValueError, KeyError, TypeError):  # an answer not shaped as a load report
             ready = False
         if counts_silence or not silent:
             worker.silent_probes = worker.silent_probes + 1 if silent else 0

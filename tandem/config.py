@@ -85,7 +85,7 @@ class RouterConfig(BaseModel):
     decode_overload_min_seqs: int | None = Field(None, ge=1, description="sequence valve: a decode worker holding "
                                                  "fewer sequences than this is not overloaded (a batch this small "
                                                  "decodes about as fast as one sequence); default: an eighth of the "
-                                                 "max_num_seqs the worker reports (8 for 64, 32 for 256), else 8")
+                                                 "max_num_seqs the worker reports (8 for the default 64), else 8")
     key_eps: float = Field(0.0, ge=0, description="sticky key table: no worker holds over ceil((1+eps) x mean) "
                            "active routing keys; higher keeps more keys on their ring owner, lower balances better")
     key_ttl_s: float = Field(600.0, gt=0, description="a routing key unused this long leaves the key table")
@@ -342,7 +342,7 @@ class RouterSpec(PodSettings):
     decode_overload_min_seqs: int | None = Field(None, ge=1, description="a decode worker holding fewer sequences "
                                                  "keeps every colocated request of its prefix key (router "
                                                  "--decode-overload-min-seqs; default: an eighth of the worker's "
-                                                 "max_num_seqs, 8 for 64 and 32 for 256)")
+                                                 "max_num_seqs, 8 for the default 64)")
     key_eps: float | None = Field(None, ge=0, description="bounded loads on prefix keys (router --key-eps); "
                                   "default 0 with one replica, 0.25 with more, so that replicas agree on more keys")
     slo_classes: list[SLOClass] | None = Field(None, description="admission classes with latency targets")

@@ -36,14 +36,17 @@ class EWMARate:
             raise ValueError(f"tokens must be >= 0, got {tokens}")
         if not (math.isfinite(seconds) and seconds >= 0):
             raise ValueError(f"seconds must be >= 0, got {seconds}")
+        if seconds == 0:  # work that shared its time with another's: its tokens are in their rate, no time of its own
+            return
         if self.samples == 0:
-            if seconds == 0:  # work that shared its time with another's: no rate to start from
-                return
             self._tokens, self._seconds = tokens, seconds
         else:
-            kept = 0.5 ** (seconds / self.half_life_s)
-            self._tokens = self._tokens * kept + tokens
-            self._seconds = self._seconds * kept + seconds
+            # One measurement counts for at most half_life_s of work, and halves what came before at most: a prefill
+            # charged a long time (stalled, or waiting in its engine for room) moves the rate, not replace it.
+            weight = min(1.0, self.half_life_s / seconds)
+            kept = 0.5 ** (min(seconds, self.half_life_s) / self.half_life_s)
+            self._tokens = self._tokens * kept + tokens * weight
+            self._seconds = self._seconds * kept + seconds * weight
         self.samples += 1
 
     @property

@@ -648,44 +648,29 @@ def test_the_routers_tokenize_renders_a_long_conversation_off_the_event_loop_too
     assert special["tokens"] == router.tokenizer.encode(text, True)
 
 
-def test_a_burst_behind_one_new_prefix_is_charged_the_prefix_once():
-    """Sixteen requests behind one new 300-token system prompt (0.3 s of prefill at the measured rate), each with a
-    question of its own, sent together: the worker computes the prefix once for them all, so all fit the 1 s
-    target. Charged all of it each, as no worker had it yet, they were refused from the fourth on. One dispatch
-    slot, taken by another request: they wait to be placed, so none is placed (where its prefix is recorded)
-    before the others are admitted."""
-    router = Router(RouterConfig(decode=[WORKER], max_in_flight=1))
-    router.decode.set_members([WORKER])
-    router.decode._set_healthy(router.decode.workers[WORKER], True)
-    router.orchestrator.http = router.decode.http = SlowWorker()
-    app = build_app(router)
-    router.admission.rates.record_prefill(1000, 1.0)  # 1,000 tokens/s per worker
-    system = " ".join(["word"] * 300)
 
-    async def burst():
+def test_a_prompt_whose_logprobs_are_asked_is_charged_all_of_it(router_app):
+    """The engine computes such a prompt whole (its logprobs need every position's logits), cached prefix or not:
+    admission's prediction counts all of it."""
+    router, app, _ = router_app
+    charged = []
+    decide = router.admission.decide
+
+    def recording(request):
+        charged.append(request.prefill_tokens)
+        return decide(request)
+
+    router.admission.decide = recording
+    prompt = " ".join(["word"] * 200)
+
+    async def ask():
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://r") as client:
-            holder = asyncio.create_task(client.post("/v1/completions", json={
-                "model": "smollm2", "prompt": "hold the slot", "max_tokens": 50}))
-            while not router.orchestrator.decode.workers[WORKER].in_flight:
-                await asyncio.sleep(0.01)
-            return await asyncio.gather(holder, *(client.post("/v1/completions", json={
-                "model": "smollm2", "prompt": f"{system} question {i}?", "max_tokens": 4}) for i in range(16)))
+            for extra in ({}, {}, {"echo": True, "logprobs": 1}):
+                r = await client.post("/v1/completions", json={"model": "smollm2", "prompt": prompt, "max_tokens": 2,
+                                                               **extra})
+                assert r.status_code == 200, r.text
 
-    answers = asyncio.run(burst())
-    assert [r.status_code for r in answers] == [200] * 17, [r.text for r in answers if r.status_code != 200][:1]
-    assert_forgotten(router)
-
-
-def test_an_expected_prefix_counts_for_a_while_only():
-    """What an admitted request is about to compute counts until placement's record can take over, not for good: a
-    request admitted, then refused or withdrawn before it ran, leaves the guess wrong only that long."""
-    from tandem.router.prefix_predictor import EXPECT_S, PrefixPredictor
-
-    predictor = PrefixPredictor(block_size=16)
-    hashes = [11, 12, 13]
-    assert predictor.admission_hit_tokens(["w"], hashes, 50, now=0.0) == 0
-    predictor.expect(hashes, now=0.0)
-    assert predictor.admission_hit_tokens(["w"], hashes, 50, now=1.0) == 48
-    assert predictor.admission_hit_tokens(["w"], [11, 99, 13], 50, now=1.0) == 16  # a shared start only
-    assert predictor.best_hit_tokens(["w"], hashes, 50) == 0  # placement goes by what workers hold
-    assert predictor.admission_hit_tokens(["w"], hashes, 50, now=EXPECT_S + 0.5) == 0
+    asyncio.run(ask())
+    length = len(router.tokenizer.encode(prompt))
+    assert charged[0] == length and charged[1] < length - 100, charged  # the second finds the first's prefix
+    assert charged[2] == length

@@ -324,8 +324,9 @@ def test_the_sequence_valve_leaves_small_batches_and_prefills_alone(router):
 
 
 def test_the_sequence_floor_is_an_eighth_of_the_batch_a_worker_is_set_up_for_unless_given(router):
-    """A GPU worker (max_num_seqs 256) decodes 31 sequences about as fast as one: its colocated requests of one key
-    stay on it until 32; a CPU worker's (64) until 8, as one that reports nothing. A given floor is kept."""
+    """A GPU worker set up for batches of 256 decodes 31 sequences about as fast as one: its colocated requests of
+    one key stay on it until 32; one set up for the default 64 until 8, as one that reports nothing. A given floor
+    is kept."""
     orchestrator, pool = router
     key = random_keys(1, 35)[0]
     home = place(orchestrator, pool, key)
@@ -362,3 +363,14 @@ def test_a_full_table_is_invisible_to_the_garbage_collector():
     table.assign(5, ["http://a", "http://b"])  # a key used again gets a fresh entry
     gc.collect()
     assert not any(gc.is_tracked(entry) for entry in table._table.values())
+
+
+def test_a_prompt_longer_than_the_predictors_memory_keeps_its_first_blocks():
+    """The predictor keeps a bounded number of blocks per worker, evicting the oldest: a long prompt's first blocks
+    are kept over its last ones, since a prompt whose first block is gone matches nothing after it."""
+    from tandem.router.prefix_predictor import PrefixPredictor
+
+    predictor = PrefixPredictor(block_size=16, capacity_blocks=8)
+    hashes = list(range(100, 112))  # 12 blocks
+    predictor.record("w", hashes)
+    assert predictor.best_hit_tokens(["w"], hashes, 12 * 16 + 1) == 8 * 16

@@ -121,3 +121,24 @@ def test_a_first_measurement_of_no_time_gives_no_rate():
     estimate = EWMARate(initial_tps=500.0)
     estimate.record(10, 0.0)
     assert estimate.samples == 0 and estimate.tokens_per_s == 500.0
+
+
+def test_one_long_measurement_moves_the_rate_without_wiping_its_history():
+    """A prefill charged 30 s for 100 tokens (stalled, or waiting in its engine) after a steady 1,000 tokens/s: it
+    counts as 2 s of work at its own rate, and the history keeps half its weight (the rate fell to 3.3 tokens/s, and
+    admission refused nearly everything until more measurements came)."""
+    estimate = EWMARate(half_life_s=2.0)
+    for _ in range(20):
+        estimate.record(1000, 1.0)
+    estimate.record(100, 30.0)
+    history = 1 / (1 - 0.5 ** 0.5)  # seconds of work a steady 1 s per measurement keeps, at a half-life of 2 s
+    assert estimate.tokens_per_s == pytest.approx((1000 * history * 0.5 + 100 * 2 / 30) / (history * 0.5 + 2),
+                                                  rel=0.01)
+    assert estimate.tokens_per_s > 400
+
+
+def test_a_measurement_of_no_time_adds_nothing():
+    estimate = EWMARate()
+    estimate.record(1000, 1.0)
+    estimate.record(500, 0.0)
+    assert estimate.tokens_per_s == 1000.0 and estimate.samples == 1
