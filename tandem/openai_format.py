@@ -183,6 +183,8 @@ class ChatFormatter(Formatter):
     # calls of a "required" output are whole only at its end, so they are sent then.
     tool_mode: ToolCallMode | None = None
     _named_call_id: str | None = None
+    _calls_made = False  # a "required" output's calls are made once (_required_calls)
+    _calls: list[dict] | None = None
 
     def _logprobs_block(self, entries: list) -> dict | None:
         if not self.wants_logprobs:
@@ -197,10 +199,13 @@ class ChatFormatter(Formatter):
         return {"content": [{**item(e.token_id, e.logprob),
                              "top_logprobs": [item(t, lp) for t, lp in e.top_logprobs]} for e in entries]}
 
+    def _chunk(self, delta: dict, logprobs: dict | None = None, finish_reason: str | None = None,
+               stop_reason: int | str | None = None) -> dict:
+        return self.envelope(self.chunk_object_name, [{"index": self.index, "delta": delta, "logprobs": logprobs,
+                                                       "finish_reason": finish_reason, "stop_reason": stop_reason}])
+
     def first_chunk(self) -> dict:
-        return self.envelope(self.chunk_object_name,
-                             [{"index": self.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                               "finish_reason": None, "stop_reason": None}])
+        return self._chunk({"role": "assistant", "content": ""})
 
     def chunks(self, out: RequestOutput) -> list[dict]:
         self.add(out)
@@ -208,12 +213,10 @@ class ChatFormatter(Formatter):
         mode = self.tool_mode
         if mode is not None and mode.name is None:  # "required": the calls, once the array is whole
             if out.finished:
-                calls = mode.calls(self.text, new_id)
+                calls = self._required_calls()
                 delta = {"tool_calls": [{"index": i, **call} for i, call in enumerate(calls)]} if calls is not None \
                     else {"content": self.text}
-                chunks.append(self.envelope(self.chunk_object_name, [
-                    {"index": self.index, "delta": delta, "logprobs": None, "finish_reason": None,
-                     "stop_reason": None}]))
+                chunks.append(self._chunk(delta, self._logprobs_block(self.logprobs)))
         elif out.new_text or out.new_logprobs:  # tokens with no text yet still have logprobs to send
             delta = {"content": out.new_text}
             if mode is not None:  # one named call: its arguments as they come, its id and name with the first
@@ -222,22 +225,32 @@ class ChatFormatter(Formatter):
                     self._named_call_id = new_id("chatcmpl-tool")
                     delta["tool_calls"][0].update(id=self._named_call_id, type="function")
                     delta["tool_calls"][0]["function"]["name"] = mode.name
-            chunks.append(self.envelope(self.chunk_object_name, [
-                {"index": self.index, "delta": delta,
-                 "logprobs": self._logprobs_block(out.new_logprobs or []), "finish_reason": None,
-                 "stop_reason": None}]))
+            chunks.append(self._chunk(delta, self._logprobs_block(out.new_logprobs or [])))
         if out.finished:
-            chunks.append(self.envelope(self.chunk_object_name, [
-                {"index": self.index, "delta": {}, "logprobs": None, "finish_reason": out.finish_reason,
-                 "stop_reason": out.stop_reason}]))
+            chunks.append(self._chunk({}, None, self._finish_reason(), out.stop_reason))
         return chunks
+
+    def _required_calls(self) -> list[dict] | None:
+        """A "required" output's calls, made once (its ids are the same streamed or in the final body)."""
+        if not self._calls_made:
+            self._calls, self._calls_made = self.tool_mode.calls(self.text, new_id), True
+        return self._calls
+
+    def _finish_reason(self) -> str | None:
+        """The output's own, but "tool_calls" for the calls of a "required" output, as OpenAI and vLLM say it (a
+        named call ends with "stop", as in both)."""
+        if self.tool_mode is not None and self.tool_mode.name is None and self.finish_reason == "stop" \
+                and self._required_calls() is not None:
+            return "tool_calls"
+        return self.finish_reason
 
     def final(self) -> dict:
         message = {"role": "assistant", "content": self.text}
-        calls = self.tool_mode.calls(self.text, new_id) if self.tool_mode is not None else None
+        mode = self.tool_mode
+        calls = None if mode is None else self._required_calls() if mode.name is None else mode.calls(self.text, new_id)
         if calls is not None:
             message = {"role": "assistant", "content": None, "tool_calls": calls}
         choice = {"index": self.index, "message": message,
-                  "logprobs": self._logprobs_block(self.logprobs), "finish_reason": self.finish_reason,
+                  "logprobs": self._logprobs_block(self.logprobs), "finish_reason": self._finish_reason(),
                   "stop_reason": self.stop_reason}
         return self.envelope(self.object_name, [choice], self.usage())

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import random
 import time
+from functools import cached_property
 from typing import Annotated, ClassVar, Literal
 
 import jinja2
@@ -354,6 +355,7 @@ class ChatPrompt(_Request):
                                                             "with it: an assistant answer begun by the client (ext.)")
     chat_template_kwargs: dict | None = Field(None, description="more variables for the chat template, e.g. "
                                                                 "enable_thinking (ext.)")
+    tools: list[Tool] | None = None  # shown to the chat template; chat completions call them (tandem.tool_calls)
 
     def template_messages(self) -> list[dict]:
         messages = []
@@ -369,8 +371,8 @@ class ChatPrompt(_Request):
         return messages
 
     def template_tools(self) -> list[dict] | None:
-        """The tools the chat template is shown (chat completions' `tools`)."""
-        return None
+        """The tools the chat template is shown."""
+        return [tool.model_dump(exclude_none=True) for tool in self.tools] if self.tools else None
 
     def prompt_text(self, tokenizer) -> str:
         """The conversation rendered by the model's chat template. A template that refuses it (Llama 2's and
@@ -400,7 +402,7 @@ class ChatPrompt(_Request):
             raise APIError(400, f"the model's chat template refused the conversation: {exc}",
                            param="messages") from None
         except (TypeError, ValueError, AttributeError, LookupError) as exc:
-            if not extra:
+            if not self.chat_template_kwargs:
                 raise
             # Most likely a variable of the client's that the template cannot use (a number where it loops), though
             # the messages may share the blame: the message names both.
@@ -418,26 +420,26 @@ class ChatCompletionRequest(ChatPrompt, _CommonParams):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    tools: list[Tool] | None = None  # function calling: tandem.tool_calls
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
     echo: SkipJsonSchema[bool] = False  # vLLM's, on chat: not implemented, refused (sampling_params)
     functions: list | None = None  # function calling's older spelling: refused
 
+    @cached_property
+    def _tool_calls(self) -> tuple[ToolCallMode | None, dict | None]:
+        return resolve(self.tools, self.tool_choice, self.parallel_tool_calls)
+
     def tool_call_mode(self) -> ToolCallMode | None:
         """How the output becomes tool calls (None: it is the answer's text); a 400 for tools it cannot serve."""
-        return resolve(self.tools, self.tool_choice, self.parallel_tool_calls)[0]
-
-    def template_tools(self) -> list[dict] | None:
-        return [tool.model_dump(exclude_none=True) for tool in self.tools] if self.tools else None
+        return self._tool_calls[0]
 
     @property
     def structured_param(self) -> str | None:
-        mode, _ = resolve(self.tools, self.tool_choice, self.parallel_tool_calls)
-        return "tool_choice" if mode is not None else super().structured_param
+        # A tools schema that does not compile is the tools' fault.
+        return "tools" if self._tool_calls[0] is not None else super().structured_param
 
     def structured_output(self):
-        mode, schema = resolve(self.tools, self.tool_choice, self.parallel_tool_calls)
+        mode, schema = self._tool_calls
         if mode is None:
             return super().structured_output()
         other = super().structured_param

@@ -11,9 +11,10 @@
 the model's own call format; like vLLM without --tool-call-parser, it is refused, saying what to use instead.
 
 Both constrained forms go through structured outputs (tandem.structured_output), so they hold on every path a
-structured output does (P/D, resumed decodes). The answer's message then has `tool_calls` and no content; its
-finish_reason stays the output's own ("stop", or "length" when max_tokens cut it), as in vLLM. A required output
-cut short is no JSON array: it is answered as content, so the client sees what came.
+structured output does (P/D, resumed decodes). The answer's message then has `tool_calls` and no content. Its
+finish_reason is "tool_calls" for the calls of a "required" output and the output's own for a named call ("stop",
+or "length" when max_tokens cut it), as OpenAI and vLLM say them. A required output cut short is no JSON array: it
+is answered as content, so the client sees what came.
 """
 
 from __future__ import annotations
@@ -77,7 +78,8 @@ class ToolCallMode:
     name: str | None
 
     def calls(self, text: str, new_id) -> list[dict] | None:
-        """The output as OpenAI tool_calls; None when it is not a whole call list (cut by max_tokens)."""
+        """The output as OpenAI tool_calls; None when it is not a whole call list (cut by max_tokens). `new_id`
+        (tandem.openai_protocol's) is passed in: that module imports this one."""
         if self.name is not None:
             return [_call(new_id, self.name, text)]
         try:
@@ -110,10 +112,13 @@ def resolve(tools: list[Tool] | None, choice: ToolChoice | None,
     if choice == "none":
         return None, None
     if choice == "required":
-        items = {"type": "object", "anyOf": [_named_call_schema(tool) for tool in tools]}
+        definitions: dict = {}
+        items = {"type": "object", "anyOf": [_named_call_schema(tool, definitions) for tool in tools]}
         schema = {"type": "array", "minItems": 1, "items": items}
         if parallel_tool_calls is False:
             schema["maxItems"] = 1
+        if definitions:
+            schema["$defs"] = definitions
         return ToolCallMode(None), schema
     tool = next((t for t in tools if t.function.name == choice.function.name), None)
     if tool is None:
@@ -122,21 +127,32 @@ def resolve(tools: list[Tool] | None, choice: ToolChoice | None,
     return ToolCallMode(tool.function.name), tool.function.parameters or NO_PARAMETERS
 
 
-def _named_call_schema(tool: Tool) -> dict:
-    return {"properties": {"name": {"type": "string", "enum": [tool.function.name]},
-                           "parameters": tool.function.parameters or NO_PARAMETERS},
+def _named_call_schema(tool: Tool, definitions: dict) -> dict:
+    """One tool's item of the "required" array. Its parameters' `$defs` go to the array schema's root (into
+    `definitions`), where their `#/$defs/...` references point once the parameters are nested in the array (as
+    pydantic writes nested models, and the SDK's pydantic_function_tool with them)."""
+    parameters = dict(tool.function.parameters or NO_PARAMETERS)
+    for name, definition in parameters.pop("$defs", {}).items():
+        if definitions.setdefault(name, definition) != definition:
+            raise APIError(400, f"tools define {name!r} in $defs differently; one definition per name is supported",
+                           param="tools")
+    return {"properties": {"name": {"type": "string", "enum": [tool.function.name]}, "parameters": parameters},
             "required": ["name", "parameters"]}
 
 
 def template_tool_calls(calls: list[ToolCall]) -> list[dict]:
     """An assistant message's calls as chat templates read them (transformers' convention, vLLM's too): the
-    arguments as an object, where they parse as one."""
+    arguments as an object (none given: an empty one). Arguments that are no JSON object are the client's error, a
+    400: templates iterate them, and one that failed on a string would be a 500."""
     out = []
     for call in calls:
         try:
-            arguments = json.loads(call.function.arguments)
+            arguments = json.loads(call.function.arguments) if call.function.arguments.strip() else {}
         except ValueError:
-            arguments = call.function.arguments
+            arguments = None
+        if not isinstance(arguments, dict):
+            raise APIError(400, f"the arguments of tool call {call.id!r} are not a JSON object: "
+                                f"{call.function.arguments[:100]!r}", param="messages")
         out.append({"id": call.id, "type": call.type, "function": {"name": call.function.name,
                                                                   "arguments": arguments}})
     return out

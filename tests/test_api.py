@@ -655,14 +655,14 @@ def test_tool_choice_required_answers_with_calls_of_the_tools_streamed_or_not(cl
                   max_tokens=120, parallel_tool_calls=False)
     answer = client.chat.completions.create(**kwargs)
     choice = answer.choices[0]
-    assert choice.message.content is None and choice.finish_reason == "stop", choice
+    assert choice.message.content is None and choice.finish_reason == "tool_calls", choice
     (call,) = choice.message.tool_calls  # parallel_tool_calls false: one
     assert call.function.name in ("get_weather", "get_time")
     schema = (WEATHER if call.function.name == "get_weather" else TIME)["function"]["parameters"]
     assert set(json.loads(call.function.arguments)) == set(schema["required"])
     calls, finish = streamed_tool_calls(client, **kwargs)
     assert [(c["name"], json.loads(c["arguments"])) for c in calls] == [
-        (call.function.name, json.loads(call.function.arguments))] and finish == "stop"
+        (call.function.name, json.loads(call.function.arguments))] and finish == "tool_calls"
 
 
 def test_a_conversation_with_tool_calls_and_their_results_goes_on(client):

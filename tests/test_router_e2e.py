@@ -221,7 +221,7 @@ def test_tool_calls_through_prefill_and_decode(fleet, tokenizer):
     assert named.content is None and call.function.name == "get_weather"
     assert set(json.loads(call.function.arguments)) == {"city", "unit"}
     calls, finish = streamed_tool_calls(client, tool_choice="required", **kwargs)
-    assert calls and finish == "stop" and all(c["name"] in ("get_weather", "get_time") for c in calls)
+    assert calls and finish == "tool_calls" and all(c["name"] in ("get_weather", "get_time") for c in calls)
     for c in calls:
         json.loads(c["arguments"])
     assert metric(fleet["disagg"].url, "tandem_router_routing_decisions_total", 'path="disagg"') == before + 2

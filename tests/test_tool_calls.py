@@ -60,11 +60,14 @@ def test_required_calls_come_whole_at_the_end_and_an_output_cut_short_comes_as_c
     text = ['[{"name": "g", ', '"parameters": {}}, {"name": "f", "parameters": {"x": 2}}]']
     chunks = [c for d in deltas(text) for c in fmt.chunks(d)]
     assert len(chunks) == 2  # the calls, then the finish
+    assert chunks[1]["choices"][0]["finish_reason"] == "tool_calls"
     calls = chunks[0]["choices"][0]["delta"]["tool_calls"]
     assert [(c["index"], c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
         (0, "g", {}), (1, "f", {"x": 2})]
     assert len({c["id"] for c in calls}) == 2
-    assert [c["function"]["name"] for c in fmt.final()["choices"][0]["message"]["tool_calls"]] == ["g", "f"]
+    final = fmt.final()["choices"][0]
+    assert [c["id"] for c in final["message"]["tool_calls"]] == [c["id"] for c in calls]  # the same calls
+    assert final["finish_reason"] == "tool_calls"
 
     cut = formatter("required")
     chunks = [c for d in deltas(['[{"name": "g", "para'], reason="length") for c in cut.chunks(d)]
@@ -72,3 +75,45 @@ def test_required_calls_come_whole_at_the_end_and_an_output_cut_short_comes_as_c
     final = cut.final()["choices"][0]
     assert final["message"] == {"role": "assistant", "content": '[{"name": "g", "para'}
     assert final["finish_reason"] == "length"
+
+
+def test_required_lifts_the_tools_defs_to_the_root_where_their_references_point():
+    """pydantic writes nested models as $defs + "#/$defs/..." references (the SDK's pydantic_function_tool too):
+    nested in the array, a tool's references pointed nowhere and the schema did not compile."""
+    address = {"type": "object", "properties": {"city": {"type": "string"}}}
+    with_defs = Tool.model_validate({"type": "function", "function": {"name": "ship", "parameters": {
+        "type": "object", "properties": {"to": {"$ref": "#/$defs/Address"}}, "$defs": {"Address": address}}}})
+    _, schema = resolve([with_defs, F], "required", None)
+    assert schema["$defs"] == {"Address": address}
+    assert "$defs" not in schema["items"]["anyOf"][0]["properties"]["parameters"]
+    assert with_defs.function.parameters["$defs"] == {"Address": address}  # the request's own tool is unchanged
+    other = Tool.model_validate({"type": "function", "function": {"name": "bill", "parameters": {
+        "type": "object", "$defs": {"Address": {"type": "string"}}}}})
+    with pytest.raises(APIError, match="differently") as refused:
+        resolve([with_defs, other], "required", None)
+    assert refused.value.param == "tools"
+
+
+def test_a_conversations_call_arguments_must_be_a_json_object():
+    from tandem.openai_protocol import ChatCompletionRequest
+
+    def rendered_calls(arguments: str):
+        body = ChatCompletionRequest.model_validate({"messages": [
+            {"role": "user", "content": "x"},
+            {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function", "function": {
+                "name": "f", "arguments": arguments}}]}]})
+        return body.template_messages()[1]["tool_calls"][0]["function"]["arguments"]
+
+    assert rendered_calls('{"x": 1}') == {"x": 1} and rendered_calls("") == {}
+    for bad in ("x=1", "[1, 2]", "3"):
+        with pytest.raises(APIError, match="not a JSON object") as refused:
+            rendered_calls(bad)
+        assert refused.value.param == "messages"
+
+
+def test_a_tools_schema_that_does_not_compile_is_blamed_on_the_tools():
+    from tandem.openai_protocol import ChatCompletionRequest
+
+    body = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}], "tools": [
+        {"type": "function", "function": {"name": "f", "parameters": {"type": "foo"}}}], "tool_choice": "required"})
+    assert body.structured_param == "tools"
