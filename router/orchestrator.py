@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from tandem.background import spawn
-from tandem.config import RouterConfig
+from tandem.config import EngineConfig, RouterConfig
 from tandem.errors import APIError, retry_after
 from tandem.hashing import block_hashes
 from tandem.metrics import RouterMetrics
@@ -32,8 +32,10 @@ from tandem.router.worker_client import TRANSPORT_ERRORS, UnreadableAnswer, Work
 log = logging.getLogger(__name__)
 
 MAX_ATTEMPTS = 3  # per phase: a request survives two worker failures
-# The sequence valve's floor, unless given: an eighth of a decode worker's max_num_seqs (8 when it reports none).
+# The sequence valve's floor, unless given: an eighth of a decode worker's max_num_seqs (the engine's default when
+# it reports none).
 SEQUENCE_FLOOR_SHARE = 8
+DEFAULT_MAX_NUM_SEQS = EngineConfig.model_fields["max_num_seqs"].default
 
 
 def no_workers(health_interval_s: float) -> APIError:
@@ -393,7 +395,7 @@ class Orchestrator:
         sequence, and how large that is grows with the batch a worker is set up for (the default 64 gives 8)."""
         if self.config.decode_overload_min_seqs is not None:
             return self.config.decode_overload_min_seqs
-        return max(1, worker.max_num_seqs // SEQUENCE_FLOOR_SHARE) if worker.max_num_seqs else SEQUENCE_FLOOR_SHARE
+        return max(1, (worker.max_num_seqs or DEFAULT_MAX_NUM_SEQS) // SEQUENCE_FLOOR_SHARE)
 
     @staticmethod
     def _candidates(ring, key: int, exclude: set[str]) -> list[str]:

@@ -27,7 +27,7 @@ from tandem.protocol import (
 )
 from tandem.structured_output import ANY_JSON_OBJECT, MAX_SPEC_CHARS, choice_spec, json_schema_spec
 from tandem.structured_output import check as check_structured
-from tandem.tool_calls import Tool, ToolCall, ToolCallMode, ToolChoice, resolve, template_tool_calls
+from tandem.tool_calls import ToolCallMode, resolve, template_tool_calls
 
 MAX_N = 128  # completions per prompt: OpenAI's bound on n
 MAX_LOGIT_BIAS = 300  # biased tokens per request: each costs the worker work at every step
@@ -208,10 +208,7 @@ class _CommonParams(_Request):
                 spec = StructuredOutput(kind=name, value=value)
         else:
             return None
-        if len(spec.value) > MAX_SPEC_CHARS:
-            raise APIError(400, f"{param}: at most {MAX_SPEC_CHARS} characters of schema, regex, grammar or choices "
-                                f"are accepted, got {len(spec.value)}", param=param)
-        return spec
+        return _bounded(spec, param)
 
     def _sampling(self, max_tokens: int, logprobs: int | None, vocab_size: int,
                   prompt_logprobs: int | None = None) -> SamplingParams:
@@ -320,6 +317,46 @@ class CompletionRequest(_CommonParams):
         return self.echo and self.max_tokens == 0
 
 
+# -- function calling's request models (tandem.tool_calls serves them) ----------------------------------------
+
+
+class FunctionDefinition(_Request):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict | None = Field(None, description="a JSON schema of the arguments")
+    strict: bool | None = None
+
+
+class Tool(_Request):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class FunctionCall(_Request):
+    name: str
+    arguments: str
+
+
+class ToolCall(_Request):
+    """A call an assistant message made, as a client sends it back in the conversation."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
 class ContentPart(_Request):
     type: Literal["text"]
     text: str
@@ -384,8 +421,8 @@ class ChatPrompt(_Request):
                                 "on; no new turn opens)", param="continue_final_message")
         extra = dict(self.chat_template_kwargs or {})
         tools = self.template_tools()
-        taken = sorted(set(extra) & {"messages", "add_generation_prompt", "continue_final_message",
-                                     *(("tools",) if tools else ())})
+        reserved = {"messages", "add_generation_prompt", "continue_final_message"} | ({"tools"} if tools else set())
+        taken = sorted(set(extra) & reserved)
         if taken:
             raise APIError(400, f"chat_template_kwargs may not set {', '.join(taken)}", param="chat_template_kwargs")
         if tools:
@@ -446,11 +483,7 @@ class ChatCompletionRequest(ChatPrompt, _CommonParams):
         if other is not None:
             raise APIError(400, f"this tool_choice constrains the output to tool calls; leave out {other}",
                            param="tool_choice")
-        spec = json_schema_spec(schema)
-        if len(spec.value) > MAX_SPEC_CHARS:
-            raise APIError(400, f"tools: at most {MAX_SPEC_CHARS} characters of parameter schemas are accepted, "
-                                f"got {len(spec.value)}", param="tools")
-        return spec
+        return _bounded(json_schema_spec(schema), "tools", "parameter schemas")
 
     def sampling_params(self, default_max_tokens: int, vocab_size: int) -> SamplingParams:
         """`vocab_size` bounds the token ids of logit_bias."""
@@ -464,6 +497,14 @@ class ChatCompletionRequest(ChatPrompt, _CommonParams):
         name = "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
         top = (self.top_logprobs or 0) if self.logprobs else None
         return self._sampling(_max_tokens(getattr(self, name), default_max_tokens, name), top, vocab_size)
+
+
+def _bounded(spec: StructuredOutput, param: str, what: str = "schema, regex, grammar or choices") -> StructuredOutput:
+    """The spec, or a 400 naming `param` when it is past what is compiled."""
+    if len(spec.value) > MAX_SPEC_CHARS:
+        raise APIError(400, f"{param}: at most {MAX_SPEC_CHARS} characters of {what} are accepted, got "
+                            f"{len(spec.value)}", param=param)
+    return spec
 
 
 _OPEN_END = "CONTINUE_FINAL_MESSAGE_TAG "  # transformers' marker, so that both cut a conversation alike

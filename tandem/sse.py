@@ -135,8 +135,6 @@ class ClientDisconnected(Exception):
     """The client closed its connection before its answer was ready."""
 
 
-
-
 class CancelOnDisconnect:
     """Runs the block in this task, cancelled if the client disconnects meanwhile (ClientDisconnected is raised
     instead of the CancelledError). For an answer built whole before it is sent, a non-streamed completion:

@@ -21,54 +21,14 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Literal
-
-from pydantic import BaseModel, ConfigDict, Field
+from typing import TYPE_CHECKING
 
 from tandem.errors import APIError
 
+if TYPE_CHECKING:  # the request models are tandem.openai_protocol's, which imports this module
+    from tandem.openai_protocol import Tool, ToolCall, ToolChoice
+
 NO_PARAMETERS = {"type": "object", "properties": {}}
-
-
-class _Model(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
-
-
-class FunctionDefinition(_Model):
-    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
-    description: str | None = None
-    parameters: dict | None = Field(None, description="a JSON schema of the arguments")
-    strict: bool | None = None
-
-
-class Tool(_Model):
-    type: Literal["function"]
-    function: FunctionDefinition
-
-
-class FunctionName(_Model):
-    name: str
-
-
-class NamedToolChoice(_Model):
-    type: Literal["function"]
-    function: FunctionName
-
-
-class FunctionCall(_Model):
-    name: str
-    arguments: str
-
-
-class ToolCall(_Model):
-    """A call an assistant message made, as a client sends it back in the conversation."""
-
-    id: str
-    type: Literal["function"] = "function"
-    function: FunctionCall
-
-
-ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,8 @@ import pytest
 
 from tandem.errors import APIError
 from tandem.openai_format import ChatFormatter, Delta
-from tandem.tool_calls import NO_PARAMETERS, NamedToolChoice, Tool, resolve
+from tandem.openai_protocol import NamedToolChoice, Tool
+from tandem.tool_calls import NO_PARAMETERS, resolve
 
 F = Tool.model_validate({"type": "function", "function": {"name": "f", "parameters": {
     "type": "object", "properties": {"x": {"type": "integer"}}}}})

@@ -5,6 +5,8 @@ refuses the conversation, no decode worker to serve."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import threading
 
 import aiohttp
 import httpx
@@ -582,30 +584,42 @@ def test_browser_origins_get_cors_headers_only_when_allowed_and_before_the_key_g
     assert "access-control-allow-origin" not in asyncio.run(ask(closed, "OPTIONS", preflight)).headers
 
 
-def test_a_long_conversation_is_rendered_off_the_event_loop_to_the_same_ids():
-    """The chat template is Python: one conversation of thousands of messages held the router's loop (a
-    robustness-testing helper's finding). From LONG_CONVERSATION_MESSAGES on it renders on the tokenizer threads, to the same ids."""
-    import threading
+def long_conversation() -> list[dict]:
+    """Just long enough to be rendered off the event loop (router.app.LONG_CONVERSATION_MESSAGES)."""
+    from tandem.router.app import LONG_CONVERSATION_MESSAGES
 
-    from tandem.openai_protocol import ChatCompletionRequest
-    from tandem.router.app import LONG_CONVERSATION_MESSAGES, chat_prompt_ids
+    return [{"role": "user" if i % 2 == 0 else "assistant", "content": f"turn {i}"}
+            for i in range(LONG_CONVERSATION_MESSAGES + 1)]
 
-    router = Router(RouterConfig(decode=[WORKER]))
+
+@contextlib.contextmanager
+def threads_rendering(request_class):
+    """The names of the threads `request_class`'s chat template renders on meanwhile, in order."""
     rendered_on = []
-    prompt_text = ChatCompletionRequest.prompt_text
+    prompt_text = request_class.prompt_text
 
     def spying(self, tokenizer):
         rendered_on.append(threading.current_thread().name)
         return prompt_text(self, tokenizer)
 
-    turns = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"turn {i}"}
-             for i in range(LONG_CONVERSATION_MESSAGES + 1)]
-    short, long = (ChatCompletionRequest(model="smollm2", messages=m) for m in (turns[:2], turns))
-    ChatCompletionRequest.prompt_text = spying
+    request_class.prompt_text = spying
     try:
-        ids = [asyncio.run(chat_prompt_ids(router, body)) for body in (short, long)]
+        yield rendered_on
     finally:
-        ChatCompletionRequest.prompt_text = prompt_text
+        request_class.prompt_text = prompt_text
+
+
+def test_a_long_conversation_is_rendered_off_the_event_loop_to_the_same_ids():
+    """The chat template is Python: one conversation of thousands of messages held the router's loop (a
+    robustness-testing helper's finding). From LONG_CONVERSATION_MESSAGES on it renders on the tokenizer threads, to the same ids."""
+    from tandem.openai_protocol import ChatCompletionRequest
+    from tandem.router.app import chat_prompt_ids
+
+    router = Router(RouterConfig(decode=[WORKER]))
+    turns = long_conversation()
+    short, long = (ChatCompletionRequest(model="smollm2", messages=m) for m in (turns[:2], turns))
+    with threads_rendering(ChatCompletionRequest) as rendered_on:
+        ids = [asyncio.run(chat_prompt_ids(router, body)) for body in (short, long)]
     assert rendered_on[0] == "MainThread" and rendered_on[1].startswith("tokenize")
     for body, got in zip((short, long), ids, strict=True):
         assert got == router.tokenizer.encode(body.prompt_text(router.tokenizer), False)
@@ -614,22 +628,11 @@ def test_a_long_conversation_is_rendered_off_the_event_loop_to_the_same_ids():
 def test_the_routers_tokenize_renders_a_long_conversation_off_the_event_loop_too():
     """POST /tokenize with `messages` renders the chat template as chat completions do (it was rendered on the loop
     whatever its length), with the request's add_special_tokens."""
-    import threading
-
-    from tandem.router.app import LONG_CONVERSATION_MESSAGES
     from tandem.tokenize_routes import TokenizeChatRequest
 
     router = Router(RouterConfig(decode=[WORKER]))
     app = build_app(router)
-    rendered_on = []
-    prompt_text = TokenizeChatRequest.prompt_text
-
-    def spying(self, tokenizer):
-        rendered_on.append(threading.current_thread().name)
-        return prompt_text(self, tokenizer)
-
-    turns = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"turn {i}"}
-             for i in range(LONG_CONVERSATION_MESSAGES + 1)]
+    turns = long_conversation()
 
     async def ask(special: bool) -> dict:
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://r") as client:
@@ -637,11 +640,8 @@ def test_the_routers_tokenize_renders_a_long_conversation_off_the_event_loop_too
             assert r.status_code == 200, r.text
             return r.json()
 
-    TokenizeChatRequest.prompt_text = spying
-    try:
+    with threads_rendering(TokenizeChatRequest) as rendered_on:
         plain, special = asyncio.run(ask(False)), asyncio.run(ask(True))
-    finally:
-        TokenizeChatRequest.prompt_text = prompt_text
     assert all(name.startswith("tokenize") for name in rendered_on) and len(rendered_on) == 2, rendered_on
     text = TokenizeChatRequest(messages=turns).prompt_text(router.tokenizer)
     assert plain["tokens"] == router.tokenizer.encode(text, False)

@@ -32,7 +32,7 @@ class BlockManager:
         self.num_hit_tokens = 0
         # Block hash -> the running sequence that will compute that block (admitted, not yet computed).
         self._computing: dict[int, Sequence] = {}
-        # benchmarks/engine_cpu.py turns this off to measure what waiting for a block being computed saves.
+        # benchmarks/prefix_burst.py turns this off to measure what waiting for a block being computed saves.
         self.wait_for_blocks_being_computed = True
 
     @property

@@ -129,9 +129,10 @@ class Scheduler:
         """Retire a sequence that stopped; its blocks go back to the pool at once (unless `free_blocks` is False:
         the caller frees them later)."""
         self._remove(seq)
-        self.block_manager.stop_computing(seq)
         if free_blocks:
-            self.block_manager.free(seq)
+            self.block_manager.free(seq)  # which withdraws what it announced too
+        else:
+            self.block_manager.stop_computing(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
 
