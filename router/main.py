@@ -78,7 +78,8 @@ def load_tenants(tenants_dir: str | None) -> Tenants:
 
 
 class Router:
-    def __init__(self, config: RouterConfig):
+    def __init__(self, config: RouterConfig, discovery=None):
+        """`discovery`: where the workers are (tandem.router.discovery's interface); by default as `config` says."""
         self.config = config
         self.tokenizer = load_tokenizer(config.model)
         if self.tokenizer is None:
@@ -119,7 +120,7 @@ class Router:
             pool.on_silent = self.worker_client.drop
         self.orchestrator = Orchestrator(config, self.prefill, self.decode, self.worker_client, self.metrics,
                                          model_seed(self.served_name))
-        self.discovery = make_discovery(config)
+        self.discovery = discovery or make_discovery(config)
 
     async def refresh(self) -> None:
         """One round of discovery and health probes; keeps admission's view of the pool size current."""

@@ -86,11 +86,14 @@ def is_routine(line: str) -> bool:
 
 
 class ServiceProcess:
-    """One `tandem <command>` child process listening on 127.0.0.1:<port>, its output in a log file."""
+    """One `tandem <command>` child process listening on <host>:<port> (127.0.0.1 unless `host` says otherwise), its
+    output in a log file."""
 
-    def __init__(self, args: list[str], port: int | None = None, name: str | None = None, env: dict | None = None):
+    def __init__(self, args: list[str], port: int | None = None, name: str | None = None, env: dict | None = None,
+                 host: str | None = None):
         self.port = port or free_port()
-        self.args = [*args, "--port", str(self.port)]
+        self.host = host or "127.0.0.1"
+        self.args = [*args, "--port", str(self.port), *(["--host", host] if host else [])]
         self.name = name or args[0]
         self.env = {**os.environ, "PYTHONSAFEPATH": "1", **(env or {})}
         self.log = self._new_log()
@@ -100,7 +103,7 @@ class ServiceProcess:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     def _new_log(self):
         return tempfile.NamedTemporaryFile(prefix=f"tandem-{self.name}-", suffix=".log", delete=False)

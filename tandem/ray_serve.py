@@ -1,0 +1,228 @@
+"""Ray Serve, the second runtime beside Kubernetes: the same router and workers, placed and kept up by Ray.
+
+    serve run tandem.ray_serve:build model=smollm2 prefill=1 decode=1
+
+Three deployments make one Serve application:
+  TandemWorker    one replica per prefill or decode worker (a deployment per role). A replica runs `tandem worker`
+                  as its child process, on the replica's node and GPU, exactly as a Kubernetes pod runs it: the
+                  workers' data path (the router's WebSocket, KV transfers over NIXL or TCP) is the same on both
+                  runtimes. Serve's health check watches the child: a replica whose worker died is replaced.
+  WorkerRegistry  where the workers are. Serve routes a handle call to any one replica of a deployment and has no
+                  way to list them, so each worker replica says its URL here at every health check, and a URL not
+                  heard from for REGISTRATION_TTL_S is forgotten. The registry is state that rebuilds itself: a
+                  restarted registry knows every live worker again after one health-check period.
+  TandemRouter    the ingress: the router's own app (tandem.router), in the replica, behind Serve's HTTP proxy. It
+                  finds its workers in the registry at each probe round, as on Kubernetes it lists EndpointSlices.
+Router replicas share nothing: as on Kubernetes, any number of them map prefixes to the same workers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import secrets
+import time
+
+from pydantic import BaseModel, Field, field_validator
+
+from tandem.cli_args import options_to_args
+from tandem.config import EngineConfig, RouterConfig
+from tandem.internal_auth import INTERNAL_TOKEN_ENV
+from tandem.launcher import ServiceProcess
+
+try:
+    from ray import serve
+except ImportError as exc:  # the `ray` extra
+    raise ImportError("tandem.ray_serve needs Ray Serve: pip install 'tandem[ray]'") from exc
+
+log = logging.getLogger("tandem.ray_serve")
+
+HEALTH_CHECK_PERIOD_S = 2.0  # also how often a worker replica registers its URL
+REGISTRATION_TTL_S = 3 * HEALTH_CHECK_PERIOD_S + 4  # a few missed health checks, then the URL is forgotten
+WORKER_START_TIMEOUT_S = 900.0  # loading a large model from a network volume takes minutes
+
+
+class TandemRayArgs(BaseModel):
+    """What `serve run tandem.ray_serve:build key=value ...` (or a Serve config file's `args`) takes."""
+
+    model: str = Field("smollm2", description="model source, as `tandem worker --model`")
+    prefill: int = Field(1, ge=0, description="prefill worker replicas (0: every worker serves both phases)")
+    decode: int = Field(1, ge=1, description="decode worker replicas (colocated workers when prefill is 0)")
+    disagg_min_tokens: int = Field(512, ge=0, description="shorter prompts are served by a decode worker alone")
+    router_replicas: int = Field(1, ge=1, description="router replicas behind Serve's HTTP proxy")
+    num_gpus_per_worker: float | None = Field(None, ge=0, description="GPUs each worker replica reserves; default: "
+                                              "1 where there are GPUs, else 0 (_gpus_per_worker)")
+    num_cpus_per_worker: float = Field(1.0, ge=0, description="CPUs each worker replica reserves")
+    engine: dict = Field(default_factory=dict, description="worker engine settings: EngineConfig's fields, e.g. "
+                         '{"max_model_len": 4096, "kv_transfer": "nixl"}')
+    router: dict = Field(default_factory=dict, description="router settings: RouterConfig's fields, e.g. "
+                         '{"max_input_tokens": 4096}')
+
+    @field_validator("engine", "router", mode="before")
+    @classmethod
+    def _json_from_command_line(cls, value):
+        """`serve run ... engine='{"max_model_len": 4096}'` passes a string; a Serve config file a mapping."""
+        return json.loads(value) if isinstance(value, str) else value
+
+
+def _pool(role: str) -> str:
+    """The router's pool a worker of `role` is in: a colocated ("both") worker serves whole requests, as decode
+    workers do."""
+    return "prefill" if role == "prefill" else "decode"
+
+
+# Its calls, one per worker and per router every few seconds, are left out of the access log.
+@serve.deployment(num_replicas=1, ray_actor_options={"num_cpus": 0}, logging_config={"enable_access_log": False})
+class WorkerRegistry:
+    """role -> {url: when it was last heard of}. Called by worker replicas (register, forget) and routers (members)."""
+
+    def __init__(self):
+        self._heard: dict[str, dict[str, float]] = {"prefill": {}, "decode": {}}
+
+    def register(self, role: str, url: str) -> None:
+        self._heard[_pool(role)][url] = time.monotonic()
+
+    def forget(self, role: str, url: str) -> None:
+        self._heard[_pool(role)].pop(url, None)
+
+    def members(self) -> tuple[list[str], list[str]]:
+        """The prefill and the decode URLs heard from within REGISTRATION_TTL_S."""
+        cutoff = time.monotonic() - REGISTRATION_TTL_S
+        for heard in self._heard.values():
+            for url in [u for u, t in heard.items() if t < cutoff]:
+                del heard[url]
+        return sorted(self._heard["prefill"]), sorted(self._heard["decode"])
+
+
+@serve.deployment(health_check_period_s=HEALTH_CHECK_PERIOD_S, health_check_timeout_s=10,
+                  graceful_shutdown_timeout_s=40)
+class TandemWorker:
+    """One `tandem worker` process on this replica's node, reachable by the other nodes at the node's address."""
+
+    async def __init__(self, registry, role: str, worker_args: list[str], internal_token: str):
+        import ray
+
+        self.registry, self.role = registry, role
+        # The worker also serves KV transfers on this address (its NIXL or TCP agent binds it).
+        self.process = ServiceProcess(["worker", "--role", role, *worker_args], name=f"{role}-worker",
+                                      env={INTERNAL_TOKEN_ENV: internal_token}, host=ray.util.get_node_ip_address())
+        # Started on the replica's event loop thread, which lives as long as the replica: the child dies with the
+        # thread that started it (PR_SET_PDEATHSIG, tandem.launcher), so not on a pool thread that may end first.
+        self.process.start()
+        log.info("tandem %s worker starting on %s, log %s", role, self.process.url, self.process.log.name)
+        await asyncio.to_thread(self.process.wait_ready, WORKER_START_TIMEOUT_S)
+        await self.registry.register.remote(role, self.process.url)
+
+    async def check_health(self) -> None:
+        """Serve's health check: a worker that exited fails it, and Serve replaces this replica. A live one says
+        its URL again (the registry may be new, or have forgotten it during a long pause)."""
+        if self.process.proc.poll() is not None:
+            raise RuntimeError(f"the {self.role} worker on {self.process.url} exited with "
+                               f"{self.process.proc.returncode}:\n{self.process.log_tail(1500)}")
+        await self.registry.register.remote(self.role, self.process.url)
+
+    def url(self) -> str:
+        return self.process.url
+
+    async def __del__(self):
+        """Serve's shutdown of this replica (scale-down, redeploy): out of the registry first, so that routers stop
+        sending, then SIGTERM, on which the worker drains its requests within its grace."""
+        with contextlib.suppress(Exception):  # a registry already gone forgets the URL by its TTL
+            await self.registry.forget.remote(self.role, self.process.url)
+        await asyncio.to_thread(self.process.stop, 30.0)
+
+
+class RegistryDiscovery:
+    """tandem.router.discovery's interface over the registry: the router calls it at every probe round."""
+
+    def __init__(self, registry):
+        self.registry = registry
+
+    async def members(self) -> tuple[list[str], list[str]]:
+        prefill, decode = await self.registry.members.remote()
+        return list(prefill), list(decode)
+
+
+class _Lifespan:
+    """ASGI: the router's probe loop started and stopped by the ASGI lifespan, which Serve runs on a replica's
+    start and shutdown (as uvicorn's startup runs it in `tandem router`)."""
+
+    def __init__(self, app, router):
+        self.app, self.router, self.probes = app, router, None
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "lifespan":
+            return await self.app(scope, receive, send)
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                await self.router.refresh()  # serve with a known pool from the first request
+                self.probes = asyncio.get_running_loop().create_task(self.router.run_probes())
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                if self.probes is not None:
+                    self.probes.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await self.probes
+                await self.router.http.aclose()
+                await self.router.worker_client.close()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 1})
+@serve.ingress()
+class TandemRouter:
+    """The OpenAI front door: tandem.router's app, its workers from the registry."""
+
+    def __init__(self, registry, router_options: dict, internal_token: str, *workers):
+        """`workers`: the worker deployments' handles, bound here so that the application deploys them; the router
+        reaches the workers at their URLs, as on Kubernetes."""
+        from tandem.router.main import Router
+
+        os.environ[INTERNAL_TOKEN_ENV] = internal_token  # read by the router's calls to workers (tandem.internal_auth)
+        self.router = Router(RouterConfig(**router_options), discovery=RegistryDiscovery(registry))
+
+    def __serve_build_asgi_app__(self):
+        from tandem.router.app import build_app
+
+        return _Lifespan(build_app(self.router), self.router)
+
+
+def _gpus_per_worker(args: TandemRayArgs) -> float:
+    """As asked; else 1 where there are GPUs: in the Ray cluster when the builder runs in one (`serve deploy`), else
+    on this machine (`serve run` builds the application before it connects; with `--address` of a remote cluster,
+    say num_gpus_per_worker)."""
+    if args.num_gpus_per_worker is not None:
+        return args.num_gpus_per_worker
+    import ray
+
+    if ray.is_initialized():
+        return 1.0 if ray.cluster_resources().get("GPU", 0) > 0 else 0.0
+    import torch
+
+    return 1.0 if torch.cuda.is_available() else 0.0
+
+
+def build(args: TandemRayArgs) -> serve.Application:
+    """The Serve application (Serve's application builder: `serve run tandem.ray_serve:build key=value ...`)."""
+    if isinstance(args, dict):  # called from Python with a plain dict
+        args = TandemRayArgs(**args)
+    engine = EngineConfig(**{"model": args.model, **args.engine})
+    router_config = RouterConfig(**{"model": args.model, "disagg_min_tokens": args.disagg_min_tokens,
+                                    "block_size": engine.block_size, "served_model_name": engine.served_model_name,
+                                    **args.router})
+    # One secret per application, as `tandem serve` makes one per stack, unless the cluster's environment sets it.
+    token = os.environ.get(INTERNAL_TOKEN_ENV) or secrets.token_urlsafe(32)
+    registry = WorkerRegistry.bind()
+    worker_args = options_to_args(engine)
+    resources = {"num_gpus": _gpus_per_worker(args), "num_cpus": args.num_cpus_per_worker}
+    roles = [("decode", args.decode)] if args.prefill == 0 else [("prefill", args.prefill), ("decode", args.decode)]
+    # Colocated workers ("both") register as decode: the router serves whole requests on its decode pool.
+    workers = [TandemWorker.options(name=f"{role.capitalize()}Worker", num_replicas=n, ray_actor_options=resources)
+               .bind(registry, role if args.prefill else "both", worker_args, token) for role, n in roles]
+    return TandemRouter.options(num_replicas=args.router_replicas).bind(
+        registry, router_config.model_dump(exclude_defaults=True), token, *workers)
