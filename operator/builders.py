@@ -27,7 +27,7 @@ DRAIN_SECONDS = 10
 ROUTER_GRACE_SECONDS = 60
 # Engine settings that map one-to-one onto `tandem worker` options (the option is the EngineConfig field).
 ENGINE_FLAG_FIELDS = ("dtype", "max_model_len", "block_size", "max_num_seqs", "max_num_batched_tokens",
-                      "kv_cache_memory_gb", "enable_prefix_caching")
+                      "kv_cache_memory_gb", "enable_prefix_caching", "tool_call_parser")
 # Writable places for a read-only root filesystem: Python, Triton and HF caches all go under /tmp.
 INTERNAL_TOKEN_KEY = "token"  # the key of the token in names.internal_secret_name's Secret
 WRITABLE_ENV = [{"name": "HOME", "value": "/tmp"}, {"name": "XDG_CACHE_HOME", "value": "/tmp/.cache"},
@@ -276,6 +276,8 @@ def router_deployment(owner: Owner, spec: LLMDeploymentSpec, internal_secret: st
         args += ["--decode-overload-min-seqs", str(router.decode_overload_min_seqs)]
     if spec.engine.block_size is not None:  # the router hashes prompts in the workers' blocks
         args += ["--block-size", str(spec.engine.block_size)]
+    if spec.engine.tool_call_parser is not None:  # the router forms the answers: it reads their tool calls
+        args += ["--tool-call-parser", spec.engine.tool_call_parser]
     # Balance on keys is tightest at eps 0, but independent replicas then agree on only about half of the keys
     # whose ring owner is full (router/policies/key_table.py); with several replicas, trade a little balance.
     key_eps = router.key_eps if router.key_eps is not None else (0.0 if router.replicas == 1 else MULTI_ROUTER_KEY_EPS)

@@ -89,6 +89,7 @@ def build_app(router) -> FastLane | ApiKeyGate | CORSMiddleware:
         return await serve(router, request, body, prompts, params)
 
     async def chat_handler(body: ChatCompletionRequest, request: Request) -> Response:
+        body.use_tool_call_parser(router.config.tool_call_parser)  # the router forms the answer: it parses the calls
         check_model(router.served_name, body.model)
         ids = await chat_prompt_ids(router, body)
         room = max(1, router.max_model_len - len(ids))

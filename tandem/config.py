@@ -13,8 +13,26 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from pydantic.alias_generators import to_camel
 
 from tandem.hashing import DEFAULT_BLOCK_SIZE
+from tandem.tool_parsers import ToolCallParserName
 
 Role = Literal["prefill", "decode", "both"]
+
+# tool_choice "auto" (tandem.tool_calls), with vLLM's options. They are read where the answer is formed, by a
+# worker's OpenAI server and by the router's alike (both take them), not by the engine; they are EngineConfig's so
+# that `tandem serve` passes them on to its workers, as served_model_name.
+ToolCallParserOption = Annotated[ToolCallParserName | None, Field(
+    description='serve tool_choice "auto" (the default with tools): the model answers freely and this parser reads '
+                "its calls out of the text; hermes: <tool_call>{...}</tool_call> blocks (Hermes, Qwen2.5, SmolLM2)")]
+EnableAutoToolChoiceOption = Annotated[bool, Field(
+    description="vLLM's switch for the same, accepted so that vLLM command lines work unchanged; it needs "
+                "--tool-call-parser, which alone serves \"auto\" here")]
+
+
+def _auto_tool_choice_has_a_parser(config):
+    if config.enable_auto_tool_choice and config.tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (as in vLLM), e.g. --tool-call-parser "
+                         "hermes")
+    return config
 
 
 class EngineConfig(BaseModel):
@@ -54,6 +72,12 @@ class EngineConfig(BaseModel):
         "auto: when the KV cache is on a GPU (the NIC or NVLink copies), not on a CPU (there the copy takes the cores "
         "the steps compute with, and costs the running requests as much as a pause or more: "
         "benchmarks/decode_during_pull.py)")
+    tool_call_parser: ToolCallParserOption = None
+    enable_auto_tool_choice: EnableAutoToolChoiceOption = False
+
+    @model_validator(mode="after")
+    def _auto_tool_choice(self):
+        return _auto_tool_choice_has_a_parser(self)
 
 
 API_KEY_ENV = "TANDEM_API_KEY"  # the router's key kept off its command line (and out of `ps`), as VLLM_API_KEY
@@ -118,6 +142,13 @@ class RouterConfig(BaseModel):
                                        "finish; those still running then end with 503 shutting_down (streamed: an "
                                        "error event and [DONE])")
     seed: int = 0
+    # The router forms the answers it serves (from the workers' tokens): it parses their calls itself.
+    tool_call_parser: ToolCallParserOption = None
+    enable_auto_tool_choice: EnableAutoToolChoiceOption = False
+
+    @model_validator(mode="after")
+    def _auto_tool_choice(self):
+        return _auto_tool_choice_has_a_parser(self)
 
 
 class WorkerConfig(BaseModel):
@@ -261,6 +292,10 @@ class DeploymentEngineSpec(_CamelModel):
     enable_prefix_caching: bool | None = Field(None, description=_with_defaults_from_engine(
         "enable_prefix_caching", "reuse cached KV blocks of shared prefixes"))
     tensor_parallel_size: int = Field(1, ge=1, le=16, description="GPUs per worker for one model replica")
+    tool_call_parser: ToolCallParserName | None = Field(
+        None, description='serve tool_choice "auto" with this parser of the model\'s tool calls (the workers\' and '
+                          "routers' --tool-call-parser); hermes: <tool_call>{...}</tool_call> blocks. Unset: "
+                          '"auto" is refused')
 
 
 class EnvVar(_CamelModel):

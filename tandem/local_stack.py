@@ -153,6 +153,8 @@ def run_local_stack(engine: EngineConfig, *, prefill: int, decode: int, colocate
         router_args += ["--prefill", *prefill_urls]
     if engine.served_model_name:
         router_args += ["--served-model-name", engine.served_model_name]
+    if engine.tool_call_parser:  # the router forms the answers, so it is the one that reads their calls
+        router_args += ["--tool-call-parser", engine.tool_call_parser]
     if worker_return_wait_s is not None:
         router_args += ["--worker-return-wait-s", str(worker_return_wait_s)]
     # The key travels in the environment, not on the router's command line where `ps` would show it.

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 
 from tandem.openai_protocol import new_id
 from tandem.tokenizer import Tokenizer
-from tandem.tool_calls import ToolCallMode
+from tandem.tool_calls import ParsedToolCalls, ToolCallMode, tool_call
+from tandem.tool_parsers import HermesToolParser
 
 
 @dataclass
@@ -180,11 +181,15 @@ class ChatFormatter(Formatter):
     object_name = "chat.completion"
     chunk_object_name = "chat.completion.chunk"
     # Set when the output is tool calls (tandem.tool_calls): one named call's arguments stream as they come; the
-    # calls of a "required" output are whole only at its end, so they are sent then.
-    tool_mode: ToolCallMode | None = None
+    # calls of a "required" output are whole only at its end, so they are sent then; "auto"'s parser sends content
+    # and each call as it reads them.
+    tool_mode: ToolCallMode | ParsedToolCalls | None = None
     _named_call_id: str | None = None
     _calls_made = False  # a "required" output's calls are made once (_required_calls)
     _calls: list[dict] | None = None
+    _parser: HermesToolParser | None = None  # "auto"'s, made when it has the output's first piece to read (_parse)
+    _parsed_content: list[str]  # what "auto"'s parser has said so far: the content, and the calls with their ids
+    _parsed_calls: list[dict]
 
     def _logprobs_block(self, entries: list) -> dict | None:
         if not self.wants_logprobs:
@@ -211,7 +216,11 @@ class ChatFormatter(Formatter):
         self.add(out)
         chunks = []
         mode = self.tool_mode
-        if mode is not None and mode.name is None:  # "required": the calls, once the array is whole
+        if isinstance(mode, ParsedToolCalls):  # "auto": what the parser has decided, content and calls
+            delta = self._parse(out.new_text, out.finished)
+            if delta or out.new_logprobs:
+                chunks.append(self._chunk(delta, self._logprobs_block(out.new_logprobs or [])))
+        elif mode is not None and mode.name is None:  # "required": the calls, once the array is whole
             if out.finished:
                 calls = self._required_calls()
                 delta = {"tool_calls": [{"index": i, **call} for i, call in enumerate(calls)]} if calls is not None \
@@ -230,6 +239,39 @@ class ChatFormatter(Formatter):
             chunks.append(self._chunk({}, None, self._finish_reason(), out.stop_reason))
         return chunks
 
+    def _parse(self, text: str, finished: bool) -> dict:
+        """"auto": what the parser decides with `text`, the output's next piece (and its end when `finished`),
+        recorded and as a stream's delta: content, then the new calls, each whole with its id (parallel_tool_calls
+        false: the first call only)."""
+        if self._parser is None:
+            self._parser, self._parsed_content, self._parsed_calls = self.tool_mode.new_parser(), [], []
+        parsed = self._parser.feed(text)
+        if finished:
+            parsed.extend(self._parser.end())
+        calls = [tool_call(new_id, name, arguments) for name, arguments in parsed.calls]
+        if self.tool_mode.single:
+            calls = [] if self._parsed_calls else calls[:1]
+        delta = {"content": parsed.content} if parsed.content else {}
+        if calls:
+            delta["tool_calls"] = [{"index": len(self._parsed_calls) + i, **call} for i, call in enumerate(calls)]
+        self._parsed_content.append(parsed.content)
+        self._parsed_calls += calls
+        return delta
+
+    def _parsed_whole(self) -> None:
+        """Not streamed, the parser reads the whole output at once, when the answer is made."""
+        if self._parser is None:
+            self._parse(self.text, True)
+
+    def _parsed_message(self) -> dict:
+        """"auto"'s message: the content before the calls (null when there is none) and the calls; with no calls,
+        the content as any text answer has it."""
+        self._parsed_whole()
+        content = "".join(self._parsed_content)
+        if not self._parsed_calls:
+            return {"role": "assistant", "content": content}
+        return {"role": "assistant", "content": content or None, "tool_calls": self._parsed_calls}
+
     def _required_calls(self) -> list[dict] | None:
         """A "required" output's calls, made once (its ids are the same streamed or in the final body)."""
         if not self._calls_made:
@@ -237,20 +279,29 @@ class ChatFormatter(Formatter):
         return self._calls
 
     def _finish_reason(self) -> str | None:
-        """The output's own, but "tool_calls" for the calls of a "required" output, as OpenAI and vLLM say it (a
-        named call ends with "stop", as in both)."""
-        if self.tool_mode is not None and self.tool_mode.name is None and self.finish_reason == "stop" \
-                and self._required_calls() is not None:
-            return "tool_calls"
-        return self.finish_reason
+        """The output's own, but "tool_calls" for the calls of a "required" output, and for an "auto" output that
+        made calls, as OpenAI and vLLM say it (a named call ends with "stop", as in both)."""
+        mode = self.tool_mode
+        if self.finish_reason != "stop" or mode is None:
+            return self.finish_reason
+        if isinstance(mode, ParsedToolCalls):
+            self._parsed_whole()
+            made_calls = bool(self._parsed_calls)
+        else:
+            made_calls = mode.name is None and self._required_calls() is not None
+        return "tool_calls" if made_calls else self.finish_reason
+
+    def _message(self) -> dict:
+        mode = self.tool_mode
+        if isinstance(mode, ParsedToolCalls):
+            return self._parsed_message()
+        calls = None if mode is None else self._required_calls() if mode.name is None else mode.calls(self.text, new_id)
+        if calls is None:
+            return {"role": "assistant", "content": self.text}
+        return {"role": "assistant", "content": None, "tool_calls": calls}
 
     def final(self) -> dict:
-        message = {"role": "assistant", "content": self.text}
-        mode = self.tool_mode
-        calls = None if mode is None else self._required_calls() if mode.name is None else mode.calls(self.text, new_id)
-        if calls is not None:
-            message = {"role": "assistant", "content": None, "tool_calls": calls}
-        choice = {"index": self.index, "message": message,
+        choice = {"index": self.index, "message": self._message(),
                   "logprobs": self._logprobs_block(self.logprobs), "finish_reason": self._finish_reason(),
                   "stop_reason": self.stop_reason}
         return self.envelope(self.object_name, [choice], self.usage())

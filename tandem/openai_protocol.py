@@ -12,7 +12,7 @@ from functools import cached_property
 from typing import Annotated, ClassVar, Literal
 
 import jinja2
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 from pydantic.json_schema import SkipJsonSchema
 
 from tandem.errors import APIError
@@ -27,7 +27,7 @@ from tandem.protocol import (
 )
 from tandem.structured_output import ANY_JSON_OBJECT, MAX_SPEC_CHARS, choice_spec, json_schema_spec
 from tandem.structured_output import check as check_structured
-from tandem.tool_calls import ToolCallMode, resolve, template_tool_calls
+from tandem.tool_calls import ParsedToolCalls, ToolCallMode, resolve, template_tool_calls
 
 MAX_N = 128  # completions per prompt: OpenAI's bound on n
 MAX_LOGIT_BIAS = 300  # biased tokens per request: each costs the worker work at every step
@@ -462,22 +462,31 @@ class ChatCompletionRequest(ChatPrompt, _CommonParams):
     echo: SkipJsonSchema[bool] = False  # vLLM's, on chat: not implemented, refused (sampling_params)
     functions: list | None = None  # function calling's older spelling: refused
 
-    @cached_property
-    def _tool_calls(self) -> tuple[ToolCallMode | None, dict | None]:
-        return resolve(self.tools, self.tool_choice, self.parallel_tool_calls)
+    # The server's --tool-call-parser (None: it has none), which serves tool_choice "auto": the server's setting,
+    # not the client's, so no field of the body.
+    _tool_call_parser: str | None = PrivateAttr(None)
 
-    def tool_call_mode(self) -> ToolCallMode | None:
+    def use_tool_call_parser(self, parser: str | None) -> None:
+        """Set by the server before anything reads the tool choice."""
+        self._tool_call_parser = parser
+        self.__dict__.pop("_tool_calls", None)  # resolved again, with the parser
+
+    @cached_property
+    def _tool_calls(self) -> tuple[ToolCallMode | ParsedToolCalls | None, dict | None]:
+        return resolve(self.tools, self.tool_choice, self.parallel_tool_calls, self._tool_call_parser)
+
+    def tool_call_mode(self) -> ToolCallMode | ParsedToolCalls | None:
         """How the output becomes tool calls (None: it is the answer's text); a 400 for tools it cannot serve."""
         return self._tool_calls[0]
 
     @property
     def structured_param(self) -> str | None:
         # A tools schema that does not compile is the tools' fault.
-        return "tools" if self._tool_calls[0] is not None else super().structured_param
+        return "tools" if self._tool_calls[1] is not None else super().structured_param
 
     def structured_output(self):
-        mode, schema = self._tool_calls
-        if mode is None:
+        _, schema = self._tool_calls
+        if schema is None:  # text, or "auto": the output is the request's own to constrain
             return super().structured_output()
         other = super().structured_param
         if other is not None:

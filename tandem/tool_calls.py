@@ -1,4 +1,4 @@
-"""Function calling (`tools` on chat completions), as vLLM serves it without a model-specific parser.
+"""Function calling (`tools` on chat completions), as vLLM serves it.
 
 `tool_choice` says what the answer is:
   {"type": "function", "function": {"name": N}}   one call of N: the output is constrained to N's `parameters`
@@ -6,15 +6,19 @@
   "required"                                      one call or more: the output is constrained to a JSON array of
                                                  {"name": ..., "parameters": ...} objects, one of the tools each
                                                  (vLLM's schema; at most one with parallel_tool_calls false);
-  "none"                                          no call: the tools are only shown to the chat template.
-"auto" (the default when tools are given) lets the model choose between text and calls, which takes a parser for
-the model's own call format; like vLLM without --tool-call-parser, it is refused, saying what to use instead.
+  "none"                                          no call: the tools are only shown to the chat template;
+  "auto" (the default when tools are given)       text or calls, as the model chooses: the output is free (or
+                                                 held to the request's own structured output), and the server's
+                                                 --tool-call-parser reads the calls out of it in the model's own
+                                                 format (tandem.tool_parsers). Without one it is refused, saying
+                                                 what to use instead, as vLLM refuses it.
 
 Both constrained forms go through structured outputs (tandem.structured_output), so they hold on every path a
 structured output does (P/D, resumed decodes). The answer's message then has `tool_calls` and no content. Its
 finish_reason is "tool_calls" for the calls of a "required" output and the output's own for a named call ("stop",
 or "length" when max_tokens cut it), as OpenAI and vLLM say them. A required output cut short is no JSON array: it
-is answered as content, so the client sees what came.
+is answered as content, so the client sees what came. An "auto" answer has the content and the calls the parser
+found, and ends with "tool_calls" when it made calls and stopped by itself (a cut one keeps "length").
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from tandem.errors import APIError
+from tandem.tool_parsers import TOOL_CALL_PARSERS, HermesToolParser
 
 if TYPE_CHECKING:  # the request models are tandem.openai_protocol's, which imports this module
     from tandem.openai_protocol import Tool, ToolCall, ToolChoice
@@ -41,22 +46,37 @@ class ToolCallMode:
         """The output as OpenAI tool_calls; None when it is not a whole call list (cut by max_tokens). `new_id`
         (tandem.openai_protocol's) is passed in: that module imports this one."""
         if self.name is not None:
-            return [_call(new_id, self.name, text)]
+            return [tool_call(new_id, self.name, text)]
         try:
-            return [_call(new_id, item["name"], json.dumps(item["parameters"], ensure_ascii=False))
+            return [tool_call(new_id, item["name"], json.dumps(item["parameters"], ensure_ascii=False))
                     for item in json.loads(text)]
         except (ValueError, TypeError, KeyError):
             return None
 
 
-def _call(new_id, name: str, arguments: str) -> dict:
+@dataclass(frozen=True)
+class ParsedToolCalls:
+    """tool_choice "auto": the output is free, and a parser of `parser`'s kind reads its calls out of it. `single`:
+    parallel_tool_calls false, so only the first call counts."""
+
+    parser: str
+    single: bool = False
+
+    def new_parser(self) -> HermesToolParser:
+        """One per answer: a parser keeps the state of the output it has read."""
+        return TOOL_CALL_PARSERS[self.parser]()
+
+
+def tool_call(new_id, name: str, arguments: str) -> dict:
+    """A call as the answer gives it, with an id of its own."""
     return {"id": new_id("chatcmpl-tool"), "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
-def resolve(tools: list[Tool] | None, choice: ToolChoice | None,
-            parallel_tool_calls: bool | None) -> tuple[ToolCallMode | None, dict | None]:
-    """(how the output becomes calls, the JSON schema that constrains it), both None for an answer in text: a 400
-    for a choice that cannot be served."""
+def resolve(tools: list[Tool] | None, choice: ToolChoice | None, parallel_tool_calls: bool | None,
+            parser: str | None = None) -> tuple[ToolCallMode | ParsedToolCalls | None, dict | None]:
+    """(how the output becomes calls, the JSON schema that constrains it), both None for an answer in text; the
+    schema is None too for "auto", which `parser` (the server's --tool-call-parser) serves: a 400 for a choice that
+    cannot be served."""
     if not tools:
         if choice not in (None, "none"):
             raise APIError(400, "tool_choice needs tools", param="tool_choice")
@@ -65,10 +85,13 @@ def resolve(tools: list[Tool] | None, choice: ToolChoice | None,
     if len(set(names)) != len(names):
         raise APIError(400, "tools must have distinct names", param="tools")
     if choice is None or choice == "auto":
-        raise APIError(400, 'tool_choice "auto" (the default with tools) lets the model answer in text or in calls, '
-                            "which needs a parser for this model's call format, and none is configured; set "
-                            'tool_choice to "required", to "none", or to {"type": "function", "function": '
-                            '{"name": ...}}', param="tool_choice")
+        if parser is None:
+            raise APIError(400, 'tool_choice "auto" (the default with tools) lets the model answer in text or in '
+                                "calls, which needs a parser for this model's call format, and this server has "
+                                "none: start it with --tool-call-parser (hermes reads <tool_call> blocks), or set "
+                                'tool_choice to "required", to "none", or to {"type": "function", "function": '
+                                '{"name": ...}}', param="tool_choice")
+        return ParsedToolCalls(parser, single=parallel_tool_calls is False), None
     if choice == "none":
         return None, None
     if choice == "required":

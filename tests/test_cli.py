@@ -27,10 +27,12 @@ def test_defaults_equal_the_models():
 
 def test_options_parse_into_typed_fields():
     cfg = _parse(["--role", "prefill", "--port", "9001", "--max-num-batched-tokens", "64",
-                  "--no-enable-prefix-caching", "--num-kv-blocks", "12", "--dtype", "float32"])
+                  "--no-enable-prefix-caching", "--num-kv-blocks", "12", "--dtype", "float32",
+                  "--enable-auto-tool-choice", "--tool-call-parser", "hermes"])
     assert cfg.role == "prefill" and cfg.port == 9001
     e = cfg.engine
     assert (e.max_num_batched_tokens, e.enable_prefix_caching, e.num_kv_blocks, e.dtype) == (64, False, 12, "float32")
+    assert (e.tool_call_parser, e.enable_auto_tool_choice) == ("hermes", True)
 
 
 def _serve(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -118,6 +120,11 @@ def test_bad_options_and_models_are_one_line_before_anything_starts(capsys, tmp_
         ("serve", "--max-num-seqs", "0"): "tandem serve: --max-num-seqs: Input should be greater than or equal to 1",
         ("serve", "--port", "99999"): "tandem serve: --port: Input should be less than or equal to 65535",
         ("serve", "--disagg-min-tokens", "-5"): "tandem serve: --disagg-min-tokens: Input should be greater",
+        # vLLM's switch is taken, and as in vLLM it needs a parser (which alone serves tool_choice "auto" here).
+        ("worker", "--enable-auto-tool-choice"): "tandem worker: options: --enable-auto-tool-choice needs "
+                                                 "--tool-call-parser",
+        ("router", "--decode", "http://127.0.0.1:1", "--enable-auto-tool-choice"):
+            "tandem router: options: --enable-auto-tool-choice needs --tool-call-parser",
     }
     with pytest.raises(SystemExit) as exited:  # an option that would be ignored is refused too
         main(["serve", "--colocated", "--prefill", "2"])

@@ -20,6 +20,7 @@ from test_api import (
     MAX_BODY,
     TIME,
     WEATHER,
+    check_auto_tool_choice,
     check_echo,
     check_logit_bias,
     check_several_completions,
@@ -61,11 +62,13 @@ def start_all(*procs: ServiceProcess) -> None:
 
 @pytest.fixture(scope="module")
 def fleet():
-    """2 prefill + 2 decode workers; router `disagg` splits long prompts, router `colocated` never does."""
+    """2 prefill + 2 decode workers; router `disagg` splits long prompts, router `colocated` never does (and has no
+    tool-call parser)."""
     prefill = [worker("prefill"), worker("prefill")]
     decode = [worker("decode"), worker("decode")]
     start_all(*prefill, *decode)
-    disagg = router(prefill, decode, "--disagg-min-tokens", str(DISAGG_MIN), "--max-body-bytes", str(MAX_BODY))
+    disagg = router(prefill, decode, "--disagg-min-tokens", str(DISAGG_MIN), "--max-body-bytes", str(MAX_BODY),
+                    "--tool-call-parser", "hermes")
     colocated = router([], decode, "--disagg-min-tokens", "1000000")
     start_all(disagg, colocated)
     yield {"prefill": prefill, "decode": decode, "disagg": disagg, "colocated": colocated}
@@ -89,8 +92,8 @@ def long_text(seed: int, words: int = 220) -> str:
 
 
 def test_tandem_serve_with_the_openai_sdk():
-    serve = ServiceProcess(["serve", "--disagg-min-tokens", "48", "--kv-transfer", "tcp", "--api-key", "k-local"],
-                           name="serve")
+    serve = ServiceProcess(["serve", "--disagg-min-tokens", "48", "--kv-transfer", "tcp", "--api-key", "k-local",
+                            "--enable-auto-tool-choice", "--tool-call-parser", "hermes"], name="serve")  # vLLM's pair
     with serve:
         assert httpx.get(serve.url + "/v1/models").status_code == 401  # --api-key reached the router
         client = openai.OpenAI(base_url=serve.url + "/v1", api_key="k-local", max_retries=0, timeout=120)
@@ -104,6 +107,12 @@ def test_tandem_serve_with_the_openai_sdk():
         chunks = list(client.chat.completions.create(model="smollm2", messages=messages, max_tokens=12,
                                                      temperature=0, stream=True))
         assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == chat.choices[0].message.content
+        # The parser reached the router, which forms the answers (tool_choice "auto"; the call forced by a regex).
+        call = client.chat.completions.create(model="smollm2", messages=messages, tools=[TIME], max_tokens=30,
+                                              temperature=0, extra_body={"structured_outputs": {"regex": (
+                                                  r'<tool_call>\{"name": "get_time", "arguments": \{"city": '
+                                                  r'"(Paris|London)"\}\}</tool_call>')}}).choices[0]
+        assert call.finish_reason == "tool_calls" and call.message.tool_calls[0].function.name == "get_time"
         paths = httpx.get(serve.url + "/metrics").text
         assert 'path="disagg"' in paths and 'path="colocated"' in paths
         # Those answers went through the internal endpoints with the stack's own secret: without it, refused.
@@ -225,6 +234,25 @@ def test_tool_calls_through_prefill_and_decode(fleet, tokenizer):
     for c in calls:
         json.loads(c["arguments"])
     assert metric(fleet["disagg"].url, "tandem_router_routing_decisions_total", 'path="disagg"') == before + 2
+
+
+def test_tool_choice_auto_through_prefill_and_decode_and_colocated(fleet, tokenizer):
+    """The router forms the answer from the workers' tokens, so its parser reads the calls: on the P/D path the
+    prefill worker's first token and the decode worker's rest are read as one output, as a colocated one is."""
+    notes = [{"role": "system", "content": f"Some notes to ignore: {long_text(7)}."}]
+    url = fleet["disagg"].url
+    for messages, path in ((notes + ASK, "disagg"), (ASK, "colocated")):
+        before = metric(url, "tandem_router_routing_decisions_total", f'path="{path}"')
+        check_auto_tool_choice(sdk(fleet["disagg"]), messages)
+        assert metric(url, "tandem_router_routing_decisions_total", f'path="{path}"') == before + 2, path
+
+
+def test_tool_choice_auto_without_a_parser_is_refused_naming_the_option(fleet):
+    body = {"model": "smollm2", "messages": ASK, "tools": [WEATHER]}  # no tool_choice: "auto", the default
+    for choice in ({}, {"tool_choice": "auto"}):
+        r = httpx.post(fleet["colocated"].url + "/v1/chat/completions", json={**body, **choice}, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice", r.text
+        assert "--tool-call-parser" in r.json()["error"]["message"]
 
 
 def test_echo_with_prompt_logprobs_is_served_by_one_worker(fleet, tokenizer):

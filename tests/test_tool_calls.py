@@ -4,11 +4,13 @@ the answer, streamed or not. The end to end checks with the model are in test_ap
 import json
 
 import pytest
+from openai.lib.streaming.chat import ChatCompletionStreamState
+from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from tandem.errors import APIError
 from tandem.openai_format import ChatFormatter, Delta
 from tandem.openai_protocol import NamedToolChoice, Tool
-from tandem.tool_calls import NO_PARAMETERS, resolve
+from tandem.tool_calls import NO_PARAMETERS, ParsedToolCalls, ToolCallMode, resolve
 
 F = Tool.model_validate({"type": "function", "function": {"name": "f", "parameters": {
     "type": "object", "properties": {"x": {"type": "integer"}}}}})
@@ -118,3 +120,85 @@ def test_a_tools_schema_that_does_not_compile_is_blamed_on_the_tools():
     body = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}], "tools": [
         {"type": "function", "function": {"name": "f", "parameters": {"type": "foo"}}}], "tool_choice": "required"})
     assert body.structured_param == "tools"
+
+
+# -- tool_choice "auto", served by the server's --tool-call-parser (tandem.tool_parsers) ------------------------
+
+OUTPUT = ('Let me check.\n<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>\n'
+          '<tool_call>\n[{"name": "g", "arguments": {}}]\n</tool_call>')
+
+
+def test_auto_is_served_by_the_servers_parser_and_refused_naming_the_option_without_one():
+    from tandem.openai_protocol import ChatCompletionRequest
+
+    served = (ParsedToolCalls("hermes"), None)
+    assert resolve([F], None, None, "hermes") == resolve([F], "auto", True, "hermes") == served
+    assert resolve([F], "auto", False, "hermes")[0].single  # parallel_tool_calls false: one call
+    assert resolve([F], "required", None, "hermes")[0] == ToolCallMode(None)  # the other choices as they were
+    with pytest.raises(APIError, match="--tool-call-parser") as refused:
+        resolve([F], "auto", None)
+    assert refused.value.param == "tool_choice"
+    # The output is free, so the request's own structured output holds it (what the end to end tests force calls
+    # with); the server's parser is no field a client can set.
+    body = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}], "tools": [
+        F.model_dump()], "structured_outputs": {"regex": "a+"}, "_tool_call_parser": "hermes"})
+    with pytest.raises(APIError, match="--tool-call-parser"):
+        body.structured_output()
+    body.use_tool_call_parser("hermes")
+    assert body.structured_output().value == "a+" and body.structured_param == "structured_outputs"
+    assert body.tool_call_mode() == ParsedToolCalls("hermes")
+
+
+def auto_formatter(parallel_tool_calls: bool | None = None) -> ChatFormatter:
+    fmt = ChatFormatter("chatcmpl-1", "m", 0, None, 3)
+    fmt.tool_mode, _ = resolve([F, G], "auto", parallel_tool_calls, "hermes")
+    return fmt
+
+
+def streamed(fmt: ChatFormatter, pieces: list[str], reason: str = "stop") -> tuple[list[dict], ChatCompletion]:
+    """The chunks of a stream of `pieces`, each parsed by the OpenAI SDK, and the answer its stream helper puts
+    together from them."""
+    chunks = [fmt.first_chunk(), *(c for d in deltas(pieces, reason) for c in fmt.chunks(d))]
+    state = ChatCompletionStreamState()
+    for chunk in chunks:
+        state.handle_chunk(ChatCompletionChunk.model_validate(chunk))
+    return chunks, state.get_final_completion()
+
+
+def test_auto_streams_the_content_then_each_call_as_its_block_closes():
+    chunks, rebuilt = streamed(auto_formatter(), list(OUTPUT))  # a character per delta: every boundary
+    content = [c["choices"][0]["delta"].get("content") for c in chunks]
+    assert "".join(filter(None, content)) == "Let me check.\n"
+    assert not any("<" in piece for piece in filter(None, content))  # no tag's beginning leaks into the content
+    calls = [c["choices"][0]["delta"]["tool_calls"] for c in chunks if "tool_calls" in c["choices"][0]["delta"]]
+    assert [[(d["index"], d["function"]["name"], d["function"]["arguments"]) for d in call] for call in calls] == [
+        [(0, "f", '{"x": 1}')], [(1, "g", "{}")]]  # two deltas: each call whole, when its block closes
+    assert all(d["id"].startswith("chatcmpl-tool-") and d["type"] == "function" for call in calls for d in call)
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    message = rebuilt.choices[0].message
+    assert message.content == "Let me check.\n" and rebuilt.choices[0].finish_reason == "tool_calls"
+    assert [(c.function.name, c.function.arguments) for c in message.tool_calls] == [("f", '{"x": 1}'), ("g", "{}")]
+
+    whole = auto_formatter()
+    for d in deltas([OUTPUT[:20], OUTPUT[20:]]):
+        whole.add(d)
+    answer = ChatCompletion.model_validate(whole.final()).choices[0]
+    assert answer.finish_reason == "tool_calls" and answer.message.content == message.content
+    assert [(c.function.name, c.function.arguments) for c in answer.message.tool_calls] == [
+        (c.function.name, c.function.arguments) for c in message.tool_calls]
+    assert len({c.id for c in answer.message.tool_calls}) == 2
+
+
+def test_auto_answers_without_calls_as_text_and_keeps_a_cut_answers_length():
+    no_call = "Paris is sunny <tool_ or not."
+    _, rebuilt = streamed(auto_formatter(), list(no_call))
+    assert rebuilt.choices[0].message.content == no_call and rebuilt.choices[0].message.tool_calls is None
+    assert rebuilt.choices[0].finish_reason == "stop"
+    only_calls = auto_formatter()
+    for d in deltas([OUTPUT.split("\n", 1)[1]], reason="length"):  # calls alone, and max_tokens ended the output
+        only_calls.add(d)
+    choice = only_calls.final()["choices"][0]
+    assert choice["message"]["content"] is None and len(choice["message"]["tool_calls"]) == 2
+    assert choice["finish_reason"] == "length"
+    _, single = streamed(auto_formatter(parallel_tool_calls=False), [OUTPUT])
+    assert [c.function.name for c in single.choices[0].message.tool_calls] == ["f"]

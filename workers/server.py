@@ -123,6 +123,7 @@ def build_app(ctx: ServingContext) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         body: ChatCompletionRequest = await parse_body(request, ChatCompletionRequest)
+        body.use_tool_call_parser(ctx.config.engine.tool_call_parser)
         check_model(ctx.served_name, body.model)
         prompt_ids = ctx.tokenizer.encode(body.prompt_text(ctx.tokenizer), add_special_tokens=False)
         params = body.sampling_params(max(1, ctx.max_model_len - len(prompt_ids)), ctx.tokenizer.vocab_size)

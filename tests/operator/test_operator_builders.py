@@ -217,6 +217,18 @@ def test_the_router_hashes_prompts_in_the_workers_block_size():
         assert args[args.index("--block-size") + 1] == "32", name
 
 
+def test_the_tool_call_parser_reaches_the_workers_and_the_routers():
+    """tool_choice "auto" is served by whichever forms the answer: the router for its clients, a worker for its
+    own; both are given the parser (and neither is without spec.engine.toolCallParser)."""
+    sub = argparse.ArgumentParser(exit_on_error=False).add_subparsers()
+    parsers = {"worker": _worker_parser(sub, "worker", "", 8000), "router": _router_parser(sub)}
+    for engine, parser in (({"toolCallParser": "hermes"}, "hermes"), ({}, None)):
+        deployments = _by_name(_objects(_variant(engine=engine)), "Deployment")
+        for name in ("smollm2-prefill", "smollm2-decode", "smollm2-router"):
+            args = deployments[name]["spec"]["template"]["spec"]["containers"][0]["args"]
+            assert parsers[args[0]].parse_args(args[1:]).tool_call_parser == parser, (name, engine)
+
+
 def test_a_known_prefill_capacity_seeds_the_routers_admission_rate():
     """A new router replica predicts prefill waits from the spec's prefill capacity until it measures its own."""
     def router_args(spec):
