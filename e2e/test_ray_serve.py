@@ -3,20 +3,25 @@ prefill and decode workers, reached through Serve's HTTP proxy with the OpenAI S
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
+import shutil
 import signal
 import tempfile
 import time
+from pathlib import Path
 
 import httpx
 import openai
 import pytest
 import ray
+import yaml
 from prometheus_client.parser import text_string_to_metric_families
 from ray import serve
 
 from tandem.launcher import free_port
-from tandem.ray_serve import REGISTRATION_TTL_S, TandemRayArgs, WorkerRegistry, build
+from tandem.ray_serve import REGISTRATION_TTL_S, RegistryDiscovery, TandemRayArgs, WorkerRegistry, build
 
 APP = "tandem"
 PROMPT = "Here is a list of the planets of the solar system, from the closest to the sun to the farthest: " * 3
@@ -37,6 +42,41 @@ def test_the_registry_forgets_a_worker_it_has_not_heard_from(monkeypatch):
     assert registry.members() == ([], ["http://10.0.0.3:9000"])
 
 
+class _Registry:
+    """A registry handle's `members.remote()`: what `answer` says, or its exception raised."""
+
+    def __init__(self):
+        self.answer: tuple | Exception = ([], [])
+        self.members = self
+
+    async def remote(self):
+        if isinstance(self.answer, Exception):
+            raise self.answer
+        return self.answer
+
+
+async def test_the_router_keeps_its_workers_while_the_registry_restarts_or_fails(monkeypatch):
+    """A new registry is empty until the workers' next health checks, and a stalled one does not answer: neither
+    empties the router's pools. A worker the registry no longer lists leaves them after REGISTRATION_TTL_S."""
+    now = [1000.0]
+    monkeypatch.setattr(time, "monotonic", lambda: now[0])
+    registry = _Registry()
+    discovery = RegistryDiscovery(registry)
+    registry.answer = (["http://p:1"], ["http://d:1", "http://d:2"])
+    assert await discovery.members() == (["http://p:1"], ["http://d:1", "http://d:2"])
+    registry.answer = ([], [])  # restarted
+    now[0] += 1
+    assert await discovery.members() == (["http://p:1"], ["http://d:1", "http://d:2"])
+    registry.answer = TimeoutError()  # stalled
+    now[0] += 1
+    assert await discovery.members() == (["http://p:1"], ["http://d:1", "http://d:2"])
+    registry.answer = (["http://p:1"], ["http://d:2"])  # back, without d:1, last listed at 1000
+    now[0] = 1000 + REGISTRATION_TTL_S - 0.5
+    assert await discovery.members() == (["http://p:1"], ["http://d:1", "http://d:2"])
+    now[0] = 1000 + REGISTRATION_TTL_S + 0.5
+    assert await discovery.members() == (["http://p:1"], ["http://d:2"])
+
+
 def test_settings_come_from_the_command_line_as_json():
     """`serve run tandem.ray_serve:build engine='{...}'` passes strings; a Serve config file passes mappings."""
     args = TandemRayArgs(**{"prefill": "2", "engine": '{"max_model_len": 2048}', "router": {"max_input_tokens": 99}})
@@ -45,21 +85,38 @@ def test_settings_come_from_the_command_line_as_json():
         TandemRayArgs(engine="{not json")
 
 
+def test_the_example_serve_config_is_valid_and_builds():
+    """examples/ray-serve.yaml as `serve deploy` reads it: Serve's schema, our args, and its deployment override
+    naming one of the application's deployments."""
+    from ray.serve.schema import ServeDeploySchema
+
+    with open(Path(__file__).parent.parent / "examples" / "ray-serve.yaml") as f:
+        (app,) = ServeDeploySchema.model_validate(yaml.safe_load(f)).applications
+    built = build(app.args)
+    from ray.serve._private.build_app import build_app  # what serve.run does with it: the deployments by name
+
+    names = {d.name for d in build_app(built, name=app.name).deployments}
+    assert {d.name for d in app.deployments} <= names == {"WorkerRegistry", "PrefillWorker", "DecodeWorker",
+                                                          "TandemRouter"}
+
+
 @pytest.fixture(scope="module")
 def serve_url():
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # nothing leaves this machine
     # Ray's own directory, short: its Unix sockets' paths must fit in 107 bytes (pytest's tmp paths do not).
-    ray.init(num_cpus=8, object_store_memory=100 << 20, include_dashboard=False,
-             _temp_dir=tempfile.mkdtemp(prefix="ray-", dir="/tmp"))
+    ray_dir = tempfile.mkdtemp(prefix="ray-", dir="/tmp")
+    ray.init(address="local", num_cpus=8, object_store_memory=100 << 20, include_dashboard=False, _temp_dir=ray_dir)
     try:
         port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         serve.run(build({"prefill": 1, "decode": 1, "disagg_min_tokens": 0,
-                         "engine": {"num_kv_blocks": 512, "max_num_batched_tokens": 1024}}), name=APP)
+                         "engine": {"num_kv_blocks": 512, "max_num_batched_tokens": 1024,
+                                    "tool_call_parser": "hermes"}}), name=APP)
         yield f"http://127.0.0.1:{port}"
     finally:
         serve.shutdown()
         ray.shutdown()
+        shutil.rmtree(ray_dir, ignore_errors=True)
 
 
 def scraped(url: str, name: str, **labels) -> float:
@@ -95,6 +152,21 @@ def test_the_openai_sdk_through_serve_gets_prefill_then_decode_answers(serve_url
     assert httpx.get(serve_url + "/ready").json() == {"status": "ready", "prefill": 1, "decode": 1}
 
 
+def test_the_engines_tool_call_parser_reaches_the_router(serve_url):
+    """The router forms the answers: the application gives it the workers' parser. The model's output is forced
+    (a regex) into a call in its own format, which the parser reads."""
+    client = openai.OpenAI(base_url=serve_url + "/v1", api_key="none")
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+    call = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+    answer = client.chat.completions.create(
+        model="smollm2", messages=[{"role": "user", "content": "The weather in Paris?"}], tools=[weather],
+        max_tokens=40, extra_body={"structured_outputs": {"regex": re.escape(call)}}).choices[0]
+    assert answer.finish_reason == "tool_calls" and answer.message.content is None
+    assert [(c.function.name, c.function.arguments) for c in answer.message.tool_calls] == [
+        ("get_weather", '{"city": "Paris"}')]
+
+
 def _pid_listening_on(url: str) -> int:
     """The worker process started with `--port <its port>` (tandem.launcher passes it on the command line)."""
     port = url.rsplit(":", 1)[1]
@@ -109,19 +181,25 @@ def _pid_listening_on(url: str) -> int:
     raise AssertionError(f"no worker process listens on {url}")
 
 
-def test_a_worker_that_dies_is_replaced_and_the_router_finds_its_successor(serve_url):
+def test_a_worker_that_hangs_is_replaced_and_the_router_finds_its_successor(serve_url):
+    """A worker that stops answering (SIGSTOP: alive, but hung) fails its replica's health checks, as it would a
+    pod's liveness probe; Serve replaces the replica, and the router takes the new worker from the registry."""
     (_,), (decode_url,) = workers()
-    os.kill(_pid_listening_on(decode_url), signal.SIGKILL)
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:  # Serve's health check fails the replica; a new one loads the model
-        _, decode = workers()
-        ready = httpx.get(serve_url + "/ready").json()
-        if decode and decode != [decode_url] and ready.get("decode") == 1:
-            break
-        time.sleep(1)
-    else:
-        raise AssertionError(f"no new decode worker: registry {workers()}, router {ready}")
-    assert decode_url not in decode
-    client = openai.OpenAI(base_url=serve_url + "/v1", api_key="none")
-    answer = client.completions.create(model="smollm2", prompt=PROMPT, max_tokens=4, temperature=0)
-    assert answer.choices[0].finish_reason == "length"
+    hung = _pid_listening_on(decode_url)
+    os.kill(hung, signal.SIGSTOP)
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:  # three failed checks; then a new replica loads the model
+            _, decode = workers()
+            ready = httpx.get(serve_url + "/ready").json()
+            if decode and decode_url not in decode and ready.get("decode") == 1:
+                break
+            time.sleep(1)
+        else:
+            raise AssertionError(f"no new decode worker: registry {workers()}, router {ready}")
+        client = openai.OpenAI(base_url=serve_url + "/v1", api_key="none")
+        answer = client.completions.create(model="smollm2", prompt=PROMPT, max_tokens=4, temperature=0)
+        assert answer.choices[0].finish_reason == "length"
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # the old replica's shutdown kills it within its grace
+            os.kill(hung, signal.SIGKILL)

@@ -6,7 +6,8 @@ Three deployments make one Serve application:
   TandemWorker    one replica per prefill or decode worker (a deployment per role). A replica runs `tandem worker`
                   as its child process, on the replica's node and GPU, exactly as a Kubernetes pod runs it: the
                   workers' data path (the router's WebSocket, KV transfers over NIXL or TCP) is the same on both
-                  runtimes. Serve's health check watches the child: a replica whose worker died is replaced.
+                  runtimes. Serve's health check watches the child as a pod's liveness probe does: a replica whose worker
+                  exited or hangs is replaced.
   WorkerRegistry  where the workers are. Serve routes a handle call to any one replica of a deployment and has no
                   way to list them, so each worker replica says its URL here at every health check, and a URL not
                   heard from for REGISTRATION_TTL_S is forgotten. The registry is state that rebuilds itself: a
@@ -26,6 +27,7 @@ import os
 import secrets
 import time
 
+import httpx
 from pydantic import BaseModel, Field, field_validator
 
 from tandem.cli_args import options_to_args
@@ -34,6 +36,7 @@ from tandem.internal_auth import INTERNAL_TOKEN_ENV
 from tandem.launcher import ServiceProcess
 
 try:
+    import ray
     from ray import serve
 except ImportError as exc:  # the `ray` extra
     raise ImportError("tandem.ray_serve needs Ray Serve: pip install 'tandem[ray]'") from exc
@@ -42,7 +45,12 @@ log = logging.getLogger("tandem.ray_serve")
 
 HEALTH_CHECK_PERIOD_S = 2.0  # also how often a worker replica registers its URL
 REGISTRATION_TTL_S = 3 * HEALTH_CHECK_PERIOD_S + 4  # a few missed health checks, then the URL is forgotten
+REGISTRY_CALL_TIMEOUT_S = 2.0  # a registry that takes longer is restarting or stalled: asked again next round
+WORKER_HEALTH_TIMEOUT_S = 5.0  # as the pods' liveness probe (tandem.operator.builders)
 WORKER_START_TIMEOUT_S = 900.0  # loading a large model from a network volume takes minutes
+# Ray's CPU reservations, a scheduling matter: the worker's engine and the router use what cores there are. Kept
+# small, so that a router and a prefill and a decode worker fit a two-core laptop.
+ROUTER_CPUS = 0.5
 
 
 class TandemRayArgs(BaseModel):
@@ -55,7 +63,8 @@ class TandemRayArgs(BaseModel):
     router_replicas: int = Field(1, ge=1, description="router replicas behind Serve's HTTP proxy")
     num_gpus_per_worker: float | None = Field(None, ge=0, description="GPUs each worker replica reserves; default: "
                                               "1 where there are GPUs, else 0 (_gpus_per_worker)")
-    num_cpus_per_worker: float = Field(1.0, ge=0, description="CPUs each worker replica reserves")
+    num_cpus_per_worker: float = Field(0.5, ge=0, description="CPUs each worker replica reserves (a scheduling "
+                                       "matter: the engine uses the cores there are)")
     engine: dict = Field(default_factory=dict, description="worker engine settings: EngineConfig's fields, e.g. "
                          '{"max_model_len": 4096, "kv_transfer": "nixl"}')
     router: dict = Field(default_factory=dict, description="router settings: RouterConfig's fields, e.g. "
@@ -97,53 +106,98 @@ class WorkerRegistry:
         return sorted(self._heard["prefill"]), sorted(self._heard["decode"])
 
 
+@ray.remote(num_cpus=0)
+class _TokenKeeper:
+    """The application's internal token (tandem.internal_auth), made once: a detached actor outlives redeploys, so
+    that old and new replicas, side by side during a rolling update, accept each other's calls."""
+
+    def __init__(self):
+        self.value = secrets.token_urlsafe(32)
+
+    def token(self) -> str:
+        return self.value
+
+
+async def _internal_token() -> str:
+    """$TANDEM_INTERNAL_TOKEN where the replica runs (a Serve config's runtime_env may set it), else the
+    application's own. Either way it never travels in the application's arguments, which Serve shows."""
+    if os.environ.get(INTERNAL_TOKEN_ENV):
+        return os.environ[INTERNAL_TOKEN_ENV]
+    keeper = _TokenKeeper.options(name=f"internal-token-{serve.get_replica_context().app_name}", namespace="tandem",
+                                  lifetime="detached", get_if_exists=True).remote()
+    return await keeper.token.remote()
+
+
 @serve.deployment(health_check_period_s=HEALTH_CHECK_PERIOD_S, health_check_timeout_s=10,
                   graceful_shutdown_timeout_s=40)
 class TandemWorker:
     """One `tandem worker` process on this replica's node, reachable by the other nodes at the node's address."""
 
-    async def __init__(self, registry, role: str, worker_args: list[str], internal_token: str):
-        import ray
-
+    async def __init__(self, registry, role: str, worker_args: list[str]):
         self.registry, self.role = registry, role
         # The worker also serves KV transfers on this address (its NIXL or TCP agent binds it).
         self.process = ServiceProcess(["worker", "--role", role, *worker_args], name=f"{role}-worker",
-                                      env={INTERNAL_TOKEN_ENV: internal_token}, host=ray.util.get_node_ip_address())
+                                      env={INTERNAL_TOKEN_ENV: await _internal_token()},
+                                      host=ray.util.get_node_ip_address())
+        self.http = httpx.AsyncClient(timeout=WORKER_HEALTH_TIMEOUT_S)
         # Started on the replica's event loop thread, which lives as long as the replica: the child dies with the
         # thread that started it (PR_SET_PDEATHSIG, tandem.launcher), so not on a pool thread that may end first.
         self.process.start()
         log.info("tandem %s worker starting on %s, log %s", role, self.process.url, self.process.log.name)
         await asyncio.to_thread(self.process.wait_ready, WORKER_START_TIMEOUT_S)
-        await self.registry.register.remote(role, self.process.url)
+        await self._register()
 
     async def check_health(self) -> None:
-        """Serve's health check: a worker that exited fails it, and Serve replaces this replica. A live one says
-        its URL again (the registry may be new, or have forgotten it during a long pause)."""
+        """Serve's health check, as a pod's liveness probe: a worker that exited, or does not answer /health (hung),
+        fails it, and Serve replaces this replica after three failures. A live one says its URL again (the registry
+        may be new, or have forgotten it during a long pause), without waiting on a registry that is slow itself."""
         if self.process.proc.poll() is not None:
             raise RuntimeError(f"the {self.role} worker on {self.process.url} exited with "
                                f"{self.process.proc.returncode}:\n{self.process.log_tail(1500)}")
-        await self.registry.register.remote(self.role, self.process.url)
+        try:
+            (await self.http.get(self.process.url + "/health")).raise_for_status()
+        except httpx.HTTPError as exc:
+            raise RuntimeError(f"the {self.role} worker on {self.process.url} does not answer /health: {exc!r}") from None
+        await self._register()
 
-    def url(self) -> str:
-        return self.process.url
+    async def _register(self) -> None:
+        with contextlib.suppress(Exception):  # a registry restarting or stalled hears of us at the next check
+            await asyncio.wait_for(self.registry.register.remote(self.role, self.process.url), REGISTRY_CALL_TIMEOUT_S)
 
-    async def __del__(self):
-        """Serve's shutdown of this replica (scale-down, redeploy): out of the registry first, so that routers stop
-        sending, then SIGTERM, on which the worker drains its requests within its grace."""
+    def __del__(self):
+        """Serve's shutdown of this replica (scale-down, redeploy; run on a thread): out of the registry first, so
+        that routers stop sending, then SIGTERM, on which the worker drains its requests within its grace. Python
+        also calls it when the object goes, which then finds the process stopped."""
+        process = getattr(self, "process", None)  # None: __init__ failed before the start
+        if process is None:
+            return
         with contextlib.suppress(Exception):  # a registry already gone forgets the URL by its TTL
-            await self.registry.forget.remote(self.role, self.process.url)
-        await asyncio.to_thread(self.process.stop, 30.0)
+            self.registry.forget.remote(self.role, process.url).result(timeout_s=REGISTRY_CALL_TIMEOUT_S)
+        process.stop(30.0)
 
 
 class RegistryDiscovery:
-    """tandem.router.discovery's interface over the registry: the router calls it at every probe round."""
+    """tandem.router.discovery's interface over the registry, called at every probe round. A worker stays a member
+    until the registry has not listed it for REGISTRATION_TTL_S: a registry that restarts (empty until the workers'
+    next health checks) or stalls does not empty the router's pools. A worker that went meanwhile is out of rotation
+    all the same: the router's own probes of it fail."""
 
     def __init__(self, registry):
         self.registry = registry
+        self._listed: dict[str, tuple[str, float]] = {}  # url -> (pool, when the registry last listed it)
 
     async def members(self) -> tuple[list[str], list[str]]:
-        prefill, decode = await self.registry.members.remote()
-        return list(prefill), list(decode)
+        try:
+            pools = await asyncio.wait_for(self.registry.members.remote(), REGISTRY_CALL_TIMEOUT_S)
+            now = time.monotonic()
+            for pool, urls in zip(("prefill", "decode"), pools):
+                self._listed.update((url, (pool, now)) for url in urls)
+        except Exception as exc:  # whatever the registry's trouble (restarting, stalled, gone), the pools known are kept
+            log.warning("the worker registry did not answer (%r); keeping the workers known", exc)
+        cutoff = time.monotonic() - REGISTRATION_TTL_S
+        self._listed = {url: seen for url, seen in self._listed.items() if seen[1] >= cutoff}
+        return tuple(sorted(url for url, (p, _) in self._listed.items() if p == pool)  # type: ignore[return-value]
+                     for pool in ("prefill", "decode"))
 
 
 class _Lifespan:
@@ -169,21 +223,22 @@ class _Lifespan:
                         await self.probes
                 await self.router.http.aclose()
                 await self.router.worker_client.close()
+                self.router.tokenize_pool.shutdown(wait=False)
                 await send({"type": "lifespan.shutdown.complete"})
                 return
 
 
-@serve.deployment(ray_actor_options={"num_cpus": 1})
+@serve.deployment(ray_actor_options={"num_cpus": ROUTER_CPUS})
 @serve.ingress()
 class TandemRouter:
     """The OpenAI front door: tandem.router's app, its workers from the registry."""
 
-    def __init__(self, registry, router_options: dict, internal_token: str, *workers):
+    async def __init__(self, registry, router_options: dict, *workers):
         """`workers`: the worker deployments' handles, bound here so that the application deploys them; the router
         reaches the workers at their URLs, as on Kubernetes."""
         from tandem.router.main import Router
 
-        os.environ[INTERNAL_TOKEN_ENV] = internal_token  # read by the router's calls to workers (tandem.internal_auth)
+        os.environ[INTERNAL_TOKEN_ENV] = await _internal_token()  # the router's calls to workers present it
         self.router = Router(RouterConfig(**router_options), discovery=RegistryDiscovery(registry))
 
     def __serve_build_asgi_app__(self):
@@ -198,8 +253,6 @@ def _gpus_per_worker(args: TandemRayArgs) -> float:
     say num_gpus_per_worker)."""
     if args.num_gpus_per_worker is not None:
         return args.num_gpus_per_worker
-    import ray
-
     if ray.is_initialized():
         return 1.0 if ray.cluster_resources().get("GPU", 0) > 0 else 0.0
     import torch
@@ -214,15 +267,20 @@ def build(args: TandemRayArgs) -> serve.Application:
     engine = EngineConfig(**{"model": args.model, **args.engine})
     router_config = RouterConfig(**{"model": args.model, "disagg_min_tokens": args.disagg_min_tokens,
                                     "block_size": engine.block_size, "served_model_name": engine.served_model_name,
+                                    # the router forms the answers, so it reads their tool calls (as tandem serve)
+                                    "tool_call_parser": engine.tool_call_parser,
                                     **args.router})
-    # One secret per application, as `tandem serve` makes one per stack, unless the cluster's environment sets it.
-    token = os.environ.get(INTERNAL_TOKEN_ENV) or secrets.token_urlsafe(32)
     registry = WorkerRegistry.bind()
     worker_args = options_to_args(engine)
     resources = {"num_gpus": _gpus_per_worker(args), "num_cpus": args.num_cpus_per_worker}
     roles = [("decode", args.decode)] if args.prefill == 0 else [("prefill", args.prefill), ("decode", args.decode)]
     # Colocated workers ("both") register as decode: the router serves whole requests on its decode pool.
     workers = [TandemWorker.options(name=f"{role.capitalize()}Worker", num_replicas=n, ray_actor_options=resources)
-               .bind(registry, role if args.prefill else "both", worker_args, token) for role, n in roles]
-    return TandemRouter.options(num_replicas=args.router_replicas).bind(
-        registry, router_config.model_dump(exclude_defaults=True), token, *workers)
+               .bind(registry, role if args.prefill else "both", worker_args) for role, n in roles]
+    # Serve hands a replica at most max_ongoing_requests at once (5 by default); the router admits and queues
+    # its own (429 early rather than an SLO missed late), so Serve gives it as many as it may hold. Its shutdown
+    # waits as long as the router lets requests in flight finish.
+    return TandemRouter.options(num_replicas=args.router_replicas,
+                                max_ongoing_requests=router_config.max_in_flight + router_config.max_queue,
+                                graceful_shutdown_timeout_s=router_config.graceful_shutdown_s + 5).bind(
+        registry, router_config.model_dump(exclude_defaults=True), *workers)
