@@ -90,6 +90,7 @@ class WorkerRegistry:
 
     def __init__(self):
         self._heard: dict[str, dict[str, float]] = {"prefill": {}, "decode": {}}
+        self._started = time.monotonic()
 
     def register(self, role: str, url: str) -> None:
         self._heard[_pool(role)][url] = time.monotonic()
@@ -97,13 +98,14 @@ class WorkerRegistry:
     def forget(self, role: str, url: str) -> None:
         self._heard[_pool(role)].pop(url, None)
 
-    def members(self) -> tuple[list[str], list[str]]:
-        """The prefill and the decode URLs heard from within REGISTRATION_TTL_S."""
-        cutoff = time.monotonic() - REGISTRATION_TTL_S
+    def members(self) -> tuple[list[str], list[str], float]:
+        """The prefill and the decode URLs heard from within REGISTRATION_TTL_S, and how long this registry has been
+        up: one younger than REGISTRATION_TTL_S may not have heard from every worker yet."""
+        now = time.monotonic()
         for heard in self._heard.values():
-            for url in [u for u, t in heard.items() if t < cutoff]:
+            for url in [u for u, t in heard.items() if t < now - REGISTRATION_TTL_S]:
                 del heard[url]
-        return sorted(self._heard["prefill"]), sorted(self._heard["decode"])
+        return sorted(self._heard["prefill"]), sorted(self._heard["decode"]), now - self._started
 
 
 @ray.remote(num_cpus=0)
@@ -139,7 +141,6 @@ class TandemWorker:
         self.process = ServiceProcess(["worker", "--role", role, *worker_args], name=f"{role}-worker",
                                       env={INTERNAL_TOKEN_ENV: await _internal_token()},
                                       host=ray.util.get_node_ip_address())
-        self.http = httpx.AsyncClient(timeout=WORKER_HEALTH_TIMEOUT_S)
         # Started on the replica's event loop thread, which lives as long as the replica: the child dies with the
         # thread that started it (PR_SET_PDEATHSIG, tandem.launcher), so not on a pool thread that may end first.
         self.process.start()
@@ -155,7 +156,8 @@ class TandemWorker:
             raise RuntimeError(f"the {self.role} worker on {self.process.url} exited with "
                                f"{self.process.proc.returncode}:\n{self.process.log_tail(1500)}")
         try:
-            (await self.http.get(self.process.url + "/health")).raise_for_status()
+            async with httpx.AsyncClient(timeout=WORKER_HEALTH_TIMEOUT_S) as http:
+                (await http.get(self.process.url + "/health")).raise_for_status()
         except httpx.HTTPError as exc:
             raise RuntimeError(f"the {self.role} worker on {self.process.url} does not answer /health: {exc!r}") from None
         await self._register()
@@ -165,39 +167,39 @@ class TandemWorker:
             await asyncio.wait_for(self.registry.register.remote(self.role, self.process.url), REGISTRY_CALL_TIMEOUT_S)
 
     def __del__(self):
-        """Serve's shutdown of this replica (scale-down, redeploy; run on a thread): out of the registry first, so
-        that routers stop sending, then SIGTERM, on which the worker drains its requests within its grace. Python
-        also calls it when the object goes, which then finds the process stopped."""
+        """Serve's shutdown of this replica (scale-down, redeploy): out of the registry first, so that routers stop
+        sending, then SIGTERM, on which the worker drains its requests within its grace. Serve runs it on the
+        replica's event loop, where nothing else is left to do; Python also calls it when the object goes, which
+        then finds the process stopped. Synchronous: an async one is also a finalizer that is never awaited."""
         process = getattr(self, "process", None)  # None: __init__ failed before the start
         if process is None:
             return
-        with contextlib.suppress(Exception):  # a registry already gone forgets the URL by its TTL
-            self.registry.forget.remote(self.role, process.url).result(timeout_s=REGISTRY_CALL_TIMEOUT_S)
+        with contextlib.suppress(Exception):  # sent, not awaited: a registry already gone forgets the URL by its TTL
+            self.registry.forget.remote(self.role, process.url)
         process.stop(30.0)
 
 
 class RegistryDiscovery:
-    """tandem.router.discovery's interface over the registry, called at every probe round. A worker stays a member
-    until the registry has not listed it for REGISTRATION_TTL_S: a registry that restarts (empty until the workers'
-    next health checks) or stalls does not empty the router's pools. A worker that went meanwhile is out of rotation
-    all the same: the router's own probes of it fail."""
+    """tandem.router.discovery's interface over the registry, called at every probe round. What a registry up for
+    REGISTRATION_TTL_S lists is the membership. A younger one (restarted: it hears from each worker at its next
+    health check) only adds to the workers known, and one that does not answer (restarting, stalled) changes
+    nothing: neither empties the router's pools. A worker that went meanwhile is out of rotation all the same, as
+    the router's own probes of it fail."""
 
     def __init__(self, registry):
         self.registry = registry
-        self._listed: dict[str, tuple[str, float]] = {}  # url -> (pool, when the registry last listed it)
+        self._known: tuple[list[str], list[str]] = ([], [])
 
     async def members(self) -> tuple[list[str], list[str]]:
         try:
-            pools = await asyncio.wait_for(self.registry.members.remote(), REGISTRY_CALL_TIMEOUT_S)
-            now = time.monotonic()
-            for pool, urls in zip(("prefill", "decode"), pools):
-                self._listed.update((url, (pool, now)) for url in urls)
+            prefill, decode, age = await asyncio.wait_for(self.registry.members.remote(), REGISTRY_CALL_TIMEOUT_S)
         except Exception as exc:  # whatever the registry's trouble (restarting, stalled, gone), the pools known are kept
             log.warning("the worker registry did not answer (%r); keeping the workers known", exc)
-        cutoff = time.monotonic() - REGISTRATION_TTL_S
-        self._listed = {url: seen for url, seen in self._listed.items() if seen[1] >= cutoff}
-        return tuple(sorted(url for url, (p, _) in self._listed.items() if p == pool)  # type: ignore[return-value]
-                     for pool in ("prefill", "decode"))
+            return self._known
+        if age < REGISTRATION_TTL_S:
+            prefill, decode = (sorted({*known, *listed}) for known, listed in zip(self._known, (prefill, decode)))
+        self._known = (list(prefill), list(decode))
+        return self._known
 
 
 class _Lifespan:
