@@ -121,6 +121,7 @@ class Router:
         self.orchestrator = Orchestrator(config, self.prefill, self.decode, self.worker_client, self.metrics,
                                          model_seed(self.served_name))
         self.discovery = discovery or make_discovery(config)
+        self._probes: asyncio.Task | None = None  # run_probes, between start and close
 
     async def refresh(self) -> None:
         """One round of discovery and health probes; keeps admission's view of the pool size current."""
@@ -143,16 +144,29 @@ class Router:
                 log.exception("discovery/probe round failed")
             await asyncio.sleep(self.config.health_interval_s)
 
+    async def start(self) -> None:
+        """Before serving (on the loop that serves): a known pool from the first request, kept known by probes."""
+        await self.refresh()
+        self._probes = asyncio.get_running_loop().create_task(self.run_probes())
+
+    async def close(self) -> None:
+        """After serving: the probes stopped, the connections to workers and the tokenizer threads let go."""
+        if self._probes is not None:
+            self._probes.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._probes
+        await self.http.aclose()
+        await self.worker_client.close()
+        self.tokenize_pool.shutdown(wait=False)
+
 
 class _Server(GracefulServer):
     def __init__(self, config: uvicorn.Config, router: Router):
         super().__init__(config)
         self.router = router
-        self.probes: asyncio.Task | None = None
 
     async def startup(self, sockets=None):
-        await self.router.refresh()  # serve with a known pool from the first request
-        self.probes = asyncio.get_running_loop().create_task(self.router.run_probes())
+        await self.router.start()
         await super().startup(sockets)
         if self.started:
             host, port = self.servers[0].sockets[0].getsockname()[:2]
@@ -161,13 +175,7 @@ class _Server(GracefulServer):
 
     async def shutdown(self, sockets=None):
         await super().shutdown(sockets)  # the requests in flight finish meanwhile: probes still find hung workers
-        if self.probes is not None:
-            self.probes.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self.probes
-        await self.router.http.aclose()
-        await self.router.worker_client.close()
-        self.router.tokenize_pool.shutdown(wait=False)
+        await self.router.close()
 
 
 def run_router(config: RouterConfig, log_level: str = "info") -> int:

@@ -203,11 +203,11 @@ class RegistryDiscovery:
 
 
 class _Lifespan:
-    """ASGI: the router's probe loop started and stopped by the ASGI lifespan, which Serve runs on a replica's
-    start and shutdown (as uvicorn's startup runs it in `tandem router`)."""
+    """ASGI: the router started and closed by the ASGI lifespan, which Serve runs on a replica's start and shutdown
+    (as uvicorn's startup and shutdown do in `tandem router`)."""
 
     def __init__(self, app, router):
-        self.app, self.router, self.probes = app, router, None
+        self.app, self.router = app, router
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "lifespan":
@@ -215,17 +215,10 @@ class _Lifespan:
         while True:
             message = await receive()
             if message["type"] == "lifespan.startup":
-                await self.router.refresh()  # serve with a known pool from the first request
-                self.probes = asyncio.get_running_loop().create_task(self.router.run_probes())
+                await self.router.start()
                 await send({"type": "lifespan.startup.complete"})
             elif message["type"] == "lifespan.shutdown":
-                if self.probes is not None:
-                    self.probes.cancel()
-                    with contextlib.suppress(asyncio.CancelledError):
-                        await self.probes
-                await self.router.http.aclose()
-                await self.router.worker_client.close()
-                self.router.tokenize_pool.shutdown(wait=False)
+                await self.router.close()
                 await send({"type": "lifespan.shutdown.complete"})
                 return
 
@@ -279,10 +272,15 @@ def build(args: TandemRayArgs) -> serve.Application:
     # Colocated workers ("both") register as decode: the router serves whole requests on its decode pool.
     workers = [TandemWorker.options(name=f"{role.capitalize()}Worker", num_replicas=n, ray_actor_options=resources)
                .bind(registry, role if args.prefill else "both", worker_args) for role, n in roles]
-    # Serve hands a replica at most max_ongoing_requests at once (5 by default); the router admits and queues
-    # its own (429 early rather than an SLO missed late), so Serve gives it as many as it may hold. Its shutdown
-    # waits as long as the router lets requests in flight finish.
-    return TandemRouter.options(num_replicas=args.router_replicas,
-                                max_ongoing_requests=router_config.max_in_flight + router_config.max_queue,
-                                graceful_shutdown_timeout_s=router_config.graceful_shutdown_s + 5).bind(
-        registry, router_config.model_dump(exclude_defaults=True), *workers)
+    return router_app(registry, router_config, args.router_replicas, workers)
+
+
+def router_app(registry, config: RouterConfig, replicas: int = 1, workers=()) -> serve.Application:
+    """The ingress, finding its workers in `registry`; `workers`, the worker deployments, deploy with it.
+
+    Serve hands a replica at most max_ongoing_requests at once (5 by default); the router admits and queues its
+    own (429 early rather than an SLO missed late), so Serve gives it as many as it may hold. Its shutdown waits as
+    long as the router lets requests in flight finish."""
+    return TandemRouter.options(num_replicas=replicas, max_ongoing_requests=config.max_in_flight + config.max_queue,
+                                graceful_shutdown_timeout_s=config.graceful_shutdown_s + 5).bind(
+        registry, config.model_dump(exclude_defaults=True), *workers)

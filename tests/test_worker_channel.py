@@ -38,8 +38,14 @@ async def collect(client: WorkerClient, url: str, body: dict) -> list[dict]:
 
 
 def outputs(events: list[dict]) -> list[tuple]:
-    """What a decode stream says, less its prefix-cache counts (a repeated prompt hits the cache)."""
-    return [(e["token_ids"], e["text"], e.get("finish_reason"), e["logprobs"]) for e in events]
+    """What a decode stream says, less its prefix-cache counts (a repeated prompt hits the cache) and logprobs."""
+    return [(e["token_ids"], e["text"], e.get("finish_reason")) for e in events]
+
+
+def logprobs(events: list[dict]) -> list[float]:
+    """Each token's logprob and its top logprobs, flat."""
+    return [value for e in events for entry in e["logprobs"]
+            for value in (entry["logprob"], *(lp for _, lp in entry["top_logprobs"]))]
 
 
 def test_concurrent_requests_share_one_channel_and_get_their_own_streams(worker):
@@ -58,6 +64,10 @@ def test_concurrent_requests_share_one_channel_and_get_their_own_streams(worker)
     over_http, over_channel, channels = asyncio.run(run())
     assert channels == 1  # one connection carried the three requests at once
     assert [outputs(e) for e in over_channel] == [outputs(e) for e in over_http]
+    # Batched together, not one at a time: the same greedy tokens, logprobs as close as the matmuls' float
+    # rounding for another batch size leaves them (equal where the GGUF GEMV kernel computes each row alone).
+    for channel_events, http_events in zip(over_channel, over_http):
+        assert logprobs(channel_events) == pytest.approx(logprobs(http_events), rel=1e-4)
     assert all(sum(len(e["token_ids"]) for e in events) == 8 for events in over_channel)
     assert all(events[-1]["finish_reason"] == "length" for events in over_channel)
 

@@ -56,7 +56,8 @@ def test_a_lock_left_by_an_interrupted_build_is_removed_and_the_kernels_load(pri
 def test_a_compiler_that_links_the_cxx_runtime_statically_still_builds_a_module_that_shares_torchs(private_build):
     """With its own copy of libstdc++ beside torch's, the module's error messages with a number in them came out
     cut short here ("K (") and crashed the process on the GPU image (a segmentation fault). The build names the
-    shared libstdc++ itself."""
+    shared libstdc++ itself. (The arguments are checked before the CPU's AVX-512, so the message is the same on
+    every machine.)"""
     assert "raised: K (48) must be a multiple of 32" in private_build.stdout, private_build.stdout
 
 

@@ -139,8 +139,8 @@ bool gguf_linear_supported() {
 
 // x [M, K] float32 or bfloat16; blocks uint8 [N, K / 32 * block bytes], row n holding W's row n in the file's
 // block layout -> [M, N] in x's dtype (computed in float32).
+// The arguments are checked before the CPU: a caller's mistake is said the same on every machine.
 at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t ggml_type) {
-  TORCH_CHECK(gguf_linear_supported(), "gguf_linear needs AVX-512 and F16C, which this build lacks");
   TORCH_CHECK(x.device().is_cpu() && blocks.device().is_cpu(), "CPU tensors only");
   TORCH_CHECK(x.dim() == 2, "x must be [M, K]");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "x must be float32 or bfloat16");
@@ -151,6 +151,7 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t gg
   TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.is_contiguous() &&
               blocks.size(1) == K / kGroup * bytes,
               "blocks must be contiguous uint8 [N, ", K / kGroup * bytes, "] for K = ", K);
+  TORCH_CHECK(gguf_linear_supported(), "gguf_linear needs AVX-512 and F16C, which this build lacks");
   const int64_t N = blocks.size(0);
   const at::Tensor xf = x.to(at::kFloat).contiguous();
   at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
