@@ -17,8 +17,8 @@ import openai
 import pytest
 import ray
 import yaml
-from prometheus_client.parser import text_string_to_metric_families
 from ray import serve
+from test_pd_workers import metric  # e2e's own scrape of a process's /metrics
 
 from tandem.launcher import free_port
 from tandem.ray_serve import REGISTRATION_TTL_S, RegistryDiscovery, TandemRayArgs, WorkerRegistry, build
@@ -112,12 +112,6 @@ def serve_url():
         shutil.rmtree(ray_dir, ignore_errors=True)
 
 
-def scraped(url: str, name: str, **labels) -> float:
-    """A metric on `url`/metrics, summed over the series whose labels include `labels`."""
-    families = text_string_to_metric_families(httpx.get(url + "/metrics").text)
-    return sum(s.value for f in families for s in f.samples if s.name == name and labels.items() <= s.labels.items())
-
-
 def workers() -> tuple[list[str], list[str]]:
     prefill, decode, _ = serve.get_deployment_handle("WorkerRegistry", APP).members.remote().result()
     return prefill, decode
@@ -141,8 +135,8 @@ def test_the_openai_sdk_through_serve_gets_prefill_then_decode_answers(serve_url
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == chat.choices[0].message.content
 
     # Every request went prefill -> decode, and the decode worker pulled the prompts' KV from the prefill worker.
-    assert scraped(serve_url, "tandem_router_routing_decisions_total", path="disagg") == 4
-    assert scraped(decode_url, "tandem_kv_transfer_blocks_total") > 0
+    assert metric(serve_url, "tandem_router_routing_decisions_total", 'path="disagg"') == 4
+    assert metric(decode_url, "tandem_kv_transfer_blocks_total") > 0
     assert httpx.get(serve_url + "/ready").json() == {"status": "ready", "prefill": 1, "decode": 1}
 
 
