@@ -314,12 +314,11 @@ _BYTE_OF_CHAR = {char: byte for byte, char in _CHAR_OF_BYTE.items()}
 
 def load_tokenizer(source: str) -> Tokenizer | None:
     """The tokenizer of a model source ('smollm2', a .gguf file or a HF folder), without its weights."""
-    import gguf
-
+    from tandem.gguf_file import open_gguf
     from tandem.model_source import resolve_model_source
 
     path = resolve_model_source(source)
     if os.path.isdir(path):
         return Tokenizer.from_pretrained(path) if os.path.isfile(os.path.join(path, "tokenizer.json")) else None
-    reader = gguf.GGUFReader(path)
+    reader = open_gguf(path)
     return Tokenizer.from_gguf(reader) if "tokenizer.ggml.model" in reader.fields else None

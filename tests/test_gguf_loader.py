@@ -14,12 +14,9 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 
-from tandem.workers.models.gguf_loader import (
-    dequantize_tensor,
-    gguf_to_hf_name,
-    open_gguf,
-    unpermute_rotary_rows,
-)
+from tandem.gguf_file import open_gguf
+from tandem.model_source import resolve_model_source
+from tandem.workers.models.gguf_loader import dequantize_tensor, gguf_to_hf_name, unpermute_rotary_rows
 from tandem.workers.models.loader import load_model
 
 QK_K = 256
@@ -266,3 +263,26 @@ def test_quantized_gguf_serves_from_its_blocks_as_from_its_dequantized_weights(f
     expected_tokens, expected_logits = paged_greedy(floats.model, prompt, 12, stop_ids=[])
     assert tokens == expected_tokens
     torch.testing.assert_close(torch.stack(step_logits), torch.stack(expected_logits), rtol=0, atol=1e-4)
+
+
+def test_the_reader_reads_what_ggufs_own_reader_reads_from_plain_views():
+    """tandem.gguf_file opens files with gguf's reader over a plain ndarray view of the map: the same fields and
+    tensors, none of them np.memmap (whose per-slice Python bookkeeping made half of a worker's start-up)."""
+    path = resolve_model_source("smollm2")
+    ours, theirs = open_gguf(path), gguf.GGUFReader(path)
+    assert list(ours.fields) == list(theirs.fields)
+    for name, field in theirs.fields.items():
+        assert ours.fields[name].contents() == field.contents(), name
+    assert [t.name for t in ours.tensors] == [t.name for t in theirs.tensors]
+    for a, b in zip(ours.tensors, theirs.tensors):
+        assert np.array_equal(a.data, b.data) and a.tensor_type == b.tensor_type, a.name
+    arrays = [t.data for t in ours.tensors] + [p for f in ours.fields.values() for p in f.parts]
+    assert not any(isinstance(a, np.memmap) for a in arrays)
+
+
+def test_a_missing_or_foreign_file_is_refused_by_name(tmp_path):
+    with pytest.raises(ValueError, match="does not exist"):
+        open_gguf(str(tmp_path / "absent.gguf"))
+    (tmp_path / "text.gguf").write_text("not a model")
+    with pytest.raises(ValueError, match="is not a readable GGUF file"):
+        open_gguf(str(tmp_path / "text.gguf"))

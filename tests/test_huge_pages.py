@@ -66,6 +66,12 @@ def test_large_tensors_collapse_in_place_and_keep_their_values():
         if moved == 0 and _refusal_for_want_of_huge_pages(big):
             pytest.skip("the kernel had no free huge pages just now (a loaded host): nothing to check")
         assert moved == _interior(big) >= 5 * HUGE_PAGE
+        # The kernel may split a huge page again at any time (reclaim; a DAMON daemon of a shared host did, once,
+        # between the collapse and this read: 8 of 10 MiB): a shortfall is collapsed again before it counts.
+        for _ in range(3):
+            if _huge_bytes_of_mapping(big.data_ptr() + HUGE_PAGE * 2) >= _interior(big):
+                break
+            collapse_into_huge_pages([big])
         assert _huge_bytes_of_mapping(big.data_ptr() + HUGE_PAGE * 2) >= _interior(big)
     else:
         assert moved == 0

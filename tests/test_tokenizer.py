@@ -9,8 +9,8 @@ import jinja2
 import pytest
 from tokenizers import pre_tokenizers
 
+from tandem.gguf_file import open_gguf
 from tandem.tokenizer import Tokenizer
-from tandem.workers.models.gguf_loader import open_gguf
 
 transformers = pytest.importorskip("transformers")
 

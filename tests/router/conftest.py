@@ -1,6 +1,11 @@
-"""A hand-driven clock for the admission tests."""
+"""A hand-driven clock for the admission tests, and one tokenizer load for the routers these tests build."""
+
+import copy
+import functools
 
 import pytest
+
+import tandem.router.main
 
 
 class FakeClock:
@@ -23,3 +28,14 @@ def clock() -> FakeClock:
 def make_clock():
     """FakeClock itself, for hypothesis tests that need a fresh clock per generated example."""
     return FakeClock
+
+
+@pytest.fixture(scope="session", autouse=True)
+def routers_load_each_tokenizer_once():
+    """The routers built in this process (dozens) read SmolLM2's GGUF vocabulary once, not each time
+    (about 2 s each on CI's 2 vCPUs). Each router gets its own shallow copy: a test that sets its router's chat
+    template changes no other router's; the native tokenizer under it is shared, as a router's threads share it."""
+    load_once = functools.cache(tandem.router.main.load_tokenizer)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(tandem.router.main, "load_tokenizer", lambda model: copy.copy(load_once(model)))
+        yield

@@ -7,7 +7,6 @@ order back, so those rows are un-permuted here. Qwen2 files are stored unpermute
 
 from __future__ import annotations
 
-import os
 import re
 from collections.abc import Iterator
 
@@ -53,15 +52,6 @@ _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _ROPE_FREQS = "rope_freqs.weight"
 
 
-def open_gguf(path: str) -> GGUFReader:
-    if not os.path.isfile(path):
-        raise ValueError(f"GGUF file {path!r} does not exist")
-    try:
-        return GGUFReader(path)
-    except Exception as exc:  # the reader raises assorted errors on a file that is not GGUF
-        raise ValueError(f"{path!r} is not a readable GGUF file: {exc}") from exc
-
-
 def metadata_value(reader: GGUFReader, key: str, default=None):
     field = reader.fields.get(key)
     return default if field is None else field.contents()
@@ -76,9 +66,7 @@ def dequantize_tensor(tensor: ReaderTensor) -> np.ndarray:
             f"(supported: {supported})"
         )
     shape = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists dimensions innermost first
-    # np.asarray drops the memmap subclass, whose per-slice bookkeeping dominates dequantization time.
-    data = np.asarray(tensor.data)
-    return dequantize(data, tensor.tensor_type).astype(np.float32, copy=False).reshape(shape)
+    return dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False).reshape(shape)
 
 
 def _rope_scaling(reader: GGUFReader, arch: str) -> dict | None:

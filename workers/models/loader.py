@@ -9,12 +9,13 @@ from dataclasses import dataclass
 
 import torch
 
+from tandem.gguf_file import open_gguf
 from tandem.model_source import DEFAULT_MODEL_ALIAS, resolve_model_source  # noqa: F401 (re-exported)
 from tandem.tokenizer import Tokenizer
 from tandem.workers.kernels import gguf_linear
 from tandem.workers.layers.ops import get_ops
 from tandem.workers.models.config import ModelConfig
-from tandem.workers.models.gguf_loader import iter_gguf_blocks, iter_gguf_tensors, load_gguf_config, open_gguf
+from tandem.workers.models.gguf_loader import iter_gguf_blocks, iter_gguf_tensors, load_gguf_config
 from tandem.workers.models.hf_loader import iter_hf_tensors, load_hf_config
 from tandem.workers.models.llama import MAX_GGUF_BLOCK_ROWS, LlamaForCausalLM
 
