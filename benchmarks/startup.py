@@ -27,6 +27,7 @@ from tandem.gguf_file import open_gguf
 from tandem.launcher import ServiceProcess
 from tandem.model_source import resolve_model_source
 from tandem.tokenizer import load_tokenizer
+from tandem.workers.models.loader import load_model
 
 
 def timed(fn) -> float:
@@ -65,8 +66,6 @@ def main() -> None:
 
     print(f"tokenizer (load_tokenizer)       : "
           f"{summary([timed(lambda: load_tokenizer(args.model)) for _ in range(args.repeats)])}")
-    from tandem.workers.models.loader import load_model
-
     print(f"model on the CPU (load_model)    : "
           f"{summary([timed(lambda: load_model(args.model)) for _ in range(args.repeats)])}")
 

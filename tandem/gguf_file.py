@@ -2,9 +2,8 @@
 
 The reader slices its map once or twice per string of the metadata: about 200,000 slices for a 49,152-token
 vocabulary and its merges (SmolLM2). numpy.memmap runs Python-level `__getitem__` and `__array_finalize__` on
-each: the read took 3.3x as long as over plain views (benchmarks/startup.py; docs/benchmarks.md, "Start-up"),
-about 30% of a worker's start-up and half of a router's. A plain view of the same pages reads the same bytes,
-copies nothing, and keeps the map open through its base.
+each: the read took 3.3x as long as over plain views (benchmarks/startup.py; docs/benchmarks.md, "Start-up").
+A plain view of the same pages reads the same bytes, copies nothing, and keeps the map open through its base.
 The router (its tokenizer) and the workers (weights and tokenizer) both open their file here.
 """
 

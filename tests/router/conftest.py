@@ -33,7 +33,7 @@ def make_clock():
 @pytest.fixture(scope="session", autouse=True)
 def routers_load_each_tokenizer_once():
     """The routers built in this process (dozens) read SmolLM2's GGUF vocabulary once, not each time
-    (about 2 s each on CI's 2 vCPUs). Each router gets its own shallow copy: a test that sets its router's chat
+    (1.5-2 s each on 2 vCPUs: benchmarks/startup.py's tokenizer row). Each router gets its own shallow copy: a test that sets its router's chat
     template changes no other router's; the native tokenizer under it is shared, as a router's threads share it."""
     load_once = functools.cache(tandem.router.main.load_tokenizer)
     with pytest.MonkeyPatch.context() as patch:
