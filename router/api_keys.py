@@ -1,4 +1,5 @@
-"""API keys at the front door: with keys configured, a /v1/* request must present one or gets 401.
+"""API keys at the front door: with keys configured, a /v1/* request (and the API's pages, /docs and /redoc)
+must present one or gets 401.
 
 Without this, a per-tenant token bucket binds only callers honest enough to send their key: anyone
 else is the default tenant. `vllm serve --api-key` has the same gate. /health, /ready, /metrics and
@@ -16,6 +17,7 @@ from starlette.responses import JSONResponse
 from tandem.errors import error_body
 
 PROTECTED_PREFIX = "/v1/"
+PROTECTED_PAGES = ("/docs", "/redoc")  # with their assets (/docs/oauth2-redirect)
 
 
 def _digest(key: str) -> bytes:
@@ -41,7 +43,8 @@ def bearer_token(headers: Iterable[tuple[bytes, bytes]]) -> str | None:
 
 
 class ApiKeyGate:
-    """ASGI middleware: lets a /v1/* request through only with one of `keys` as its bearer token."""
+    """ASGI middleware: lets a /v1/* request (or one for the API's pages) through only with one of `keys` as its
+    bearer token."""
 
     def __init__(self, app, keys: Iterable[str]):
         self.app = app
@@ -50,7 +53,8 @@ class ApiKeyGate:
             raise ValueError("ApiKeyGate needs at least one key")
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"].startswith(PROTECTED_PREFIX):
+        path = scope["path"] if scope["type"] == "http" else ""
+        if path.startswith(PROTECTED_PREFIX) or path.startswith(PROTECTED_PAGES):
             token = bearer_token(scope["headers"])
             if token is None or _digest(token) not in self._digests:
                 message = ("Incorrect API key provided." if token is not None else

@@ -17,7 +17,6 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.middleware.cors import CORSMiddleware
 
-from tandem.background import spawn
 from tandem.body_limit import BodySizeLimit
 from tandem.errors import CLIENT_CLOSED_REQUEST, APIError, add_openai_error_handlers, error_body, retry_after
 from tandem.json_response import FastJSONResponse
@@ -33,6 +32,7 @@ from tandem.openai_protocol import (
 )
 from tandem.protocol import SamplingParams
 from tandem.router.admission import AdmissionRequest, Reject, RejectReason
+from tandem.router.admission.prediction import colocated_stall_s, prefill_s
 from tandem.router.api_keys import ApiKeyGate, bearer_token, header_value
 from tandem.router.fast_lane import FastLane
 from tandem.router.orchestrator import Trace, no_workers
@@ -52,8 +52,9 @@ SLO_HEADER_RAW = SLO_HEADER.encode()  # as ASGI gives header names: lower-case b
 
 def build_app(router) -> FastLane | ApiKeyGate | CORSMiddleware:
     """`router` is a tandem.router.main.Router: config, tokenizer, pools, admission, orchestrator."""
+    pages = {"openapi_url": None, "docs_url": None, "redoc_url": None} if router.config.disable_fastapi_docs else {}
     app = FastAPI(title="Tandem router", version="0.1.0",
-                  description="OpenAI-compatible front door of a Tandem prefill/decode deployment")
+                  description="OpenAI-compatible front door of a Tandem prefill/decode deployment", **pages)
     app.add_middleware(BodySizeLimit, max_bytes=router.config.max_body_bytes)
 
     add_openai_error_handlers(app)
@@ -176,7 +177,6 @@ async def serve(router, request: Request, body: CompletionRequest | ChatCompleti
     if not healthy:  # said now, with a status, rather than in an error event after a 200
         router.metrics.by_class(router.metrics.rejections, slo_name, reason="no_workers").inc()
         raise no_workers(router.config.health_interval_s)
-    workers = [w.url for w in router.prefill.healthy()] + [w.url for w in healthy]
     plans = [router.orchestrator.plan(ids) for ids in prompts]  # (block hashes, routing key), shared by samples
     # Several choices: the first is charged for the whole request (the others nothing), so that the tenant's
     # bucket is checked and taken once, with each prompt counted once as usage counts it.
@@ -187,16 +187,24 @@ async def serve(router, request: Request, body: CompletionRequest | ChatCompleti
     # cannot tell that they will: the valves may place them on other workers, and the earliest-deadline-first queue
     # may dispatch this one before the one it would be waiting for (a client could send a batch-class request
     # ahead to have its interactive ones charged nothing). A prompt whose logprobs are asked computes all of it.
-    predictor = router.orchestrator.predictor
-    uncached = [len(ids) if params.prompt_logprobs is not None else len(ids) - predictor.best_hit_tokens(
-        workers, hashes, len(ids)) for ids, (hashes, _) in zip(prompts, plans, strict=True)]
+    # The prefix expected cached is the pool's that computes it: its path is chosen first.
+    paths, uncached = [], []
+    for ids, (hashes, _) in zip(prompts, plans, strict=True):
+        colocated = uncached_tokens(router, router.decode, ids, hashes, params)
+        paths.append(choose_path(router, len(ids), colocated, params))
+        uncached.append(uncached_tokens(router, router.prefill, ids, hashes, params) if paths[-1] else colocated)
+    # Each prompt's first sample's prefill, predicted; the request's first choice is judged on all of them.
+    seconds = [prefill_time(router, len(ids), new, path) for ids, new, path in zip(prompts, uncached, paths, strict=True)]
+    whole_s = None if None in seconds else sum(seconds)
     tickets = {}
     try:
         for choice in choices:
-            first = choice is choices[0]
+            first, own = choice is choices[0], choice.sample == 0
             charge = None if len(choices) == 1 else whole if first else 0
-            tickets[choice.request_id] = admit(router, choice, uncached[choice.prompt] if choice.sample == 0 else 0,
-                                               sum(uncached) if first else None, slo_name, key, charge, body.prompt_param)
+            tickets[choice.request_id] = admit(
+                router, choice, uncached[choice.prompt] if own else 0, seconds[choice.prompt] if own else 0.0,
+                (sum(uncached), whole_s) if first else None, paths[choice.prompt], slo_name, key, charge,
+                body.prompt_param)
     except BaseException:
         for request_id in tickets:
             router.dispatcher.withdraw(request_id)
@@ -204,7 +212,8 @@ async def serve(router, request: Request, body: CompletionRequest | ChatCompleti
     bill = Bill(router.admission, tickets[choices[0].request_id], choices)
     streams = staggered(choices, body.n, lambda c, after: dispatch(
         router, c.request_id, c.prompt_ids, c.params, tickets[c.request_id], slo_name, plans[c.prompt],
-        coalesce=not body.stream, after=after, bill=bill))
+        coalesce=not body.stream, after=after, bill=bill,
+        disagg=paths[c.prompt] if c.sample == 0 else None))  # later samples: computed from the first's cache
     fmt, deltas = combined(choices, body.n, streams)
 
     def forget() -> None:
@@ -250,17 +259,49 @@ async def serve(router, request: Request, body: CompletionRequest | ChatCompleti
     return FastJSONResponse(fmt.final(), background=finish)
 
 
-def admit(router, choice: Choice, uncached: int, request_prefill: int | None, slo_name: str, key: str | None,
-          charge: int | None, prompt_param: str):
-    """The admission ticket of one choice, or the 429 (or 400 past a cap) that refuses it. `uncached`: the prompt
-    tokens it will compute (none for a prompt's later samples, which prefill from its first's cache:
-    tandem.openai_choices). `request_prefill`: for a request's first choice, what all its prompts will compute
-    (the request is judged as one); None for the others, which are not refused for the wait
-    (AdmissionRequest.checks_ttft). `charge`: see AdmissionRequest.charge_tokens."""
+def uncached_tokens(router, pool, ids: list[int], hashes: list[int], params: SamplingParams) -> int:
+    """The prompt tokens a worker of `pool` is expected to compute: all but the longest prefix the router expects one
+    of them to hold (all of them when prompt logprobs are asked)."""
+    if params.prompt_logprobs is not None:
+        return len(ids)
+    return len(ids) - router.orchestrator.predictor.best_hit_tokens([w.url for w in pool.healthy()], hashes, len(ids))
+
+
+def choose_path(router, prompt_len: int, uncached: int, params: SamplingParams) -> bool:
+    """True to send the prompt to the prefill pool, False to compute it where it decodes. Past --disagg-min-tokens
+    it is disaggregated; a shorter one too when computing it on the decode pool would stall the streams decoding
+    there past the tightest inter-token target among this router's streams (docs/admission.md)."""
+    orchestrator, dispatcher = router.orchestrator, router.dispatcher
+    if orchestrator.disaggregates(prompt_len, params):
+        return True
+    if params.prompt_logprobs is not None or not router.admission.enabled or not router.prefill.healthy():
+        return False
+    classes = router.admission.slo_classes
+    targets = [classes[name].itl_s for name, n in dispatcher.active_by_class.items() if n and name in classes]
+    if not targets:
+        return False
+    stall = colocated_stall_s(router.decode.healthy(), uncached, prompt_len)
+    return stall is not None and stall > min(targets) * (1 - router.admission.headroom)
+
+
+def prefill_time(router, prompt_len: int, uncached: int, disagg: bool) -> float | None:
+    """A prompt's predicted prefill seconds on the pool that computes it (tandem.router.admission.prediction)."""
+    return prefill_s((router.prefill if disagg else router.decode).healthy(), uncached, prompt_len, not disagg)
+
+
+def admit(router, choice: Choice, uncached: int, own_s: float | None, request: tuple[int, float | None] | None,
+          disagg: bool, slo_name: str, key: str | None, charge: int | None, prompt_param: str):
+    """The admission ticket of one choice, or the 429 (or 400 past a cap) that refuses it. `uncached` and `own_s`:
+    the prompt tokens it will compute and their predicted seconds (none for a prompt's later samples, which prefill
+    from its first's cache: tandem.openai_choices). `request`: for a request's first choice, (tokens, seconds) all
+    its prompts will compute (the request is judged as one); None for the others, which are not refused for the
+    wait (AdmissionRequest.checks_ttft). `disagg`: its path (choose_path). `charge`: AdmissionRequest.charge_tokens."""
     decision = router.admission.decide(AdmissionRequest(
         choice.request_id, len(choice.prompt_ids), choice.params.max_tokens, slo_name, key,
-        uncached_prompt_tokens=uncached, charge_tokens=charge, checks_ttft=request_prefill is not None,
-        request_prefill_tokens=request_prefill))
+        uncached_prompt_tokens=uncached, charge_tokens=charge, checks_ttft=request is not None,
+        ignore_eos=choice.params.ignore_eos or choice.params.min_tokens >= choice.params.max_tokens,
+        request_prefill_tokens=None if request is None else request[0], pool="prefill" if disagg else "decode",
+        prefill_s=own_s, request_prefill_s=None if request is None else request[1]))
     if isinstance(decision, Reject):
         router.metrics.by_class(router.metrics.rejections, slo_name, reason=decision.reason.value).inc()
         caps = {RejectReason.INPUT_TOO_LONG: prompt_param, RejectReason.MAX_TOKENS_TOO_LARGE: "max_tokens"}
@@ -271,11 +312,13 @@ def admit(router, choice: Choice, uncached: int, request_prefill: int | None, sl
 
 
 async def dispatch(router, rid: str, ids: list[int], params: SamplingParams, ticket, slo_name: str, plan=None,
-                   coalesce: bool = False, after: asyncio.Event | None = None, *, bill: Bill):
+                   coalesce: bool = False, after: asyncio.Event | None = None, *, bill: Bill,
+                   disagg: bool | None = None):
     """Waits for the request's turn (EDF), runs it through the pools and records its SLO outcome. Inter-token
     latency is per token: a delta of k tokens after a gap g (coalesced, or from a worker that fell behind)
-    is observed as g / k. `after`: a later sample of a prompt waits for it once its turn came (holding its slot,
-    not the queue's head, which every other request would wait behind)."""
+    is observed as g / k, and the request met its inter-token target when the largest of those did
+    (docs/admission.md, "Goodput"). `after`: a later sample of a prompt waits for it once its turn came (holding
+    its slot, not the queue's head, which every other request would wait behind). `disagg`: its path (choose_path)."""
     metrics, slo = router.metrics, ticket.slo
     ttft, itl = metrics.by_class(metrics.ttft, slo_name), metrics.by_class(metrics.itl, slo_name)
     try:
@@ -288,13 +331,14 @@ async def dispatch(router, rid: str, ids: list[int], params: SamplingParams, tic
     trace = Trace()
     arrival = ticket.arrival_s
     first_at = last_at = None
-    later_tokens = 0  # tokens after the first delta
+    worst_itl = 0.0  # the largest per-token gap between two deltas
     produced = 0  # tokens relayed, the first delta's included
     released = finished = failed = refused = False
+    finish_reason = None
     try:
         if after is not None:
             await after.wait()
-        async for delta in router.orchestrator.run(rid, ids, params, trace, plan, coalesce):
+        async for delta in router.orchestrator.run(rid, ids, params, trace, plan, coalesce, disagg):
             t = time.monotonic()
             if first_at is None:
                 first_at = t
@@ -304,12 +348,14 @@ async def dispatch(router, rid: str, ids: list[int], params: SamplingParams, tic
                     router.admission.rates.record_prefill(max(trace.uncached_tokens, 1),
                                                           trace.prefill_charged_seconds)
                 ttft.observe(t - arrival)
+                router.admission.record_ttft(ticket, t - arrival)
             elif delta.new_token_ids:
-                later_tokens += len(delta.new_token_ids)
-                itl.observe((t - last_at) / len(delta.new_token_ids))
+                gap = (t - last_at) / len(delta.new_token_ids)
+                worst_itl = max(worst_itl, gap)
+                itl.observe(gap)
             produced += len(delta.new_token_ids)
             last_at = t
-            finished = delta.finished
+            finished, finish_reason = delta.finished, delta.finish_reason
             yield delta
     except Exception as exc:  # the pools could not answer it; a refusal of the request itself (400) is not that
         failed = not isinstance(exc, APIError) or exc.status >= 500
@@ -318,7 +364,7 @@ async def dispatch(router, rid: str, ids: list[int], params: SamplingParams, tic
     finally:
         if not released:
             router.admission.release(rid)
-        router.dispatcher.release(time.monotonic() - held_from)
+        router.dispatcher.release(rid, time.monotonic() - held_from, slo_name)
         bill.settle(rid, first_at is not None, produced, failed=failed or refused)
         if failed:
             metrics.by_class(metrics.failed, slo_name).inc()
@@ -327,10 +373,14 @@ async def dispatch(router, rid: str, ids: list[int], params: SamplingParams, tic
         elif not finished:  # its client left (or the server stopped) before the end
             metrics.by_class(metrics.abandoned, slo_name).inc()
         elif finished:
+            router.admission.rates.record_output(produced, stopped=finish_reason == "stop")
             metrics.by_class(metrics.e2e, slo_name).observe(last_at - arrival)
             metrics.by_class(metrics.requests, slo_name).inc()
-            mean_itl = (last_at - first_at) / later_tokens if later_tokens else 0.0
-            if first_at - arrival <= slo.ttft_s and mean_itl <= slo.itl_s:
+            ttft_met, itl_met = first_at - arrival <= slo.ttft_s, worst_itl <= slo.itl_s
+            for kind, met in (("ttft", ttft_met), ("itl", itl_met)):
+                if not met:
+                    metrics.by_class(metrics.slo_violations, slo_name, kind=kind).inc()
+            if ttft_met and itl_met:
                 metrics.by_class(metrics.goodput, slo_name).inc()
 
 
@@ -378,85 +428,3 @@ class Bill:
 def stream_error_body(exc: Exception) -> dict | None:
     """The error event that ends a stream the pools cannot finish (see tandem.sse.openai_stream)."""
     return exc.body() if isinstance(exc, APIError) else None
-
-
-class Dispatcher:
-    """Hands admitted requests to the pools in earliest-deadline-first order, at most `limit` at once."""
-
-    HOLD_ALPHA = 0.1  # weight of the newest hold time in the running mean
-
-    def __init__(self, admission, limit: int, metrics):
-        self.admission = admission
-        self.limit = limit
-        self.metrics = metrics
-        self.active = 0
-        self.waiting = 0  # requests parked in acquire(): only they need a wake-up when a slot frees
-        self.mean_hold_s: float | None = None  # how long a request holds its slot, dispatch to last token
-        self._changed = asyncio.Condition()
-        admission.slot_wait_s = self.slot_wait_s
-
-    def slot_wait_s(self, queued_ahead: int) -> float:
-        """Seconds until a slot is free for a request with `queued_ahead` admitted requests before it: none while
-        one would be; else slots free at `limit` per mean hold time (Little's law), and it needs the one after
-        those the requests ahead of it take. 0 until a hold time is measured."""
-        needed = self.active + queued_ahead + 1 - self.limit
-        if needed <= 0 or self.mean_hold_s is None:
-            return 0.0
-        return needed * self.mean_hold_s / self.limit
-
-    async def acquire(self, rid: str) -> None:
-        if self._take(rid):  # a free slot and nobody ahead: no lock, no wait (the usual case)
-            if self.waiting:  # the next in line may fit too
-                spawn(self._notify())
-            return
-        async with self._changed:
-            try:
-                while True:
-                    if self._take(rid):
-                        if self.waiting:
-                            self._changed.notify_all()
-                        return
-                    self.waiting += 1
-                    try:
-                        await self._changed.wait()
-                    finally:
-                        self.waiting -= 1
-            except BaseException:
-                self.admission.release(rid)  # cancelled while queued
-                self._changed.notify_all()
-                raise
-
-    def _take(self, rid: str) -> bool:
-        """Dispatch `rid` now if a slot is free and it heads the EDF queue."""
-        queue = self.admission.queue
-        if self.active >= self.limit or not len(queue) or queue.peek().request.request_id != rid:
-            return False
-        self.admission.pop()
-        self.active += 1
-        return True
-
-    def release(self, held_s: float) -> None:
-        """A dispatched request is done with its slot, having held it `held_s` seconds."""
-        self.active -= 1
-        self.mean_hold_s = held_s if self.mean_hold_s is None else \
-            self.mean_hold_s + self.HOLD_ALPHA * (held_s - self.mean_hold_s)
-        self._wake_waiting()
-
-    def withdraw(self, rid: str) -> None:
-        """Take back a request admitted but not dispatched, its tenant's charge refunded (AdmissionController.withdraw)."""
-        if self.admission.withdraw(rid):
-            self._wake_waiting()
-
-    def abandon(self, rid: str) -> None:
-        """Forget a request whether or not it was dispatched (a no-op once released). One still queued could be
-        the head of the queue, which every request behind it waits for."""
-        if self.admission.release(rid):
-            self._wake_waiting()
-
-    def _wake_waiting(self) -> None:
-        if self.waiting:
-            spawn(self._notify())
-
-    async def _notify(self) -> None:
-        async with self._changed:
-            self._changed.notify_all()

@@ -29,8 +29,10 @@ from tandem.router.admission import (
     SLOClass,
     TenantRateLimiter,
 )
-from tandem.router.app import Dispatcher, build_app
+from tandem.router.admission.decode_capacity import DecodeCapacity
+from tandem.router.app import build_app
 from tandem.router.discovery import make_discovery
+from tandem.router.dispatcher import Dispatcher
 from tandem.router.orchestrator import Orchestrator
 from tandem.router.pool import WorkerPool, probe_pools
 from tandem.router.worker_client import WorkerClient
@@ -102,14 +104,18 @@ class Router:
         self.admission = AdmissionController(
             slo_classes=load_slo_classes(os.environ.get("TANDEM_CONFIG_DIR")), max_queue=config.max_queue,
             max_input_tokens=config.max_input_tokens, max_output_tokens=config.max_output_tokens,
-            rate_limiter=tenants.rate_limiter, rates=ServiceRates(initial_prefill_tps=config.initial_prefill_tps))
-        self.dispatcher = Dispatcher(self.admission, config.max_in_flight, self.metrics)
+            rate_limiter=tenants.rate_limiter, rates=ServiceRates(initial_prefill_tps=config.initial_prefill_tps),
+            headroom=config.slo_headroom, enabled=config.admission == "slo")
+        self.dispatcher = Dispatcher(self.admission, config.max_in_flight, self.metrics,
+                                     DecodeCapacity(self.decode.healthy, config.block_size))
         for name in self.admission.slo_classes:
             # Counted when /metrics is scraped, not kept up per request.
             self.metrics.by_class(self.metrics.queue_depth, name).set_function(
                 lambda name=name: self.admission.queued(name))
             for ended in (self.metrics.failed, self.metrics.abandoned):  # series at 0: dashboards add them up
                 self.metrics.by_class(ended, name)
+            for kind in ("ttft", "itl"):
+                self.metrics.by_class(self.metrics.slo_violations, name, kind=kind)
             # Series at 0 too, so that the rejection panels show 0 rather than "no data" until a first refusal.
             for reason in (*(r.value for r in RejectReason), "no_workers", "worker_refused"):
                 self.metrics.by_class(self.metrics.rejections, name, reason=reason)
@@ -130,6 +136,8 @@ class Router:
         self.decode.set_members(decode_urls)
         await probe_pools([self.prefill, self.decode])
         self.admission.prefill_workers = max(1, len(self.prefill.healthy()) or len(self.decode.healthy()))
+        self.admission.set_workers("decode", max(1, len(self.decode.healthy())))
+        self.dispatcher.capacity_changed()
         # The least context a worker in rotation serves: a request may meet any of them (its prefill one, its
         # decode one, or another after a failure), and a worker's limit is what its KV cache holds when that is less.
         limits = [w.max_model_len for w in self.decode.healthy() + self.prefill.healthy() if w.max_model_len]

@@ -88,15 +88,22 @@ class Orchestrator:
         hashes = block_hashes(prompt, self.config.block_size, self.hash_seed)
         return hashes, routing_key(prompt, self.config.block_size, self.hash_seed, self.config.routing_blocks, hashes)
 
+    def disaggregates(self, prompt_len: int, params: SamplingParams) -> bool:
+        """Whether a prompt goes to the prefill pool: long enough (--disagg-min-tokens), a prefill worker in rotation,
+        and no prompt logprobs asked (they come from the worker that computes the whole prompt: colocated)."""
+        return prompt_len >= self.config.disagg_min_tokens and bool(self.prefill.healthy()) \
+            and params.prompt_logprobs is None
+
     async def run(self, rid: str, prompt: list[int], params: SamplingParams, trace: Trace,
-                  plan: tuple[list[int], int] | None = None, coalesce: bool = False) -> AsyncIterator[Delta]:
+                  plan: tuple[list[int], int] | None = None, coalesce: bool = False,
+                  disagg: bool | None = None) -> AsyncIterator[Delta]:
         """`plan` is `self.plan(prompt)` when the caller already has it (hashing a long prompt costs ~0.3 ms
         per 1,000 tokens). `coalesce` (a client that does not stream): the decode worker sends the first token
-        at once and the rest as one delta at the end, not one event per token to read, parse and format."""
+        at once and the rest as one delta at the end, not one event per token to read, parse and format. `disagg`:
+        the path admission chose (None: `disaggregates`); a prefill pool left empty since serves it colocated."""
         hashes, key = plan if plan is not None else self.plan(prompt)
-        # Prompt logprobs come from the worker that computes the whole prompt: the decode worker, colocated.
-        disagg = len(prompt) >= self.config.disagg_min_tokens and bool(self.prefill.healthy()) \
-            and params.prompt_logprobs is None
+        disagg = self.disaggregates(len(prompt), params) if disagg is None else \
+            disagg and bool(self.prefill.healthy()) and params.prompt_logprobs is None
         touched: set[tuple[str, str]] = set()  # (worker, request id there): what to abort if the client leaves
         finished = False
         try:

@@ -25,6 +25,7 @@ import httpx
 from tandem.metrics import RouterMetrics
 from tandem.router.policies.p2c import DecodeWorkerState
 from tandem.router.policies.ring import HashRing
+from tandem.step_cost import StepCost
 
 log = logging.getLogger(__name__)
 
@@ -42,8 +43,14 @@ class Worker:
     free_blocks: int = 0
     total_blocks: int = 0
     running: int = 0  # sequences running and waiting on it, as last reported
+    in_flight_at_report: int = 0  # this router's in_flight when that report came: the rest of `running` is others'
     max_model_len: int = 0
     max_num_seqs: int = 0  # its engine's batch limit, as reported (0: not reported)
+    max_num_batched_tokens: int = 0  # its engine's per-step token budget, as reported (0: not reported)
+    context_tokens: int = 0  # the tokens of its running sequences' contexts, as reported
+    step_cost: StepCost | None = None  # its step cost model, as reported (tandem.step_cost; None: not reported)
+    step_tail: float = 1.0  # how much longer than predicted its steps' gaps run at worst (tandem.step_cost.StepTail)
+    kv_pull_s: float = 0.0  # its KV pulls' mean time
     silent_probes: int = 0  # probes in a row that got no answer at all
     silence_reported: bool = False  # on_silent was called for this silence
     misplaced: bool = False  # its role is not its pool's (a decode worker listed as a prefill one)
@@ -191,8 +198,15 @@ class WorkerPool:
                 load = r.json()
                 worker.free_blocks, worker.total_blocks = load["free_blocks"], load["total_blocks"]
                 worker.running = load["running"] + load["waiting"]
+                worker.in_flight_at_report = worker.in_flight
                 worker.max_model_len = load.get("max_model_len", 0)
                 worker.max_num_seqs = int(load.get("max_num_seqs") or 0)
+                worker.max_num_batched_tokens = int(load.get("max_num_batched_tokens") or 0)
+                worker.context_tokens = int(load.get("context_tokens") or 0)
+                cost = load.get("step_cost")
+                worker.step_cost = None if cost is None else StepCost.from_dict(cost)
+                worker.step_tail = max(1.0, float(load.get("step_tail") or 1.0))
+                worker.kv_pull_s = max(0.0, float(load.get("kv_pull_s") or 0.0))
                 ok = self._serves_this_pool(worker, load.get("role"))
             ready = ok and (await self.http.get(f"{worker.url}/ready", timeout=timeout_s)).status_code == 200
         except httpx.TransportError:  # no answer: refused, reset, or nothing within the timeout

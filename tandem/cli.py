@@ -52,6 +52,9 @@ def _serve_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=None, help="the router then requires `Authorization: Bearer <key>` on "
                                                    "/v1/*; none given: $TANDEM_API_KEY's, else the API is open. "
                                                    "$TANDEM_API_KEY keeps the key out of `ps`")
+    p.add_argument("--admission", choices=["slo", "off"], default=RouterConfig.model_fields["admission"].default,
+                   help="the router's admission: slo refuses (429) what would miss its SLO class's targets; off "
+                        "serves first come, first served")
     add_model_options(p, EngineConfig)
     _add_log_level(p, "info")
     return p
@@ -241,11 +244,12 @@ def _main(argv: list[str] | None) -> int:
         # The router's own options too: checked here, not by the router process once the workers have started.
         _checked(serve_parser, lambda: RouterConfig(model=engine.model, host=ns.host, port=ns.port,
                                                    disagg_min_tokens=ns.disagg_min_tokens,
-                                                   worker_return_wait_s=ns.worker_return_wait_s))
+                                                   worker_return_wait_s=ns.worker_return_wait_s,
+                                                   admission=ns.admission))
         return run_local_stack(engine, prefill=prefill, decode=ns.decode,
                                colocated=ns.colocated or prefill == 0, disagg_min_tokens=ns.disagg_min_tokens,
                                host=ns.host, port=ns.port, api_key=ns.api_key,
-                               worker_return_wait_s=ns.worker_return_wait_s)
+                               worker_return_wait_s=ns.worker_return_wait_s, admission=ns.admission)
     if ns.command == "router":
         from tandem.router.main import run_router
 

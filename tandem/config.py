@@ -57,6 +57,10 @@ class EngineConfig(BaseModel):
         "auto", description="auto: on CPU, decode steps of small batches (up to 16 sequences in float32, 8 in "
         "bfloat16) read a GGUF file's Q4_0/Q4_1/Q8_0 weights in the file's own blocks (a native AVX-512 kernel; "
         "the same weights in 3.8-7x fewer bytes than float32); off: the dequantized weights only")
+    quantization: Literal["fp8"] | None = Field(None, description="fp8: the decoder layers' GEMM weights in FP8 "
+                                                "(e4m3, a scale per output channel), quantized at load from a float "
+                                                "checkpoint; activations quantized per token where the GPU has FP8 "
+                                                "tensor cores (compute capability 8.9+)")
     enforce_eager: bool = Field(False, description="no CUDA graphs: run decode steps eagerly (on CUDA, decode "
                                 "steps of up to min(max_num_seqs, 256) sequences are replayed from graphs)")
     seed: int = 0
@@ -120,6 +124,8 @@ class RouterConfig(BaseModel):
     api_key: list[str] = Field(default_factory=list, description="/v1/* requests must send one of these as "
                                "`Authorization: Bearer <key>` (401 otherwise), or $TANDEM_API_KEY, or a key of the "
                                "tenants file; with none of these nor its requireApiKey, the API is open")
+    disable_fastapi_docs: bool = Field(False, description="serve neither /docs, /redoc nor /openapi.json (vLLM's "
+                                       "option); with an API key required, /docs and /redoc need it too")
     allowed_origins: list[str] = Field(default_factory=list, description="browser origins allowed to call the "
                                        "API (CORS), e.g. https://app.example.com, or * for any; none by default")
     tokenize_in_thread_chars: int = Field(512, ge=0, description="prompt texts at least this long are tokenized "
@@ -132,7 +138,13 @@ class RouterConfig(BaseModel):
         "worker that has none), or an HTTP request each")
     max_in_flight: int = Field(512, ge=1, description="requests dispatched at once; more wait in the EDF queue")
     max_queue: int = Field(1024, ge=1, description="admitted requests waiting for dispatch")
-    initial_prefill_tps: float | None = Field(None, gt=0, description="prefill tokens/s per worker before measuring")
+    initial_prefill_tps: float | None = Field(None, gt=0, description="prefill tokens/s per worker before measuring, "
+                                              "for workers that report no step cost model")
+    admission: Literal["slo", "off"] = Field("slo", description="slo: refuse (429) what is predicted to miss its SLO "
+                                             "class's targets and hold streams the decode pool cannot serve at their "
+                                             "inter-token target; off: first come, first served within the queue")
+    slo_headroom: float = Field(0.1, ge=0, lt=1, description="share of each SLO target kept for what predictions "
+                                "miss: admitted when the predicted time is within (1 - headroom) x the target")
     health_interval_s: float = Field(1.0, gt=0, description="how often workers' /ready and load are polled")
     eject_after_failures: int = Field(3, ge=1, description="consecutive failures that take a worker out")
     worker_return_wait_s: float = Field(10.0, ge=0, description="a request under way that finds no decode worker "

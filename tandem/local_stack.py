@@ -128,7 +128,8 @@ def stop_all(router: ServiceProcess, workers: list[ServiceProcess]) -> None:
 
 
 def run_local_stack(engine: EngineConfig, *, prefill: int, decode: int, colocated: bool, disagg_min_tokens: int,
-                    host: str, port: int, api_key: str | None = None, worker_return_wait_s: float | None = None) -> int:
+                    host: str, port: int, api_key: str | None = None, worker_return_wait_s: float | None = None,
+                    admission: str = "slo") -> int:
     try:  # a model that is not there is said now, not in a worker's traceback after the others have loaded it
         default_name = default_served_name(engine.model)
     except ValueError as exc:
@@ -157,6 +158,8 @@ def run_local_stack(engine: EngineConfig, *, prefill: int, decode: int, colocate
         router_args += ["--tool-call-parser", engine.tool_call_parser]
     if worker_return_wait_s is not None:
         router_args += ["--worker-return-wait-s", str(worker_return_wait_s)]
+    if admission != "slo":
+        router_args += ["--admission", admission]
     # The key travels in the environment, not on the router's command line where `ps` would show it.
     router = ServiceProcess(router_args, port=port, name="router",
                             env={**internal, **({API_KEY_ENV: api_key} if api_key else {})})

@@ -128,6 +128,9 @@ class RouterMetrics:
         self.abandoned = class_counter("tandem_router_abandoned_requests",
                                        "Requests admitted whose client left before the answer was complete")
         self.goodput = class_counter("tandem_router_goodput_requests", "Requests that met their TTFT and ITL targets")
+        self.slo_violations = Counter("tandem_router_slo_violations", "Requests answered in full that missed a "
+                                      "target (kind ttft or itl: the worst inter-token latency)", (*by_class, "kind"),
+                                      registry=r)
         self.rejections = Counter("tandem_router_rejections", "Requests refused, by reason",
                                   (*by_class, "reason"), registry=r)
         self.queue_depth = Gauge("tandem_router_queue_depth", "Requests admitted but not yet dispatched",

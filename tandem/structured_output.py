@@ -77,6 +77,7 @@ def grammar_text(spec: StructuredOutput) -> str:
     try:
         if spec.kind == "json":
             _within_budget(spec.value)
+            _no_reference_cycle(spec.value)
             grammar = llguidance.LLMatcher.grammar_from_json_schema(spec.value, overrides=_JSON_LAYOUT)
         elif spec.kind == "choice":
             grammar = llguidance.grammar_from("choice", spec.value)
@@ -87,7 +88,89 @@ def grammar_text(spec: StructuredOutput) -> str:
     error = llguidance.LLMatcher.validate_grammar(grammar)
     if error:
         raise ValueError(error)
+    if not _admits_a_first_byte(grammar):
+        raise ValueError(_NOTHING_MATCHES[spec.kind])
     return grammar
+
+
+_NOTHING_MATCHES = {"json": "the JSON schema admits no value", "regex": "the regular expression matches no string",
+                    "choice": "no choice is given", "grammar": "the grammar matches no string"}
+
+
+class _Bytes:
+    """A tokenizer of one token per byte (and an end token): what a grammar admits at all, whatever the model."""
+
+    eos_token_id, bos_token_id = 256, None
+    tokens = [bytes([i]) for i in range(256)] + [b""]
+    special_token_ids = [256]
+
+    def __call__(self, text: bytes) -> list[int]:
+        return list(text)
+
+
+@functools.cache
+def _byte_tokenizer() -> llguidance.LLTokenizer:
+    return llguidance.LLTokenizer(llguidance.TokenizerWrapper(_Bytes()))
+
+
+def _admits_a_first_byte(grammar: str) -> bool:
+    """Whether an output can start at all under `grammar` (or end at once): False for a regular expression or
+    schema that matches nothing, whose first step would otherwise fail with llguidance's internal state."""
+    matcher = llguidance.LLMatcher(_byte_tokenizer(), grammar, log_level=0)
+    if not matcher.is_error():
+        matcher.compute_bitmask()
+    return not matcher.is_error()
+
+
+def _no_reference_cycle(schema_text: str) -> None:
+    """ValueError naming the reference when a subschema is only a `$ref` that leads back to itself through other
+    such references (`{"$ref": "#/$defs/a"}` with `a` that same reference): it admits no value, and nested in a
+    schema that is otherwise fine (a tool's parameters), the output would break off where it is reached."""
+    try:
+        root = json.loads(schema_text)
+    except (ValueError, RecursionError):
+        return
+    pending = [root]
+    while pending:
+        node = pending.pop()
+        if isinstance(node, list):
+            pending.extend(node)
+            continue
+        if not isinstance(node, dict):
+            continue
+        seen: list[str] = []
+        current = node
+        while isinstance(current, dict) and isinstance(current.get("$ref"), str) and _only_a_reference(current):
+            ref = current["$ref"]
+            if ref in seen:
+                raise ValueError(f"the JSON schema's reference {ref!r} refers only to itself (through "
+                                 f"{' -> '.join(seen)}), so it admits no value")
+            seen.append(ref)
+            current = _resolve(root, ref)
+        pending.extend(value for key, value in node.items() if key not in _DATA_KEYWORDS)
+
+
+_ANNOTATIONS = frozenset({"$ref", "$defs", "definitions", "title", "description", "$comment", "$id", "$schema",
+                          "default", "examples"})
+
+
+def _only_a_reference(node: dict) -> bool:
+    return all(key in _ANNOTATIONS for key in node)
+
+
+def _resolve(root, ref: str):
+    """The subschema a local reference (`#/...`) points to; None for one that leaves the document or is broken."""
+    if not ref.startswith("#"):
+        return None
+    node = root
+    for part in (p.replace("~1", "/").replace("~0", "~") for p in ref[1:].split("/") if p):
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return None
+    return node
 
 
 def _within_budget(schema_text: str) -> None:

@@ -420,8 +420,10 @@ def test_a_stopping_router_lets_requests_finish_then_ends_the_rest_with_a_reason
     finish, and those still running then end with 503 shutting_down, or streamed, with that error event and [DONE]
     (not a bare 500 or a connection cut mid-answer)."""
     decode = fleet["decode"]
-    short = router([], decode, "--graceful-shutdown-s", "60")
-    cut = router([], decode, "--graceful-shutdown-s", "0.5")
+    # Admission off: streams of 4,000 tokens on CPU workers would (rightly) wait for each other's slots; here both
+    # must be in flight when the router stops.
+    short = router([], decode, "--graceful-shutdown-s", "60", "--admission", "off")
+    cut = router([], decode, "--graceful-shutdown-s", "0.5", "--admission", "off")
     start_all(short, cut)
     try:
         finished = sigterm_in_flight(short, 24, "tandem_router_worker_in_flight")

@@ -66,6 +66,32 @@ def test_a_malformed_or_invalid_constraint_is_a_400_naming_its_parameter(fields,
     assert info.value.status == 400 and info.value.param == param and fragment in info.value.message
 
 
+def test_a_regular_expression_that_matches_nothing_is_refused_in_one_sentence():
+    """Found by a new user: the refusal was about 900 characters of the grammar engine's internal state."""
+    request = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "x"}],
+                                    structured_outputs={"regex": r"[^\x00-\x{10FFFF}]"})
+    with pytest.raises(APIError) as info:
+        asyncio.run(check(request.sampling_params(16, VOCAB).structured, request.structured_param))
+    assert info.value.status == 400 and info.value.param == "structured_outputs"
+    assert info.value.message == "structured_outputs: the regular expression matches no string"
+
+
+def test_a_tool_whose_parameters_refer_only_to_themselves_is_refused_naming_the_tools():
+    """Found by a new user: with tool_choice "required" the answer was a fragment of the call as content,
+    finish_reason stop, no tool_calls and nothing logged: the grammar broke off where it reached the reference."""
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {
+        "$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}}}}]
+    request = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "x"}], tools=tools,
+                                    tool_choice="required")
+    with pytest.raises(APIError) as info:
+        asyncio.run(check(request.sampling_params(16, VOCAB).structured, request.structured_param))
+    assert info.value.status == 400 and info.value.param == "tools"
+    assert "'#/$defs/a' refers only to itself" in info.value.message
+    # A schema that refers to itself through a structure is a recursive schema, and fine.
+    tree = {"type": "object", "properties": {"children": {"type": "array", "items": {"$ref": "#"}}}}
+    grammar_text(StructuredOutput(kind="json", value=json.dumps(tree)))
+
+
 def test_completions_take_them_too():
     r = CompletionRequest(model="m", prompt="x", structured_outputs={"choice": ["a", "b"]})
     assert r.sampling_params(16, VOCAB).structured.kind == "choice"
@@ -193,7 +219,7 @@ def test_a_spec_past_the_size_bound_is_refused_before_any_compiling():
 
 
 def test_a_schema_that_compiles_but_cannot_start_is_refused(grammars):
-    with pytest.raises(ValueError, match="structured output"):
+    with pytest.raises(ValueError, match="admits no value"):
         grammars.start(StructuredOutput(kind="json", value='{"$ref": "#"}'), [])
 
 
@@ -240,7 +266,7 @@ def test_the_engine_thread_finds_a_prepared_grammar_compiled():
     finally:
         grammar_module._compiled = compile_before
     assert compiled_on_engine_thread == [] and not matcher.is_error()
-    with pytest.raises(ValueError, match="structured output"):  # a bad spec is refused by prepare itself
+    with pytest.raises(ValueError, match="admits no value"):  # a bad spec is refused by prepare itself
         asyncio.run(fresh.prepare(StructuredOutput(kind="json", value='{"$ref": "#"}')))
 
 

@@ -84,12 +84,18 @@ def add_internal_routes(app: FastAPI, ctx) -> None:
 
     @app.get("/internal/load")
     async def load():
-        """What the router's decode placement reads: free KV blocks and queue lengths."""
+        """What the router's placement and admission read: free KV blocks, queue lengths, limits and the step cost
+        model (tandem.step_cost)."""
         engine = ctx.engine.engine
+        cost = engine.step_costs.cost()
         return {"role": ctx.config.role, "free_blocks": engine.num_kv_blocks_total - engine.num_kv_blocks_used,
                 "total_blocks": engine.num_kv_blocks_total, "running": engine.num_running,
                 "waiting": engine.num_waiting, "in_flight": ctx.engine.num_in_flight,
-                "max_model_len": ctx.max_model_len, "max_num_seqs": engine.config.max_num_seqs}
+                "max_model_len": ctx.max_model_len, "max_num_seqs": engine.config.max_num_seqs,
+                "max_num_batched_tokens": engine.config.max_num_batched_tokens,
+                "context_tokens": engine.num_running_context_tokens,
+                "step_cost": None if cost is None else cost.to_dict(), "step_tail": engine.step_tail.factor,
+                "kv_pull_s": engine.mean_pull_s}
 
     @app.post("/internal/drain")
     async def drain():

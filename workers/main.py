@@ -14,6 +14,7 @@ from tandem.heap import settle_heap
 from tandem.launcher import port_in_use
 from tandem.metrics import EngineMetrics
 from tandem.workers.async_engine import AsyncEngine
+from tandem.workers.engine.calibration import calibrate
 from tandem.workers.engine.llm_engine import LLMEngine, load_engine_model
 from tandem.workers.kv_transfer import create_kv_transfer
 from tandem.workers.server import ServingContext, build_app
@@ -55,7 +56,10 @@ class _Server(GracefulServer):
 
 def build_worker(config: WorkerConfig) -> tuple[ServingContext, AsyncEngine]:
     ec = config.engine
-    loaded = load_engine_model(ec)
+    try:
+        loaded = load_engine_model(ec)
+    except ValueError as exc:  # settings this checkpoint cannot serve: one line, not a traceback
+        raise SystemExit(f"tandem worker: {exc}") from None
     if loaded.tokenizer is None:
         raise SystemExit(f"{ec.model} has no tokenizer (tokenizer.json or GGUF metadata); cannot serve it")
     served = ec.served_model_name or loaded.config.name
@@ -69,6 +73,8 @@ def build_worker(config: WorkerConfig) -> tuple[ServingContext, AsyncEngine]:
     engine.kv_transfer = create_kv_transfer(ec.kv_transfer, engine.runner.kv_cache,
                                             f"tandem-{config.role}-{uuid.uuid4().hex[:8]}", host=config.host,
                                             lanes=ec.kv_transfer_lanes, authorize=engine.leases.covers)
+    cost = calibrate(engine)  # before it is ready: routers predict its latencies from the first request
+    log.info("step cost model: %s", ", ".join(f"{k} {v:.3g}" for k, v in cost.to_dict().items()))
     async_engine = AsyncEngine(engine)
     ctx = ServingContext(async_engine, loaded.tokenizer, served, engine.max_model_len, config, metrics,
                          engine.layout, engine.kv_transfer)

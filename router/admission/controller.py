@@ -3,44 +3,24 @@
 The router calls, per request:
 
     decision = controller.decide(AdmissionRequest(...))   # Admit (now queued) or Reject(reason, retry_after_s)
-    ...
-    ticket = controller.pop()            # when a prefill worker has room: the most urgent admitted request
-    ...                                  # dispatch it; when its prefill finishes:
-    controller.rates.record_prefill(computed_tokens, seconds)
-    controller.release(ticket.request.request_id)   # also on failure or client disconnect, queued or not
+    ticket = controller.pop()            # when the dispatcher may send one: the most urgent admitted request
+    controller.release(ticket.request.request_id)   # once its prefill is done (or failed, or cancelled)
 
-`decide` checks, in this order, and the first failing check names the reason:
-  input_too_long / max_tokens_too_large   the caps (retry_after_s None: retrying cannot help)
-  rate_limited    the tenant's bucket cannot cover prompt + max_tokens tokens; retry when it will have refilled
-  queue_full      the bounded queue is full; retry after about one queued request's prefill time (1 s before
-                  any prefill rate is measured)
-  slo_unmeetable  predicted wait + own prefill time > the class's TTFT target; retry when the backlog ahead
-                  will have drained enough, at the measured rate, for the request to fit
-  dispatch_slots  the same, where the wait is for one of the router's --max-in-flight dispatch slots (below),
-                  not for the prefill pool: more workers would not have served it
-Only an admitted request is charged to its tenant's bucket.
-
-Predicted wait (Little's law for a work-conserving pool): the uncached prompt tokens already in flight plus
-those queued ahead of this request in EDF order, divided by the pool's prefill rate (the measured
-per-worker rate times `prefill_workers`). Counting only the queue ahead, not all of it, is what lets an
-interactive request overtake a batch backlog instead of being refused because of it. The request's own
-prefill runs on one worker, so its time is its uncached tokens over the per-worker rate. A prompt too long
-to meet its target even on an idle pool is admitted when nothing is ahead of it rather than refused
-forever; a request of several choices is judged as one (AdmissionRequest). Until a rate is
-known (no measurement and no prior) nothing is refused for the prefill backlog.
-
-Dispatch slots: a router dispatches at most --max-in-flight requests at once, and a slot is held until the last
-token. With the slots taken by long streams, a request waits for one however idle the prefill pool is:
-`slot_wait_s` (the Dispatcher's prediction, by Little's law on slot hold times) says how long, given the
-requests queued ahead of it, and the larger of the two waits is the one that counts.
+`decide` checks, in this order, and the first failing check names the reason: the caps (input_too_long,
+max_tokens_too_large), the tenant's token bucket (rate_limited), the queue (queue_full), then the predicted time
+to first token against the class's target (slo_unmeetable; dispatch_slots or decode_capacity when the wait for a
+dispatch slot is what binds). The formula and its inputs are in docs/admission.md.
 """
 
 from __future__ import annotations
 
+import statistics
 import time
+from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from enum import Enum
+from typing import Protocol
 
 from tandem.router.admission.edf_queue import EDFQueue
 from tandem.router.admission.rates import ServiceRates
@@ -55,6 +35,7 @@ class RejectReason(str, Enum):
     QUEUE_FULL = "queue_full"
     SLO_UNMEETABLE = "slo_unmeetable"
     DISPATCH_SLOTS = "dispatch_slots"
+    DECODE_CAPACITY = "decode_capacity"
 
 
 # Not frozen: a frozen dataclass's __init__ sets every field through object.__setattr__, and admission builds an
@@ -67,10 +48,8 @@ class AdmissionRequest:
     compute (prompt minus the prefix it expects cached); None means all of them. `charge_tokens` is what the
     tenant's token bucket is charged; None means prompt + max_tokens (a request of several choices charges its
     first choice with the whole and the others nothing: tandem.router.app.serve). Such a request is judged as one,
-    on its first choice: `request_prefill_tokens` there is the prefill of all its prompts (None: this choice's
-    own), and `checks_ttft` False on the others, which are not refused for the predicted wait. Judged alone, they
-    would be refused for the wait their own first choice adds (they queue behind it by design:
-    tandem.openai_choices.staggered), on an idle pool too.
+    on its first choice: `request_prefill_tokens` (and `request_prefill_s`) there is the prefill of all its prompts
+    (None: this choice's own), and `checks_ttft` False on the others, which are not refused for the predicted wait.
     """
 
     request_id: str
@@ -82,6 +61,10 @@ class AdmissionRequest:
     charge_tokens: int | None = None
     checks_ttft: bool = True
     request_prefill_tokens: int | None = None
+    ignore_eos: bool = False  # it makes all its max_tokens
+    pool: str = "prefill"  # the pool that computes its prompt: "prefill" (P/D) or "decode" (colocated)
+    prefill_s: float | None = None  # its prefill's predicted seconds there (None: its tokens over the measured rate)
+    request_prefill_s: float | None = None  # the whole request's, on its first choice (see request_prefill_tokens)
 
     def __post_init__(self):
         if self.prompt_tokens < 0:
@@ -110,7 +93,8 @@ class Admit:
     slo: SLOClass
     arrival_s: float
     deadline_s: float
-    predicted_wait_s: float | None  # None when nothing was known to wait for (no prefill rate, no slot wait)
+    predicted_wait_s: float | None  # None when nothing was known to wait for (no prediction, no slot wait)
+    predicted_ttft_s: float | None = None  # its wait and prefill as the models predict them, before the correction
 
 
 @dataclass(frozen=True)
@@ -120,7 +104,28 @@ class Reject:
     message: str
 
 
+class Capacity(Protocol):
+    """What a request waits for besides the prefill pool: a dispatch slot (tandem.router.app.Dispatcher)."""
+
+    def wait_s(self, request: AdmissionRequest, slo: SLOClass, queued_ahead: int) -> tuple[float, RejectReason]:
+        """Seconds until a slot is free for the request with `queued_ahead` admitted requests before it, and what
+        the slot is short of (dispatch_slots or decode_capacity)."""
+        ...
+
+
+class _NoCapacityLimit:
+    def wait_s(self, request: AdmissionRequest, slo: SLOClass, queued_ahead: int) -> tuple[float, RejectReason]:
+        return 0.0, RejectReason.DISPATCH_SLOTS
+
+
+POOLS = ("prefill", "decode")
+
+
 class AdmissionController:
+    """`headroom`: the share of each target kept for what predictions miss (0.1: a request is admitted when its
+    predicted time to first token is within 90% of its target). `enabled` False admits whatever passes the caps,
+    the token buckets and the queue's size (first come, first served: what benchmarks compare against)."""
+
     def __init__(
         self,
         *,
@@ -131,6 +136,8 @@ class AdmissionController:
         rate_limiter: TenantRateLimiter | None = None,
         rates: ServiceRates | None = None,
         prefill_workers: int = 1,
+        headroom: float = 0.0,
+        enabled: bool = True,
         clock: Callable[[], float] = time.monotonic,
     ):
         for name, slo in slo_classes.items():
@@ -139,30 +146,45 @@ class AdmissionController:
         for cap_name, cap in (("max_input_tokens", max_input_tokens), ("max_output_tokens", max_output_tokens)):
             if cap is not None and cap < 1:
                 raise ValueError(f"{cap_name} must be >= 1 or None, got {cap}")
+        if not 0 <= headroom < 1:
+            raise ValueError(f"headroom must be in [0, 1), got {headroom}")
         self.slo_classes = dict(slo_classes)
         self.max_input_tokens = max_input_tokens
         self.max_output_tokens = max_output_tokens
         self.rate_limiter = rate_limiter if rate_limiter is not None else TenantRateLimiter(clock=clock)
         self.rates = rates if rates is not None else ServiceRates()
+        self.headroom = headroom
+        self.enabled = enabled
+        self._workers = {pool: 1 for pool in POOLS}
         self.prefill_workers = prefill_workers
         self.queue: EDFQueue[Admit] = EDFQueue(max_queue)
-        self._in_flight: dict[str, int] = {}  # request id -> uncached prompt tokens, dispatched, not released
-        self._in_flight_total = 0  # their sum, kept as they come and go: every admission reads it
+        self._in_flight: dict[str, AdmissionRequest] = {}  # dispatched, prefill not yet done
+        # Per pool, kept as requests come and go (every admission reads them): the predicted seconds of the prefills
+        # in flight, and the uncached tokens of those without a prediction (counted at the measured rate).
+        self._in_flight_s = dict.fromkeys(POOLS, 0.0)
+        self._in_flight_predicted = dict.fromkeys(POOLS, 0)  # how many have a prediction
+        self._in_flight_tokens = dict.fromkeys(POOLS, 0)
         self._clock = clock
-        # Seconds until a dispatch slot is free for a request with n admitted requests queued before it (set by
-        # the Dispatcher; none to wait for without one).
-        self.slot_wait_s: Callable[[int], float] = lambda queued_ahead: 0.0
+        self.capacity: Capacity = _NoCapacityLimit()  # the router's Dispatcher sets itself here
+        # Measured TTFT / predicted TTFT of recent requests: what the predictions miss (other work on the workers'
+        # cores, the router's own time), applied to the next ones as their median (record_ttft).
+        self._ttft_ratios: deque[float] = deque(maxlen=self.CORRECTION_WINDOW)
+        self.ttft_correction = 1.0
 
     @property
     def prefill_workers(self) -> int:
         """Prefill workers serving in parallel; the router keeps it at the healthy prefill pool's size."""
-        return self._prefill_workers
+        return self._workers["prefill"]
 
     @prefill_workers.setter
     def prefill_workers(self, count: int) -> None:
+        self.set_workers("prefill", count)
+
+    def set_workers(self, pool: str, count: int) -> None:
+        """How many workers of `pool` compute prompts in parallel (the router keeps it at the healthy count)."""
         if count < 1:
-            raise ValueError(f"prefill_workers must be >= 1, got {count}")
-        self._prefill_workers = count
+            raise ValueError(f"{pool}_workers must be >= 1, got {count}")
+        self._workers[pool] = count
 
     @property
     def queued_tokens(self) -> int:
@@ -170,21 +192,31 @@ class AdmissionController:
 
     @property
     def in_flight_tokens(self) -> int:
-        return self._in_flight_total
+        """Uncached prompt tokens dispatched and not released, on every pool."""
+        return sum(r.prefill_tokens for r in self._in_flight.values())
 
     def _worker_tps(self) -> float | None:
         rate = self.rates.prefill_tps
         return rate if rate is not None and rate > 0 else None
 
-    def _waits(self, deadline_s: float, priority: int, rate: float | None) -> tuple[float | None, float]:
-        """For a request with this deadline and priority: (seconds until the pool has served everything in flight
-        and queued ahead of it, None without a prefill rate; seconds until a dispatch slot frees for it)."""
-        ahead = list(self.queue.ahead_of(deadline_s, priority)) if len(self.queue) else []
-        slot_wait = self.slot_wait_s(len(ahead))
-        if rate is None:
-            return None, slot_wait
-        return (self.in_flight_tokens + sum(t.request.prefill_tokens for t in ahead)) / (rate * self.prefill_workers), \
-            slot_wait
+    def _prefill_wait(self, ahead: list[Admit], pool: str, rate: float | None) -> float | None:
+        """Seconds until `pool` has computed the prompts in flight on it and queued for it ahead of a request; None
+        when nothing tells (no prediction and no measured rate)."""
+        seconds, tokens = self._in_flight_s[pool], self._in_flight_tokens[pool]
+        predicted = self._in_flight_predicted[pool]
+        for ticket in ahead:
+            queued = ticket.request
+            if queued.pool == pool:
+                if queued.prefill_s is not None:
+                    seconds += queued.prefill_s
+                    predicted += 1
+                else:
+                    tokens += queued.prefill_tokens
+        if rate is not None:
+            seconds += tokens / rate
+        elif not predicted:
+            return None
+        return seconds / self._workers[pool]
 
     def decide(self, request: AdmissionRequest) -> Admit | Reject:
         slo = self.slo_classes.get(request.slo_class)
@@ -192,6 +224,8 @@ class AdmissionController:
             raise ValueError(f"unknown SLO class {request.slo_class!r}; known: {sorted(self.slo_classes)}")
         if request.request_id in self.queue or request.request_id in self._in_flight:
             raise ValueError(f"request id {request.request_id!r} is already admitted")
+        if request.pool not in POOLS:
+            raise ValueError(f"unknown pool {request.pool!r}; known: {POOLS}")
 
         if self.max_input_tokens is not None and request.prompt_tokens > self.max_input_tokens:
             return Reject(RejectReason.INPUT_TOO_LONG, None,
@@ -216,25 +250,74 @@ class AdmissionController:
 
         now = self._clock()
         deadline = now + slo.ttft_s
-        prefill_wait, slot_wait = self._waits(deadline, slo.priority, rate)
-        wait = _longer(prefill_wait, slot_wait)
-        if wait is not None and request.checks_ttft:
-            own_tokens = request.prefill_tokens if request.request_prefill_tokens is None \
-                else request.request_prefill_tokens
-            own = own_tokens / rate if rate is not None else 0.0
-            allowed = max(0.0, slo.ttft_s - own)
-            if wait > allowed:
-                # The backlog ahead drains at one second of predicted wait per second.
-                slots = slot_wait > (prefill_wait or 0.0)
-                return Reject(RejectReason.DISPATCH_SLOTS if slots else RejectReason.SLO_UNMEETABLE, wait - allowed,
-                              f"predicted time to first token {wait + own:.2f} s exceeds the {slo.name!r} "
-                              f"target of {slo.ttft_s:g} s" + (" (the router's dispatch slots are all taken: "
-                                                                "--max-in-flight)" if slots else ""))
+        wait = predicted = None
+        if self.enabled:
+            ahead = list(self.queue.ahead_of(deadline, slo.priority)) if len(self.queue) else []
+            prefill_wait = self._prefill_wait(ahead, request.pool, rate)
+            slot_wait, slot_reason = self.capacity.wait_s(request, slo, len(ahead))
+            own = self._own_prefill_s(request, rate)
+            wait = _longer(prefill_wait, slot_wait)
+            predicted = None if wait is None and not own else (wait or 0.0) + own  # as the models make it
+            factor = self.ttft_correction
+            prefill_wait = None if prefill_wait is None else prefill_wait * factor
+            slot_wait, own = slot_wait * factor, own * factor
+            wait = _longer(prefill_wait, slot_wait)
+            if request.checks_ttft:
+                refusal = self._refusal(slo, own, prefill_wait, slot_wait, slot_reason)
+                if refusal is not None:
+                    return refusal
 
         self.rate_limiter.consume(tenant, charge)
-        ticket = Admit(request, tenant, slo, now, deadline, wait)
+        ticket = Admit(request, tenant, slo, now, deadline, wait, predicted)
         self.queue.push(request.request_id, ticket, deadline, slo.priority)
         return ticket
+
+    def _refusal(self, slo: SLOClass, own: float, prefill_wait: float | None, slot_wait: float,
+                 slot_reason: RejectReason) -> Reject | None:
+        """The refusal of a request whose predicted time to first token (`own` prefill after the waits) passes its
+        class's target; None to admit."""
+        target = slo.ttft_s * (1 - self.headroom)
+        if own > target:  # its own prefill alone, on an idle pool: retrying cannot help
+            return Reject(RejectReason.SLO_UNMEETABLE, None,
+                          f"predicted time to first token {own:.2f} s exceeds the {slo.name!r} target of "
+                          f"{slo.ttft_s:g} s: the prompt alone takes that long to compute; use a class with a "
+                          f"longer target")
+        wait = _longer(prefill_wait, slot_wait)
+        allowed = target - own
+        if wait is None or wait <= allowed:
+            return None
+        # The backlog ahead drains at one second of predicted wait per second.
+        slots = slot_wait > (prefill_wait or 0.0)
+        reason = slot_reason if slots else RejectReason.SLO_UNMEETABLE
+        why = {RejectReason.DISPATCH_SLOTS: " (the router's dispatch slots are all taken: --max-in-flight)",
+               RejectReason.DECODE_CAPACITY: " (the decode pool holds all the streams it can at this class's "
+                                             "inter-token target)"}.get(reason, "")
+        return Reject(reason, wait - allowed, f"predicted time to first token {wait + own:.2f} s exceeds the "
+                                              f"{slo.name!r} target of {slo.ttft_s:g} s{why}")
+
+    def _own_prefill_s(self, request: AdmissionRequest, rate: float | None) -> float:
+        """The request's own prefill time (all its prompts, for a request of several choices); 0 when unknown."""
+        if request.request_prefill_s is not None:
+            return request.request_prefill_s
+        if request.request_prefill_tokens is None and request.prefill_s is not None:
+            return request.prefill_s
+        tokens = request.prefill_tokens if request.request_prefill_tokens is None else request.request_prefill_tokens
+        return tokens / rate if rate is not None else 0.0
+
+    CORRECTION_WINDOW = 64  # recent requests whose measured / predicted TTFT the correction is the median of
+    MIN_CORRECTION_SAMPLES = 8  # fewer say nothing: the correction stays 1
+    MIN_PREDICTED_S = 0.05  # shorter predictions are too short to measure against
+
+    def record_ttft(self, ticket: Admit, measured_s: float) -> None:
+        """A request's first token came `measured_s` after its arrival: ttft_correction becomes the median of the
+        recent measured / predicted ratios (within [0.5, 4]). The median, so that a request slow for its own reasons
+        (a grammar compiled first) does not move it."""
+        predicted = ticket.predicted_ttft_s
+        if predicted is None or predicted < self.MIN_PREDICTED_S:
+            return
+        self._ttft_ratios.append(measured_s / predicted)
+        if len(self._ttft_ratios) >= self.MIN_CORRECTION_SAMPLES:
+            self.ttft_correction = min(4.0, max(0.5, statistics.median(self._ttft_ratios)))
 
     def queued(self, slo_class: str) -> int:
         """Requests of that SLO class admitted and not yet dispatched (read when /metrics is scraped)."""
@@ -245,16 +328,27 @@ class AdmissionController:
         if not self.queue:
             return None
         ticket = self.queue.pop()
-        self._in_flight[ticket.request.request_id] = ticket.request.prefill_tokens
-        self._in_flight_total += ticket.request.prefill_tokens
+        request = ticket.request
+        self._in_flight[request.request_id] = request
+        if request.prefill_s is not None:
+            self._in_flight_s[request.pool] += request.prefill_s
+            self._in_flight_predicted[request.pool] += 1
+        else:
+            self._in_flight_tokens[request.pool] += request.prefill_tokens
         return ticket
 
     def release(self, request_id: str) -> bool:
         """Forget a request whose prefill finished or failed, or that was cancelled while queued or in
         flight; False when the id is not known (already released)."""
-        tokens = self._in_flight.pop(request_id, None)
-        if tokens is not None:
-            self._in_flight_total -= tokens
+        request = self._in_flight.pop(request_id, None)
+        if request is not None:
+            if request.prefill_s is not None:
+                self._in_flight_predicted[request.pool] -= 1
+                self._in_flight_s[request.pool] -= request.prefill_s
+                if not self._in_flight_predicted[request.pool]:
+                    self._in_flight_s[request.pool] = 0.0  # no float residue once none is left
+            else:
+                self._in_flight_tokens[request.pool] -= request.prefill_tokens
             return True
         return self.queue.remove(request_id) is not None
 

@@ -67,10 +67,28 @@ class ServiceRates:
     the prefill rate; the decode rate is there for the planner and for reporting.
     """
 
+    OUTPUT_ALPHA = 0.05  # weight of the newest request's output length in its running mean
+
     def __init__(self, half_life_s: float = 2.0, initial_prefill_tps: float | None = None,
                  initial_decode_tps: float | None = None):
         self.prefill = EWMARate(half_life_s, initial_prefill_tps)
         self.decode = EWMARate(half_life_s, initial_decode_tps)
+        # The mean output of requests that ended by themselves (EOS or a stop), None before the first.
+        self.natural_output_tokens: float | None = None
+
+    def record_output(self, tokens: int, stopped: bool) -> None:
+        """A request finished having made `tokens` tokens; `stopped`: it ended by itself (EOS or a stop), not at its
+        max_tokens (which says only that it would have gone on)."""
+        if stopped:
+            mean = self.natural_output_tokens
+            self.natural_output_tokens = tokens if mean is None else mean + self.OUTPUT_ALPHA * (tokens - mean)
+
+    def expected_output(self, max_tokens: int, ignore_eos: bool = False) -> int:
+        """The tokens a request allowed `max_tokens` is expected to make: all of them when it ignores EOS or nothing
+        has ended by itself yet, else the mean of those that did, within its limit."""
+        if ignore_eos or self.natural_output_tokens is None:
+            return max_tokens
+        return max(1, min(max_tokens, round(self.natural_output_tokens)))
 
     def record_prefill(self, tokens: float, seconds: float) -> None:
         self.prefill.record(tokens, seconds)

@@ -36,7 +36,7 @@ def format_summary(doc: dict) -> str:
     lines.append(f"knee at concurrency {knee}")
     if a["c_max"] is not None:
         lines.append(f"C_max {a['c_max']:g}: usable {a['usable_rps']:.2f} RPS per instance "
-                     f"(C_max / E2E {a['e2e_at_c_max_s']:.3f} s)")
+                     f"({a['usable_rps_basis']}; E2E {a['e2e_at_c_max_s']:.3f} s)")
     elif doc["conditions"]["slo_ttft_s"] is not None or doc["conditions"]["slo_itl_s"] is not None:
         lines.append("C_max: no measured point meets the SLO")
     bad = [c for c in a["littles_law"] if not c["ok"]]

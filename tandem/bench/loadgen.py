@@ -36,10 +36,17 @@ async def server_info(client: httpx.AsyncClient, url: str) -> dict:
     without that route). ValueError when nothing answers at `url`: a sweep would only record failures."""
     try:
         response = await client.get(url + "/v1/models")
-        response.raise_for_status()
-        models = response.json().get("data") or []
     except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
         raise ValueError(f"nothing answers at {url} ({type(exc).__name__}): is the server up?") from None
+    except httpx.HTTPError:
+        return {}
+    if response.status_code in (401, 403):  # every request of the sweep would be refused too
+        said = "refused the API key" if "authorization" in client.headers else "requires an API key"
+        raise ValueError(f"{url} {said} (HTTP {response.status_code} on GET /v1/models): give the key with "
+                         "--api-key or $OPENAI_API_KEY")
+    try:
+        response.raise_for_status()
+        models = response.json().get("data") or []
     except (httpx.HTTPError, ValueError, AttributeError):
         return {}
     if not models:

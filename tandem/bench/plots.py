@@ -69,7 +69,7 @@ def plot_curves(doc: dict) -> Figure:
     if c_max is not None and analysis.get("usable_rps") is not None:
         usable = analysis["usable_rps"]
         ax_tp.plot([c_max], [usable], "*", color="tab:red", markersize=12,
-                   label=f"usable {usable:.2f} RPS at C_max (C_max / E2E)")
+                   label=f"usable {usable:.2f} RPS at C_max")
     ax_tp.set_ylim(bottom=0)
     tok.set_ylim(bottom=0)
     if xs and max(xs) >= 8 * min(xs):  # wide sweeps (1, 2, 4, ... 128) read better on a log axis

@@ -14,8 +14,8 @@ JSON_NAME, SUMMARY_CSV, REQUESTS_CSV, PLOT_NAME = "bench.json", "summary.csv", "
 def analyze(summaries: list[dict], slo_ttft_s: float | None, slo_itl_s: float | None,
             percentile: str = "p99") -> dict:
     """The knee, C_max, usable RPS at C_max and Little's law per point, from the point summaries."""
-    result: dict = {"knee_concurrency": None, "c_max": None, "usable_rps": None, "e2e_at_c_max_s": None,
-                    "littles_law": []}
+    result: dict = {"knee_concurrency": None, "c_max": None, "usable_rps": None, "usable_rps_basis": None,
+                    "e2e_at_c_max_s": None, "littles_law": []}
     try:
         points = points_from_document({"points": summaries})
     except ValueError:
@@ -25,7 +25,8 @@ def analyze(summaries: list[dict], slo_ttft_s: float | None, slo_itl_s: float | 
     if slo_ttft_s is not None or slo_itl_s is not None:
         best = find_c_max(points, slo_ttft_s, slo_itl_s, percentile)
         if best is not None:
-            result.update(c_max=best.concurrency, usable_rps=best.usable_rps, e2e_at_c_max_s=best.e2e_mean_s)
+            result.update(c_max=best.concurrency, usable_rps=best.usable_rps, usable_rps_basis=best.usable_rps_basis,
+                          e2e_at_c_max_s=best.e2e_mean_s)
     for p in points:
         if p.request_throughput is not None:
             check = littles_law_check(p.concurrency, p.request_throughput, p.e2e_mean_s)

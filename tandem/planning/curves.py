@@ -75,8 +75,17 @@ class CurvePoint:
 
     @property
     def usable_rps(self) -> float:
-        """Little's law: the request rate that keeps `concurrency` requests in flight at this latency."""
-        return self.concurrency / self.e2e_mean_s
+        """The request rate one instance sustains at this concurrency: the throughput measured there when the point
+        has it, else Little's law's concurrency / E2E latency (which does not see the time the sweep spent ramping
+        up and down, so it can overstate what was measured)."""
+        return self.request_throughput if self.request_throughput else self.concurrency / self.e2e_mean_s
+
+    @property
+    def usable_rps_basis(self) -> str:
+        """Where usable_rps comes from, as reports say it."""
+        if self.request_throughput:
+            return f"throughput measured at concurrency {self.concurrency:g}"
+        return f"C_max / E2E = {self.concurrency:g} / {self.e2e_mean_s:.3f} s"
 
     @classmethod
     def from_summary(cls, summary: dict) -> CurvePoint:

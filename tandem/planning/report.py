@@ -36,8 +36,7 @@ def plan_rows(plan: Plan) -> list[tuple[str, str, str]]:
                      "Kneedle point of throughput vs concurrency"))
         if c is not None:
             rows.append(("E2E latency at C_max", _s(c.e2e_mean_s), "mean, measured"))
-            rows.append(("usable RPS per instance", f"{plan.usable_rps:.2f}",
-                         f"C_max / E2E = {c.concurrency:g} / {c.e2e_mean_s:.3f} s"))
+            rows.append(("usable RPS per instance", f"{plan.usable_rps:.2f}", c.usable_rps_basis))
             rows.append(("instances", str(plan.instances), f"ceil({p.peak_rps:g} / {plan.usable_rps:.2f})"))
             rows.append(("GPUs", str(plan.gpus), f"ceil({plan.instances} x TP{tp} x {safety:g})"))
     if plan.loads is not None:

@@ -3,7 +3,7 @@
 Every formula is a small pure function so that `tandem plan`, the operator's planner mode and the simulator
 share them. The field guide's method:
 
-  usable RPS per instance    = C_max / E2E latency at C_max                    (Little's law)
+  usable RPS per instance    = the throughput measured at C_max, else C_max / E2E latency at C_max (Little's law)
   instances                  = ceil(peak RPS / usable RPS per instance)
   GPUs                       = ceil(instances x GPUs per instance (TP) x safety factor)
   prefill load (workers)     = rps x mean input tokens  / prefill tokens/s per worker

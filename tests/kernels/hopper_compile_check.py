@@ -25,7 +25,7 @@ from triton.runtime.jit import JITFunction
 
 from tandem.workers.layers.metadata import AttentionMetadata
 
-KERNEL_MODULES = ("paged_attention", "cache_write", "rmsnorm", "rope", "activation")
+KERNEL_MODULES = ("paged_attention", "cache_write", "rmsnorm", "rope", "activation", "fp8")
 TOOLS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 
 
@@ -161,6 +161,13 @@ def main() -> None:
     modules["rope"].apply_rotary(torch.zeros(64, dtype=torch.int64), q, k, torch.empty(100, 128))
     modules["activation"].silu_and_mul(torch.empty(64, 2 * 14336, dtype=bf16))
     report("elementwise")
+
+    fp8 = modules["fp8"]
+    fp8.quantize_rows(torch.empty(64, 4096, dtype=bf16))
+    weight, scales = torch.empty(6144, 4096, dtype=fp8.FP8), torch.empty(6144)
+    for rows in (1, 64):
+        fp8.fp8_weight_gemm(torch.empty(rows, 4096, dtype=bf16), weight, scales, torch.empty(6144, dtype=bf16))
+    report("fp8")
 
     # After compile_eager_builds, the eager steps a server forms compile nothing more.
     pa = modules["paged_attention"]

@@ -18,7 +18,7 @@ from tandem.router.admission import (
     SLOClass,
     TenantRateLimiter,
 )
-from tandem.router.app import Dispatcher
+from tandem.router.dispatcher import Dispatcher
 
 
 def request(rid, prompt=100, max_tokens=16, slo="interactive", api_key=None, uncached=None) -> AdmissionRequest:
@@ -105,13 +105,11 @@ def test_refused_exactly_when_predicted_wait_plus_prefill_exceeds_the_target(
     own_time = own / rate
     assume(abs(expected_wait + own_time - 1.0) > 1e-9)
     decision = control.decide(request("new", prompt=own))
-    if own_time <= 1.0:
-        should_refuse = expected_wait + own_time > 1.0
-    else:  # a prompt too long for the target even on an idle pool: served when nothing is ahead of it
-        should_refuse = expected_wait > 0
-    if should_refuse:
+    if own_time > 1.0:  # a prompt too long for the target even on an idle pool: refused, and retrying cannot help
+        assert rejected(decision, RejectReason.SLO_UNMEETABLE).retry_after_s is None
+    elif expected_wait + own_time > 1.0:
         refusal = rejected(decision, RejectReason.SLO_UNMEETABLE)
-        assert refusal.retry_after_s == pytest.approx(expected_wait - max(0.0, 1.0 - own_time))
+        assert refusal.retry_after_s == pytest.approx(expected_wait - (1.0 - own_time))
         assert refusal.retry_after_s > 0
     else:
         assert admitted(decision).predicted_wait_s == pytest.approx(expected_wait)
@@ -165,13 +163,11 @@ def test_only_uncached_tokens_count_as_prefill_work(clock):
     assert control.queued_tokens == 100
 
 
-def test_a_prompt_too_long_for_its_class_is_served_when_nothing_is_ahead(clock):
+def test_a_prompt_too_long_for_its_class_is_refused_on_an_idle_pool_without_a_retry_after(clock):
     control = AdmissionController(rates=ServiceRates(initial_prefill_tps=1000.0), clock=clock)
-    assert admitted(control.decide(request("long", prompt=3000))).predicted_wait_s == 0.0
-    refusal = rejected(control.decide(request("long-2", prompt=3000)), RejectReason.SLO_UNMEETABLE)
-    assert refusal.retry_after_s == pytest.approx(3.0)  # until the first one is done
-    assert control.release("long")
-    admitted(control.decide(request("long-2", prompt=3000)))
+    refusal = rejected(control.decide(request("long", prompt=3000)), RejectReason.SLO_UNMEETABLE)
+    assert refusal.retry_after_s is None and "the prompt alone" in refusal.message
+    assert admitted(control.decide(request("long", prompt=3000, slo="batch"))).predicted_wait_s == 0.0
 
 
 def test_without_a_rate_nothing_is_refused_for_its_slo(clock):
@@ -290,24 +286,36 @@ def test_in_flight_tokens_are_those_dispatched_and_not_released(make_clock, requ
 
 
 def test_with_every_dispatch_slot_held_a_request_waits_for_one_and_is_refused_when_that_is_too_long(clock):
-    """--max-in-flight 2, both slots held by streams that hold one 3 s on average: an idle prefill pool does not
-    make an interactive request's 1 s TTFT reachable. Slots free at 2 per 3 s: the next request waits 1.5 s."""
+    """--max-in-flight 2, both slots held by streams that hold one 3 s: an idle prefill pool does not make an
+    interactive request's 1 s TTFT reachable. One second into their holds, the next slot frees in 2 s, the one after
+    at the same time, and the third one hold later."""
     control = AdmissionController(rates=ServiceRates(initial_prefill_tps=1000.0), clock=clock)
-    dispatcher = Dispatcher(control, limit=2, metrics=None)
-    dispatcher.active = 2  # both slots held
-    admitted(control.decide(request("early", prompt=10)))  # but no hold time known yet: nothing to predict
+    dispatcher = Dispatcher(control, limit=2, metrics=None, clock=clock)
+
+    def hold(rid: str) -> None:
+        admitted(control.decide(request(rid, prompt=10, slo="batch")))
+        assert dispatcher._take(rid)
+        control.release(rid)  # its prefill is done; its slot is held until dispatcher.release
+
+    hold("a")
+    hold("b")
+    admitted(control.decide(request("early", prompt=10)))  # both slots held, but no hold time known: no prediction
     control.release("early")
-    for held in (3.0, 3.0):  # two streams held their slots 3 s each
-        dispatcher.release(held)
-    dispatcher.active = 2  # and two more hold them now
+    for rid in ("a", "b"):
+        dispatcher.release(rid, 3.0, "batch")  # two streams held their slots 3 s each
+    hold("c")
+    hold("d")  # two more hold them now, each predicted to for 3 s
+    clock.advance(1.0)
     refusal = rejected(control.decide(request("late", prompt=10)), RejectReason.DISPATCH_SLOTS)
-    assert refusal.retry_after_s == pytest.approx(1.5 - (1.0 - 0.01))
+    assert refusal.retry_after_s == pytest.approx(2.0 - (1.0 - 0.01))
     assert "--max-in-flight" in refusal.message
-    dispatcher.active, control.rates = 2, ServiceRates(initial_prefill_tps=10.0)  # a slow pool: 2 s of backlog
-    with_in_flight(control, [20])
+    control.rates = ServiceRates(initial_prefill_tps=10.0)  # a slow pool: 3 s of prefill backlog
+    with_in_flight(control, [30])
     rejected(control.decide(request("slow", prompt=2)), RejectReason.SLO_UNMEETABLE)  # the longer wait names it
-    dispatcher.active, control.rates = 2, ServiceRates(initial_prefill_tps=1000.0)
-    assert admitted(control.decide(request("patient", prompt=10, slo="batch"))).predicted_wait_s == pytest.approx(1.5)
-    assert dispatcher.slot_wait_s(queued_ahead=1) == pytest.approx(3.0)  # behind the batch one: the second to free
-    dispatcher.active = 1  # a slot free: no wait for it
-    assert dispatcher.slot_wait_s(queued_ahead=0) == 0.0
+    control.rates = ServiceRates(initial_prefill_tps=1000.0)
+    assert admitted(control.decide(request("patient", prompt=10, slo="batch"))).predicted_wait_s == pytest.approx(2.0)
+    slo = INTERACTIVE
+    assert dispatcher.wait_s(request("x"), slo, queued_ahead=1)[0] == pytest.approx(2.0)  # the other 2 s one
+    assert dispatcher.wait_s(request("x"), slo, queued_ahead=2)[0] == pytest.approx(5.0)  # one hold after that
+    dispatcher.release("c", 1.0, "batch")  # a slot free: no wait for it
+    assert dispatcher.wait_s(request("x"), slo, queued_ahead=0) == (0.0, RejectReason.DISPATCH_SLOTS)

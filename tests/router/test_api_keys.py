@@ -46,6 +46,30 @@ def test_probes_metrics_and_the_schema_stay_open():
         assert call(path).status_code == 200, path
 
 
+def test_the_api_pages_need_the_key_too():
+    """Found by a new user: /docs and /redoc stayed open on a router that required a key."""
+    for path in ("/docs", "/redoc", "/docs/oauth2-redirect"):
+        assert call(path).status_code == 401, path
+        assert call(path, authorization="Bearer k-one").status_code == 200, path
+
+
+def test_the_api_pages_are_not_served_with_disable_fastapi_docs():
+    from tandem.router.app import build_app
+
+    def get(config: RouterConfig, path: str) -> int:
+        app = build_app(Router(config))
+
+        async def go():
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
+                return (await client.get(path)).status_code
+
+        return asyncio.run(go())
+
+    for path in ("/docs", "/redoc", "/openapi.json"):
+        assert get(RouterConfig(decode=["http://127.0.0.1:9"]), path) == 200, path
+        assert get(RouterConfig(decode=["http://127.0.0.1:9"], disable_fastapi_docs=True), path) == 404, path
+
+
 def test_a_gate_without_keys_is_a_mistake():
     with pytest.raises(ValueError):
         ApiKeyGate(behind, [])

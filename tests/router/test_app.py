@@ -492,16 +492,16 @@ def test_n_samples_count_their_prompt_once_and_start_after_the_first_token(route
 
 @pytest.mark.parametrize("body", [{"n": 2}, {"n": 3, "stream": True}, {"prompt_list": True}],
                          ids=["n=2", "n=3 streamed", "two prompts"])
-def test_several_choices_of_a_long_prompt_are_judged_by_the_first_as_one_choice_is(router_app, body):
-    """A prompt whose prefill alone takes longer than the TTFT target is refused with other work ahead of it and
-    admitted on an idle pool (nothing ahead), and so is a request of several choices of it: the later ones are
-    not refused for the wait their own first choice adds."""
+def test_several_choices_of_a_prompt_are_judged_by_the_first_as_one_choice_is(router_app, body):
+    """A prompt whose prefill fits the TTFT target alone is refused with other work ahead of it and admitted on an
+    idle pool (nothing ahead), and so is a request of several choices of it (or of two such prompts, 0.81 s in all):
+    the later ones are not refused for the wait their own first choice adds."""
     router, app, _ = router_app
     router.admission.rates.record_prefill(100, 1.0)  # 100 tokens/s per worker
-    prompt = " ".join(["word"] * 150)  # 1.5 s of prefill alone: over the 1 s target
+    prompt = " ".join(["word"] * 40)  # 0.4 s of prefill alone: within the 1 s target
     request = {"model": "smollm2", "prompt": [prompt, prompt + " more"] if body.pop("prompt_list", False) else prompt,
                "max_tokens": 2, **body}
-    router.admission.decide(AdmissionRequest("ahead", 100, 1, charge_tokens=0))  # 1 s of work ahead (EDF)
+    router.admission.decide(AdmissionRequest("ahead", 80, 1, charge_tokens=0, pool="decode"))  # 0.8 s ahead (EDF)
     r = post(app, request)
     assert r.status_code == 429 and r.json()["error"]["code"] == "slo_unmeetable", r.text
     assert len(router.admission.queue) == 1  # the other's place only: the refused request left nothing queued
@@ -517,11 +517,11 @@ def test_a_request_of_several_prompts_is_judged_by_all_its_prefill(router_app):
     router, app, _ = router_app
     router.admission.rates.record_prefill(100, 1.0)  # 100 tokens/s per worker
     prompt = " ".join(["word"] * 30)
-    router.admission.decide(AdmissionRequest("ahead", 20, 1, charge_tokens=0))  # 0.2 s of work ahead (EDF)
+    router.admission.decide(AdmissionRequest("ahead", 20, 1, charge_tokens=0, pool="decode"))  # 0.2 s ahead
     r = post(app, {"model": "smollm2", "prompt": [prompt, prompt + " a", prompt + " b"], "max_tokens": 2})
     assert r.status_code == 429 and r.json()["error"]["code"] == "slo_unmeetable", r.text
     # One prompt fits; it waits behind "ahead", so it is only checked for admission here, then taken back.
-    assert router.admission.decide(AdmissionRequest("one", 31, 2, uncached_prompt_tokens=31)).__class__.__name__ \
+    assert router.admission.decide(AdmissionRequest("one", 31, 2, uncached_prompt_tokens=31, pool="decode")).__class__.__name__ \
         == "Admit"
     for rid in ("one", "ahead"):
         router.dispatcher.abandon(rid)
@@ -674,3 +674,33 @@ def test_a_prompt_whose_logprobs_are_asked_is_charged_all_of_it(router_app):
     length = len(router.tokenizer.encode(prompt))
     assert charged[0] == length and charged[1] < length - 100, charged  # the second finds the first's prefix
     assert charged[2] == length
+
+
+class StallingWorker(SlowWorker):
+    """Ten tokens 10 ms apart, but for one wait of 250 ms before the sixth."""
+
+    async def event_batches(self, worker: str, path: str, body: dict):
+        for i in range(body["sampling"]["max_tokens"]):
+            await asyncio.sleep(0.25 if i == 5 else 0.01)
+            last = i == body["sampling"]["max_tokens"] - 1
+            yield [{"token_ids": [100 + i], "text": "x", **({"finish_reason": "length"} if last else {})}]
+
+
+def test_goodput_counts_a_request_only_when_its_worst_token_gap_met_the_itl_target(router_app):
+    """The interactive class's ITL target is 100 ms. A stream whose tokens came 10 ms apart but for one 250 ms wait
+    met it on average (34 ms a token) and missed it for a quarter of a second: not goodput, an ITL violation."""
+    from metric_values import metric_value
+
+    router, app, _ = router_app
+    router.orchestrator.http = StallingWorker()
+    r = post(app, {"model": "smollm2", "prompt": "Hello", "max_tokens": 10, "stream": True})
+    assert r.status_code == 200 and "[DONE]" in r.text
+    registry = router.metrics.registry
+    labels = {"slo_class": "interactive"}
+    assert metric_value(registry, "tandem_router_requests_total", **labels) == 1
+    assert metric_value(registry, "tandem_router_goodput_requests_total", **labels) == 0
+    assert metric_value(registry, "tandem_router_slo_violations_total", kind="itl", **labels) == 1
+    assert metric_value(registry, "tandem_router_slo_violations_total", kind="ttft", **labels) == 0
+    router.orchestrator.http = SlowWorker()  # steady 10 ms gaps: within both targets
+    assert post(app, {"model": "smollm2", "prompt": "Hello", "max_tokens": 10, "stream": True}).status_code == 200
+    assert metric_value(registry, "tandem_router_goodput_requests_total", **labels) == 1

@@ -152,3 +152,28 @@ def test_a_model_the_server_does_not_serve_stops_before_the_sweep(tmp_path, caps
     assert capsys.readouterr().err.strip() == ("tandem bench: error: http://127.0.0.1:18300 does not serve "
                                                "--model 'gpt-4'; it serves: smollm2")
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("key, said", [(None, "requires an API key"), ("sk-wrong", "refused the API key")])
+def test_a_router_that_refuses_the_key_is_said_so(tmp_path, capsys, monkeypatch, key, said):
+    """Found by a new user: against a router that requires a key, bench said it could not list the models and to
+    name one with --model, hiding the 401."""
+    import httpx
+
+    from tandem.bench.command import run_bench_command
+    from tandem.bench.config import BenchConfig
+
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+
+    def router(request: httpx.Request) -> httpx.Response:
+        if request.headers.get("authorization") != "Bearer sk-right":
+            return httpx.Response(401, json={"error": {"message": "invalid API key", "type": "invalid_request_error"}})
+        return httpx.Response(200, json={"data": [{"id": "smollm2"}]})
+
+    real_client = httpx.AsyncClient
+    monkeypatch.setattr(httpx, "AsyncClient", lambda **kw: real_client(transport=httpx.MockTransport(router), **kw))
+    config = BenchConfig(url="http://127.0.0.1:18300", api_key=key, out=str(tmp_path / "out"), requests=2)
+    assert run_bench_command(config) == 2
+    err = capsys.readouterr().err
+    assert f"http://127.0.0.1:18300 {said} (HTTP 401 on GET /v1/models)" in err and "--api-key" in err, err
+    assert "name one with --model" not in err

@@ -175,3 +175,14 @@ def test_a_point_with_a_latency_that_is_no_measurement_is_refused(field, value):
     """NaN or a negative latency would pass every SLO test (value > target is False): the point is refused."""
     with pytest.raises(ValueError, match=f"{field} must be a finite number >= 0"):
         CurvePoint(concurrency=4, e2e_mean_s=1.0, **{field: value})
+
+
+def test_usable_rps_is_the_throughput_measured_at_the_point_when_it_has_one():
+    """Found by a new user: bench and plan said 3.03 requests/s were usable at C_max (C_max / E2E) where the same
+    sweep measured 2.62 at that concurrency. The measured throughput is what the instance sustained."""
+    from tandem.planning.curves import CurvePoint
+
+    measured = CurvePoint(concurrency=8, e2e_mean_s=2.64, request_throughput=2.62)
+    assert measured.usable_rps == 2.62 and "measured" in measured.usable_rps_basis
+    hand_made = CurvePoint(concurrency=8, e2e_mean_s=2.0)
+    assert hand_made.usable_rps == 4.0 and hand_made.usable_rps_basis == "C_max / E2E = 8 / 2.000 s"

@@ -97,6 +97,14 @@ class BlockPool:
         self._cached.clear()
         self.block_hash = [None] * self.num_blocks
 
+    def reset(self) -> None:
+        """Back to the state of a new pool: every block free, in id order, and no hashes. Only while none is in use
+        (the engine's start-up calibration leaves it so)."""
+        if any(self.ref_counts):
+            raise RuntimeError("cannot reset a block pool with blocks in use")
+        self._free = OrderedDict.fromkeys(range(self.num_blocks))
+        self.reset_prefix_cache()
+
     def _evict_hash(self, block_id: int) -> None:
         block_hash = self.block_hash[block_id]
         if block_hash is not None:

@@ -21,6 +21,7 @@ from tandem.config import EngineConfig
 from tandem.hashing import model_seed
 from tandem.metrics import EngineMetrics
 from tandem.protocol import LayoutFingerprint, SamplingParams
+from tandem.step_cost import StepCostFit, StepTail, attention_pairs
 from tandem.workers.engine.block_manager import BlockManager
 from tandem.workers.engine.detokenizer import IncrementalDetokenizer
 from tandem.workers.engine.grammar import GrammarMatchers
@@ -155,7 +156,8 @@ def load_engine_model(config: EngineConfig) -> LoadedModel:
     """The model an engine with `config` serves, on the device and attention backend "auto" resolves to."""
     device, backend = resolve_device(config)
     return load_model(config.model, dtype=config.dtype, device=device, backend=backend,
-                      served_name=config.served_model_name, quantized_gemv=config.quantized_gemv)
+                      served_name=config.served_model_name, quantized_gemv=config.quantized_gemv,
+                      quantization=config.quantization)
 
 
 class LLMEngine:
@@ -207,6 +209,12 @@ class LLMEngine:
         self._reported_preemptions = 0
         if metrics is not None:
             metrics.kv_blocks_total.set(self.block_manager.num_total_blocks)
+        # Every step's work and seconds, fitted into the model routers predict its latencies with (tandem.step_cost);
+        # the start-up calibration's steps (workers/engine/calibration.py) go in as its prior.
+        self.step_costs = StepCostFit()
+        self.step_tail = StepTail()  # the gaps between steps that running sequences wait through, against the model
+        self._last_step_end: float | None = None  # when the last step that sampled ended, while sequences run
+        self.mean_pull_s = 0.0  # KV pulls' time, smoothed (what a decode worker adds to a new stream's second token)
 
     @classmethod
     def from_config(cls, config: EngineConfig, metrics: EngineMetrics | None = None) -> LLMEngine:
@@ -336,6 +344,7 @@ class LLMEngine:
         outputs, self._abort_outputs = self._abort_outputs, []
         self.expire_leases()
         self._import_remote_kv()
+        started = time.monotonic()  # the step's own time, from here: a pull waited for above is not the model's
         scheduled = self.scheduler.schedule()
         now = time.monotonic()
         for seq in scheduled.admitted:
@@ -345,6 +354,8 @@ class LLMEngine:
                     self.metrics.queue_time.observe(now - seq.arrival_time)
 
         if scheduled:
+            pairs = sum(attention_pairs(seq.num_computed_tokens, num_new)
+                        for seq, num_new in zip(scheduled.seqs, scheduled.num_new_tokens, strict=True))
             logits, sample_rows, prompt_logprobs = self.runner.execute(scheduled.seqs, scheduled.num_new_tokens)
             for row, entries in prompt_logprobs.items():
                 scheduled.seqs[row].prompt_logprobs.extend(entries)
@@ -378,12 +389,23 @@ class LLMEngine:
                     self.metrics.generation_tokens.inc(len(seqs))
                 for seq, token_id, logprobs in zip(seqs, sampled.token_ids, sampled.logprobs, strict=True):
                     outputs.append(self._append_token(seq, token_id, logprobs, now))
+            ended = time.monotonic()
+            self.step_costs.add(scheduled.total_tokens, len(sample_rows), pairs, ended - started)
+            self._time_gap(scheduled.total_tokens, len(sample_rows), pairs, ended)
         elif self._pulls and not outputs:
             # Only pulls are left to wait for: wait for one here rather than have the caller spin on empty steps.
             wait([pull.pending for pull in self._pulls.values()], timeout=_PULL_WAIT_S, return_when=FIRST_COMPLETED)
 
         self._update_gauges()
         return outputs
+
+    def _time_gap(self, tokens: int, sampled: int, pairs: int, ended: float) -> None:
+        """Measures the gap since the last step that sampled, as running sequences saw it, against this step's
+        predicted time (StepTail); a gap starts only while sequences run (an idle engine's wait is no gap)."""
+        cost = self.step_costs.cost()
+        if sampled and self._last_step_end is not None and cost is not None:
+            self.step_tail.add(ended - self._last_step_end, cost.step_s(tokens, sampled, pairs))
+        self._last_step_end = ended if sampled and self.scheduler.running else None
 
     def generate(self, prompts: Seq[Seq[int]], params: SamplingParams | Seq[SamplingParams]) -> list[GenerationResult]:
         """Run prompts to completion together (offline use, benchmarks, tests)."""
@@ -502,6 +524,7 @@ class LLMEngine:
                 continue
             seq.num_computed_tokens = seq.num_prompt_tokens
             self.block_manager.cache_computed_blocks(seq)
+            self.mean_pull_s += 0.1 * (seconds - self.mean_pull_s)
             if self.metrics is not None:
                 self.metrics.kv_transfer_latency.observe(seconds)
                 self.metrics.kv_transfer_bytes.inc(moved)
@@ -519,6 +542,12 @@ class LLMEngine:
     @property
     def num_running(self) -> int:
         return len(self.scheduler.running)
+
+    @property
+    def num_running_context_tokens(self) -> int:
+        """The tokens of the running sequences' contexts: what a decode step's attention reads (read from other
+        threads: a copy of the list, whole under the GIL)."""
+        return sum(seq.num_tokens for seq in list(self.scheduler.running))
 
     @property
     def num_waiting(self) -> int:

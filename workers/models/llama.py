@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem.workers.kernels.gguf_linear import GGUFBlocks, gguf_linear
+from tandem.workers.layers.fp8_linear import FP8, fp8_linear, quantize_weight
 from tandem.workers.layers.metadata import AttentionMetadata
 from tandem.workers.models.config import ModelConfig
 
@@ -103,17 +104,38 @@ class Gemm(NamedTuple):
 
 class Linear(nn.Module):
     """y = x W^T (+ b) with uninitialised parameters: load_weights fills them, so random init (slow for
-    large models) is skipped."""
+    large models) is skipped. `fp8`: the weight is held in FP8 with a float32 scale per output channel
+    (`weight_scale`), as an FP8 checkpoint stores it; quantize_fp8 turns a float one into that
+    (tandem.workers.layers.fp8_linear)."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, fp8: bool = False):
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        if fp8:
+            self.register_buffer("weight", torch.empty(out_features, in_features, dtype=FP8))
+            self.register_buffer("weight_scale", torch.empty(out_features, dtype=torch.float32))
+        else:
+            self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.packed = PackedWeight()
         self.gguf_blocks: GGUFBlocks | None = None  # the same weight as the file's quantized blocks, on CPU
 
+    @property
+    def is_fp8(self) -> bool:
+        return self.weight.dtype == FP8
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.is_fp8:
+            return fp8_linear(x, self.weight, self.weight_scale, self.bias)
         return linear(x, self.weight, self.bias, self.packed, self.gguf_blocks)
+
+    @torch.no_grad()
+    def quantize_fp8(self) -> None:
+        """Holds the weight in FP8 from now on (quantize_weight); the float copy is freed."""
+        q, scales = quantize_weight(self.weight.data)
+        del self.weight
+        self.register_buffer("weight", q)
+        self.register_buffer("weight_scale", scales)
+        self.packed, self.gguf_blocks = PackedWeight(), None
 
 
 class RMSNorm(nn.Module):
@@ -271,9 +293,11 @@ class LlamaForCausalLM(nn.Module):
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def gemms(self) -> list[Gemm]:
-        """Every GEMM of a step, each once: the decoder layers' and the LM head (read by compute_logits through
-        lm_head_packed and lm_head_blocks, also when untied: the lm_head module's own forward is never run)."""
-        layers = [Gemm(m.weight, m.bias, m.packed, m.gguf_blocks) for m in self.model.modules() if isinstance(m, Linear)]
+        """Every float GEMM of a step, each once: the decoder layers' (but FP8 ones) and the LM head (read by
+        compute_logits through lm_head_packed and lm_head_blocks, also when untied: the lm_head module's own forward
+        is never run)."""
+        layers = [Gemm(m.weight, m.bias, m.packed, m.gguf_blocks) for m in self.model.modules()
+                  if isinstance(m, Linear) and not m.is_fp8]
         return [*layers, Gemm(self.head_weight, None, self.lm_head_packed, self.lm_head_blocks)]
 
     @property
@@ -294,6 +318,13 @@ class LlamaForCausalLM(nn.Module):
             return
         for gemm in self.gemms():
             gemm.packed.get(gemm.weight)
+
+    def quantize_fp8(self) -> None:
+        """Holds every GEMM weight of the decoder layers in FP8 (Linear.quantize_fp8; vLLM's online `--quantization
+        fp8`). The embedding and the LM head stay as they are, as vLLM keeps them."""
+        for module in self.model.modules():
+            if isinstance(module, Linear) and not module.is_fp8:
+                module.quantize_fp8()
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -22,6 +22,7 @@ from tandem.workers.models.llama import MAX_GGUF_BLOCK_ROWS, LlamaForCausalLM
 log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+QUANTIZATIONS = (None, "fp8")
 
 
 @dataclass
@@ -71,15 +72,22 @@ def load_model(
     backend: str = "torch",
     served_name: str | None = None,
     quantized_gemv: str = "auto",
+    quantization: str | None = None,
 ) -> LoadedModel:
     """Loads weights, config and tokenizer (None when the checkpoint has none). dtype "auto" is float32 on
     CPU and bfloat16 on CUDA; the served name defaults to "smollm2" for the alias, else the checkpoint's
     folder or file stem. quantized_gemv "auto": on CPU, the GEMMs of a GGUF file's Q4_0 / Q4_1 / Q8_0
     weights also keep the file's blocks, read instead of the float weights for a few rows (decode steps of
-    small batches) where the native kernel runs (AVX-512); "off": the float weights only."""
+    small batches) where the native kernel runs (AVX-512); "off": the float weights only. quantization "fp8": the
+    decoder layers' GEMM weights are quantized to FP8 once loaded (tandem.workers.layers.fp8_linear)."""
     if quantized_gemv not in ("auto", "off"):
         raise ValueError(f"quantized_gemv must be 'auto' or 'off', not {quantized_gemv!r}")
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"unknown quantization {quantization!r}; supported: {', '.join(map(str, QUANTIZATIONS[1:]))}")
     path = resolve_model_source(source)
+    if quantization is not None and not os.path.isdir(path):
+        raise ValueError(f"--quantization {quantization} quantizes a float checkpoint, and {source!r} is a GGUF file, "
+                         "whose weights are quantized already")
     device = torch.device(device)
     torch_dtype = resolve_dtype(dtype, device)
     ops = get_ops(backend)
@@ -102,6 +110,8 @@ def load_model(
     with torch.device(device), default_dtype(torch_dtype):
         model = LlamaForCausalLM(config, ops)
     model.load_weights(weights)
+    if quantization == "fp8":
+        model.quantize_fp8()
     model.eval()
     if (quantized_gemv == "auto" and device.type == "cpu" and not os.path.isdir(path)
             and torch_dtype in MAX_GGUF_BLOCK_ROWS):  # float16 activations: the float weights only

@@ -1,0 +1,80 @@
+"""The engine's start-up calibration: it fits a step cost model, leaves the engine as it found it, and is measured
+once per machine and configuration."""
+
+import pytest
+
+from tandem.config import EngineConfig
+from tandem.metrics import EngineMetrics
+from tandem.protocol import SamplingParams
+from tandem.workers.engine import calibration
+from tandem.workers.engine.calibration import calibrate
+from tandem.workers.engine.llm_engine import LLMEngine
+
+
+def engine_for(model_dir: str) -> LLMEngine:
+    config = EngineConfig(model=model_dir, num_kv_blocks=64, max_num_seqs=8, max_num_batched_tokens=128)
+    engine = LLMEngine.from_config(config)
+    engine.metrics = EngineMetrics(engine.model_name, "both")
+    return engine
+
+
+PROMPTS = [[5, 9, 13, 200, 7, 7, 31] * 5, [1000 + i for i in range(40)]]
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
+
+
+def test_calibration_fits_a_model_and_leaves_no_trace(tiny_llama_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv(calibration.CACHE_ENV, str(tmp_path))
+    reference = [r.token_ids for r in engine_for(tiny_llama_dir).generate(PROMPTS, GREEDY)]
+
+    engine = engine_for(tiny_llama_dir)
+    cost = calibrate(engine)
+    assert cost is not None and cost == engine.step_costs.cost()
+    assert cost.prefill_s(128) > cost.prefill_s(16) > 0
+    # Nothing it ran counts: the engine's counters, its metrics and its KV blocks are a new engine's.
+    assert (engine.num_prompt_tokens, engine.num_generation_tokens, engine.num_prefix_queried_tokens) == (0, 0, 0)
+    assert sum(engine.num_finished.values()) == 0
+    assert engine.metrics.prompt_tokens._value.get() == 0
+    pool = engine.block_manager.pool
+    assert pool.free_block_ids() == list(range(64)) and pool.num_cached == 0
+    # And it serves as an engine that was never calibrated does.
+    assert [r.token_ids for r in engine.generate(PROMPTS, GREEDY)] == reference
+    assert engine.num_prompt_tokens == sum(map(len, PROMPTS))
+
+
+def test_a_second_engine_of_the_same_configuration_reads_the_measurements(tiny_llama_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv(calibration.CACHE_ENV, str(tmp_path))
+    first = calibrate(engine_for(tiny_llama_dir))
+    assert len(list(tmp_path.glob("step-cost-*.json"))) == 1
+
+    def measured_again(engine):
+        raise AssertionError("calibrated again instead of reading the cache")
+
+    monkeypatch.setattr(calibration, "measure", measured_again)
+    assert calibrate(engine_for(tiny_llama_dir)) == first
+    # Another configuration (a different step budget) is measured for itself.
+    other = LLMEngine.from_config(EngineConfig(model=tiny_llama_dir, num_kv_blocks=64, max_num_batched_tokens=64))
+    with pytest.raises(AssertionError, match="calibrated again"):
+        calibrate(other)
+
+
+def test_a_damaged_cache_file_is_measured_again(tiny_llama_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv(calibration.CACHE_ENV, str(tmp_path))
+    engine = engine_for(tiny_llama_dir)
+    (tmp_path / f"step-cost-{calibration.cache_key(engine)}.json").write_text('{"samples": [[1, 2]]}')
+    assert calibrate(engine) is not None
+    assert len(calibration._read(str(tmp_path / f"step-cost-{calibration.cache_key(engine)}.json"))) > 4
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA device")
+def test_calibration_on_a_gpu_engine_with_its_graphs(tiny_llama_dir, tmp_path, monkeypatch):
+    """On a GPU the decode steps replay CUDA graphs and the sampled tokens are read back each step: the timed
+    steps are the device's, and the engine still serves as before."""
+    monkeypatch.setenv(calibration.CACHE_ENV, str(tmp_path))
+    config = EngineConfig(model=tiny_llama_dir, num_kv_blocks=64, max_num_seqs=8, max_num_batched_tokens=128,
+                          device="cuda", dtype="float32")
+    reference = [r.token_ids for r in LLMEngine.from_config(config).generate(PROMPTS, GREEDY)]
+    engine = LLMEngine.from_config(config)
+    cost = calibrate(engine)
+    assert cost.prefill_s(128) >= cost.prefill_s(16) > 0
+    assert [r.token_ids for r in engine.generate(PROMPTS, GREEDY)] == reference

@@ -1,0 +1,178 @@
+"""The engine's start-up calibration: steps of known work, timed, as the prior of its step cost model.
+
+A worker runs it once before it is ready, so that routers can predict its latencies from the first request
+(tandem.step_cost; docs/admission.md). The steps' measurements are kept in a cache folder, keyed by what decides
+them (model file, device, dtype, kernels, threads, step budget): a worker started again on the same machine reads
+them instead of measuring again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import platform
+import random
+import time
+from collections.abc import Iterator
+
+import torch
+
+from tandem.model_source import resolve_model_source
+from tandem.protocol import SamplingParams
+from tandem.step_cost import StepCost
+
+log = logging.getLogger(__name__)
+
+CACHE_ENV = "TANDEM_CACHE_DIR"
+DECODE_STEPS = 4  # decode steps timed per batch size
+DECODE_PROMPT_TOKENS = 32
+
+
+class _Recorder:
+    """Stands in for the engine's StepCostFit while calibrating: keeps each step's measurement."""
+
+    def __init__(self):
+        self.samples: list[list[float]] = []
+
+    def add(self, tokens: float, sequences: float, pairs: float, seconds: float) -> None:
+        self.samples.append([tokens, sequences, pairs, seconds])
+
+    def cost(self) -> None:
+        """No model while calibrating: the engine measures no gaps against one (LLMEngine._time_gap)."""
+        return None
+
+
+def calibrate(engine) -> StepCost:
+    """Time the calibration steps (or read them from the cache) into `engine.step_costs` as its prior; returns the
+    model they give."""
+    path = os.path.join(cache_dir(), f"step-cost-{cache_key(engine)}.json")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with _locked(path + ".lock"):  # workers started together measure one after the other, not on shared cores
+        samples = _read(path)
+        if samples is None:
+            started = time.monotonic()
+            samples = measure(engine)
+            log.info("step cost calibration: %d steps in %.1f s", len(samples), time.monotonic() - started)
+            _write(path, samples)
+    for tokens, sequences, pairs, seconds in samples:
+        engine.step_costs.add(tokens, sequences, pairs, seconds, prior=True)
+    return engine.step_costs.cost()
+
+
+def measure(engine) -> list[list[float]]:
+    """Runs the calibration workload through the engine and returns its steps' [tokens, sequences sampled, attention
+    pairs, seconds]. Leaves no trace: the engine's counters and KV blocks are as before."""
+    config = engine.config
+    budget, limit = config.max_num_batched_tokens, engine.max_model_len - 1
+    prefills = sorted({max(1, min(n, limit)) for n in (16, budget // 8, budget // 2)})
+    batches = sorted({max(1, n) for n in (1, config.max_num_seqs // 4, config.max_num_seqs // 2)})
+    rng = random.Random(0)
+    vocab = engine.model_config.vocab_size
+
+    def prompt(n: int) -> list[int]:
+        return [rng.randrange(vocab) for _ in range(n)]
+
+    recorder = _Recorder()
+    with _unrecorded(engine):
+        fit, engine.step_costs = engine.step_costs, recorder
+        try:
+            engine.generate([prompt(16)], _greedy(2))  # first-use costs (lazy initialisation, kernel builds)
+            if engine.runner.device.type == "cuda":  # and each prefill's shape once: its kernels and GEMM plans
+                for n in prefills:
+                    engine.generate([prompt(n)], _greedy(1))
+            recorder.samples.clear()  # are not the steps' own
+            for n in prefills:
+                engine.generate([prompt(n)], _greedy(1))
+            decode_len = min(DECODE_PROMPT_TOKENS, max(1, limit - DECODE_STEPS - 1))
+            for batch in batches:
+                engine.generate([prompt(decode_len) for _ in range(batch)], _greedy(DECODE_STEPS + 1))
+        finally:
+            engine.step_costs = fit
+    return recorder.samples
+
+
+def _greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
+@contextlib.contextmanager
+def _unrecorded(engine) -> Iterator[None]:
+    """Runs requests through the engine without them counting: metrics detached, cumulative counters restored and
+    the KV blocks as a new engine's (free, in order, nothing cached)."""
+    bm, scheduler = engine.block_manager, engine.scheduler
+    saved = (engine.metrics, engine.num_prompt_tokens, engine.num_computed_prompt_tokens,
+             engine.num_generation_tokens, dict(engine.num_finished), bm.num_queried_tokens, bm.num_hit_tokens,
+             scheduler.num_preemptions)
+    engine.metrics = None
+    try:
+        yield
+    finally:
+        (engine.metrics, engine.num_prompt_tokens, engine.num_computed_prompt_tokens, engine.num_generation_tokens,
+         engine.num_finished, bm.num_queried_tokens, bm.num_hit_tokens, scheduler.num_preemptions) = saved
+        bm.pool.reset()
+
+
+def cache_dir() -> str:
+    return os.environ.get(CACHE_ENV) or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "tandem")
+
+
+def cache_key(engine) -> str:
+    """What the calibration's timings depend on, hashed: the model file (path, size, time), the device, dtype and
+    kernels, the host's processor and threads, and the engine's step limits."""
+    config, runner = engine.config, engine.runner
+    try:
+        source = resolve_model_source(config.model)
+        stat = os.stat(source)
+        model = [os.path.abspath(source), stat.st_size, stat.st_mtime_ns]
+    except (OSError, ValueError):
+        model = [config.model]
+    device = runner.device
+    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name()
+    parts = [model, device.type, device_name, str(runner.dtype), runner.model.ops.backend, torch.__version__,
+             torch.get_num_threads(), config.block_size, config.max_num_batched_tokens, config.max_num_seqs,
+             engine.max_model_len, config.quantized_gemv, config.enforce_eager, 1]  # the last: this workload's version
+    return hashlib.blake2b(json.dumps(parts).encode(), digest_size=8).hexdigest()
+
+
+def _cpu_name() -> str:
+    with contextlib.suppress(OSError):
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
+def _read(path: str) -> list[list[float]] | None:
+    try:
+        with open(path) as f:
+            samples = json.load(f)["samples"]
+        if samples and all(isinstance(s, list) and len(s) == 4 for s in samples):
+            return samples
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    return None
+
+
+def _write(path: str, samples: list[list[float]]) -> None:
+    """Written whole or not at all (a file renamed into place), so that a reader never sees half of it."""
+    with contextlib.suppress(OSError):
+        partial = f"{path}.{os.getpid()}.tmp"
+        with open(partial, "w") as f:
+            json.dump({"samples": samples}, f)
+        os.replace(partial, path)
+
+
+@contextlib.contextmanager
+def _locked(path: str) -> Iterator[None]:
+    with open(path, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
