@@ -52,6 +52,9 @@ def _serve_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=None, help="the router then requires `Authorization: Bearer <key>` on "
                                                    "/v1/*; none given: $TANDEM_API_KEY's, else the API is open. "
                                                    "$TANDEM_API_KEY keeps the key out of `ps`")
+    for role in ("prefill", "decode"):
+        p.add_argument(f"--{role}-tensor-parallel-size", type=int, default=None, metavar="N",
+                       help=f"the {role} workers' --tensor-parallel-size (default: --tensor-parallel-size)")
     p.add_argument("--admission", choices=["slo", "off"], default=RouterConfig.model_fields["admission"].default,
                    help="the router's admission: slo refuses (429) what would miss its SLO class's targets; off "
                         "serves first come, first served")
@@ -239,6 +242,9 @@ def _main(argv: list[str] | None) -> int:
         prefill = 1 if ns.prefill is None else ns.prefill
         if ns.decode < 1 or prefill < 0:
             serve_parser.error("needs --decode >= 1 and --prefill >= 0")
+        for size in (ns.prefill_tensor_parallel_size, ns.decode_tensor_parallel_size):
+            if size is not None and size < 1:
+                serve_parser.error(f"a tensor-parallel size must be >= 1, got {size}")
         engine = _checked(serve_parser, lambda: model_from_options(EngineConfig, ns))
         _device_present(serve_parser, engine.device)
         # The router's own options too: checked here, not by the router process once the workers have started.
@@ -249,7 +255,9 @@ def _main(argv: list[str] | None) -> int:
         return run_local_stack(engine, prefill=prefill, decode=ns.decode,
                                colocated=ns.colocated or prefill == 0, disagg_min_tokens=ns.disagg_min_tokens,
                                host=ns.host, port=ns.port, api_key=ns.api_key,
-                               worker_return_wait_s=ns.worker_return_wait_s, admission=ns.admission)
+                               worker_return_wait_s=ns.worker_return_wait_s, admission=ns.admission,
+                               tensor_parallel={"prefill": ns.prefill_tensor_parallel_size,
+                                                "decode": ns.decode_tensor_parallel_size})
     if ns.command == "router":
         from tandem.router.main import run_router
 

@@ -57,6 +57,9 @@ class EngineConfig(BaseModel):
         "auto", description="auto: on CPU, decode steps of small batches (up to 16 sequences in float32, 8 in "
         "bfloat16) read a GGUF file's Q4_0/Q4_1/Q8_0 weights in the file's own blocks (a native AVX-512 kernel; "
         "the same weights in 3.8-7x fewer bytes than float32); off: the dequantized weights only")
+    tensor_parallel_size: int = Field(1, ge=1, description="processes (one GPU each on CUDA) the model is split "
+                                      "over: attention heads, MLP columns and vocabulary rows, one all-reduce per "
+                                      "attention and MLP block")
     quantization: Literal["fp8"] | None = Field(None, description="fp8: the decoder layers' GEMM weights in FP8 "
                                                 "(e4m3, a scale per output channel), quantized at load from a float "
                                                 "checkpoint; activations quantized per token where the GPU has FP8 "

@@ -129,7 +129,7 @@ def stop_all(router: ServiceProcess, workers: list[ServiceProcess]) -> None:
 
 def run_local_stack(engine: EngineConfig, *, prefill: int, decode: int, colocated: bool, disagg_min_tokens: int,
                     host: str, port: int, api_key: str | None = None, worker_return_wait_s: float | None = None,
-                    admission: str = "slo") -> int:
+                    admission: str = "slo", tensor_parallel: dict[str, int | None] | None = None) -> int:
     try:  # a model that is not there is said now, not in a worker's traceback after the others have loaded it
         default_name = default_served_name(engine.model)
     except ValueError as exc:
@@ -140,12 +140,13 @@ def run_local_stack(engine: EngineConfig, *, prefill: int, decode: int, colocate
         print(f"tandem serve: port {port} on {host} is in use (another tandem serve?); stop it, or choose another "
               "port, e.g. --port 9000 (with make: make serve ARGS=\"--port 9000\")", file=sys.stderr)
         return 2
-    worker_args = options_to_args(engine)
     roles = ["both"] * decode if colocated else ["prefill"] * prefill + ["decode"] * decode
     # The internal endpoints' shared secret (tandem.internal_auth), one per stack unless the caller set one.
     internal = {INTERNAL_TOKEN_ENV: os.environ.get(INTERNAL_TOKEN_ENV) or secrets.token_urlsafe(32)}
-    workers = [ServiceProcess(["worker", "--role", role, *worker_args], name=f"{role}-{i}", env=internal)
-               for i, role in enumerate(roles)]
+    sizes = tensor_parallel or {}
+    workers = [ServiceProcess(["worker", "--role", role, *options_to_args(engine.model_copy(update={
+        "tensor_parallel_size": sizes.get("decode" if role == "both" else role) or engine.tensor_parallel_size}))],
+        name=f"{role}-{i}", env=internal) for i, role in enumerate(roles)]
     prefill_urls = [w.url for w, r in zip(workers, roles) if r == "prefill"]
     decode_urls = [w.url for w, r in zip(workers, roles) if r != "prefill"]
     router_args = ["router", "--model", engine.model, "--host", host, "--disagg-min-tokens", str(disagg_min_tokens),

@@ -87,11 +87,17 @@ class LayoutFingerprint(BaseModel):
     num_kv_heads: int
     head_dim: int
     tp_rank: int = 0
+    tp_size: int = 1  # the ranks the KV heads are split over (each holds its own blocks' share)
 
     def mismatches(self, local: LayoutFingerprint) -> list[str]:
-        """Human-readable differences, e.g. ['block_size: handle 16, this worker 32']."""
-        return [f"{name}: handle {getattr(self, name)!r}, this worker {getattr(local, name)!r}"
-                for name in type(self).model_fields if getattr(self, name) != getattr(local, name)]
+        """Human-readable differences, e.g. ['block_size: handle 16, this worker 32']. KV split over several
+        tensor-parallel ranks does not move between workers yet: such a handle, or such a worker, is a mismatch."""
+        found = [f"{name}: handle {getattr(self, name)!r}, this worker {getattr(local, name)!r}"
+                 for name in type(self).model_fields if getattr(self, name) != getattr(local, name)]
+        if not found and local.tp_size > 1:
+            found.append(f"tp_size: {local.tp_size} on both, and KV split over tensor-parallel ranks is not "
+                         "pulled between workers yet")
+        return found
 
 
 class KVHandle(BaseModel):

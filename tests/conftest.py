@@ -244,6 +244,19 @@ def tiny_llama_dir(tmp_path_factory, hf_smollm2_tokenizer) -> str:
 
 
 @pytest.fixture(scope="session")
+def tiny_llama_kv4_dir(tmp_path_factory, hf_smollm2_tokenizer) -> str:
+    """Random 2-layer Llama with 8 query and 4 KV heads (GQA 2:1) and a vocabulary no rank count divides, for
+    tensor parallelism: 2 ranks split the KV heads, 8 replicate them; 3 do not fit its heads."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=TINY_VOCAB + 1, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
+        num_key_value_heads=4, max_position_embeddings=512, rms_norm_eps=1e-5, initializer_range=0.2,
+        tie_word_embeddings=False, rope_theta=10000.0, bos_token_id=1, eos_token_id=2,
+    )
+    return _write_tiny_checkpoint(tmp_path_factory.mktemp("tiny_llama_kv4"), config, hf_smollm2_tokenizer, seed=3)
+
+
+@pytest.fixture(scope="session")
 def tiny_qwen2_dir(tmp_path_factory, hf_smollm2_tokenizer) -> str:
     """Random 2-layer Qwen2 (q/k/v bias, GQA 4:2, tied embeddings) as sharded safetensors + a tokenizer."""
     transformers = pytest.importorskip("transformers")

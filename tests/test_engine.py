@@ -164,8 +164,10 @@ def test_runner_flattens_a_mixed_batch():
     # Whole prompt in one go; of its positions 0-2 only 0 and 1 predict a prompt token (2 predicts the output).
     last = Sequence("last", [30, 31, 32], SamplingParams(prompt_logprobs=0))
     last.block_table = [5]
-    input_ids, positions, meta, logits_indices, rows, prompt_spans = runner.prepare([decode, chunk, last], [1, 5, 3])
-    assert prompt_spans == [(1, 1, 5, 3), (2, 6, 2, 0)]
+    step, rows, prompt_rows = runner.prepare([decode, chunk, last], [1, 5, 3])
+    assert step.prompt_spans == [(1, 5), (6, 2)] and prompt_rows == [(1, 3), (2, 0)]
+    input_ids, positions, meta = runner.tensors(step)
+    logits_indices = step.logits_indices
     assert input_ids.tolist() == [6, 13, 14, 15, 16, 17, 30, 31, 32]
     assert positions.tolist() == [5, 3, 4, 5, 6, 7, 0, 1, 2]
     # decode pos 5 -> block 3 offset 1; chunk pos 3 -> block 7 offset 3, pos 4..7 -> block 2; last -> block 5.

@@ -6,18 +6,29 @@ import asyncio
 import logging
 import uuid
 
+import torch
 import uvicorn
 
 from tandem.config import WorkerConfig
 from tandem.graceful import AnswerOnShutdown, GracefulServer
 from tandem.heap import settle_heap
-from tandem.launcher import port_in_use
+from tandem.launcher import free_port, port_in_use
 from tandem.metrics import EngineMetrics
 from tandem.workers.async_engine import AsyncEngine
 from tandem.workers.engine.calibration import calibrate
-from tandem.workers.engine.llm_engine import LLMEngine, load_engine_model
+from tandem.workers.engine.llm_engine import LLMEngine, load_engine_model, resolve_device
 from tandem.workers.kv_transfer import create_kv_transfer
+from tandem.workers.models.loader import load_engine_config
 from tandem.workers.server import ServingContext, build_app
+from tandem.workers.tensor_parallel import (
+    TPGroup,
+    check_sizes,
+    device_for,
+    exit_on_loss,
+    init_process_group,
+    start_followers,
+    watch,
+)
 
 log = logging.getLogger("tandem.worker")
 
@@ -57,7 +68,7 @@ class _Server(GracefulServer):
 def build_worker(config: WorkerConfig) -> tuple[ServingContext, AsyncEngine]:
     ec = config.engine
     try:
-        loaded = load_engine_model(ec)
+        loaded = load_engine_model(ec, start_tensor_parallel(ec))
     except ValueError as exc:  # settings this checkpoint cannot serve: one line, not a traceback
         raise SystemExit(f"tandem worker: {exc}") from None
     if loaded.tokenizer is None:
@@ -81,11 +92,36 @@ def build_worker(config: WorkerConfig) -> tuple[ServingContext, AsyncEngine]:
     return ctx, async_engine
 
 
+def start_tensor_parallel(ec) -> TPGroup | None:
+    """With --tensor-parallel-size N > 1: starts ranks 1..N-1 and joins them as rank 0, after checking the sizes
+    against the model and the devices (SystemExit naming both numbers otherwise); None for N = 1."""
+    size = ec.tensor_parallel_size
+    if size == 1:
+        return None
+    try:
+        config = load_engine_config(ec.model)
+        check_sizes(size, config.num_heads, config.num_kv_heads, config.intermediate_size)
+    except ValueError as exc:
+        raise SystemExit(f"tandem worker: {exc}") from None
+    device, _ = resolve_device(ec)
+    if device == "cuda" and torch.cuda.device_count() < size:
+        raise SystemExit(f"tandem worker: --tensor-parallel-size {size} needs {size} GPUs, this machine has "
+                         f"{torch.cuda.device_count()}")
+    port = free_port()
+    followers = start_followers(size, port, ec.model_dump_json())
+    group = init_process_group(0, size, port, device_for(0, torch.device(device)))
+    watch(followers, exit_on_loss)
+    log.info("tensor-parallel group of %d ranks ready", size)
+    return group
+
+
 def _engine_summary(async_engine: AsyncEngine) -> str:
     """Device, dtype, attention backend and GEMV weights as resolved from "auto": what a user needs to know
     is serving."""
     runner = async_engine.engine.runner
     summary = f"{runner.device.type} {str(runner.dtype).removeprefix('torch.')}, attention {runner.model.ops.backend}"
+    if runner.tp is not None:
+        summary += f", tensor parallel {runner.tp.size}"
     if runner.model.gguf_block_gemms:
         summary += f", {runner.model.gguf_block_gemms} GEMMs from GGUF blocks at small batches"
     return summary
@@ -106,6 +142,9 @@ def run_worker(config: WorkerConfig, log_level: str = "info") -> int:
         server.run()  # handles SIGINT/SIGTERM: stops accepting, finishes responses, returns
     finally:
         async_engine.stop()
+        tp = async_engine.engine.runner.tp
+        if tp is not None and async_engine.error is None:
+            tp.broadcast(None)  # the followers' loops end
         if ctx.kv_transfer is not None:
             ctx.kv_transfer.close()
     return 0

@@ -33,6 +33,7 @@ from tandem.workers.engine.sequence import Sequence
 from tandem.workers.kv_transfer import KVTransfer, KVTransferError
 from tandem.workers.layers.ops import resolve_backend
 from tandem.workers.models.loader import LoadedModel, load_model
+from tandem.workers.tensor_parallel import TPGroup, device_for
 
 log = logging.getLogger(__name__)
 
@@ -152,12 +153,15 @@ def resolve_device(config: EngineConfig) -> tuple[str, str]:
     return device, resolve_backend(config.attention_backend, torch.device(device).type)
 
 
-def load_engine_model(config: EngineConfig) -> LoadedModel:
-    """The model an engine with `config` serves, on the device and attention backend "auto" resolves to."""
+def load_engine_model(config: EngineConfig, tp: TPGroup | None = None) -> LoadedModel:
+    """The model an engine with `config` serves, on the device and attention backend "auto" resolves to (each rank
+    of a tensor-parallel worker its shard, on its own GPU)."""
     device, backend = resolve_device(config)
+    if tp is not None:
+        device = str(device_for(tp.rank, torch.device(device)))
     return load_model(config.model, dtype=config.dtype, device=device, backend=backend,
                       served_name=config.served_model_name, quantized_gemv=config.quantized_gemv,
-                      quantization=config.quantization)
+                      quantization=config.quantization, tp=tp)
 
 
 class LLMEngine:
@@ -189,7 +193,8 @@ class LLMEngine:
         mc = loaded.config
         self.layout = LayoutFingerprint(model=self.model_name, dtype=str(self.runner.kv_cache.dtype).removeprefix("torch."),
                                         block_size=config.block_size, num_layers=mc.num_layers,
-                                        num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim)
+                                        num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
+                                        tp_size=1 if self.runner.tp is None else self.runner.tp.size)
         self.sampler = Sampler(config.seed, device=self.runner.device)
         self.metrics = metrics
         eos = set(loaded.config.eos_token_ids or [])

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -25,7 +27,7 @@ from tandem.workers.layers.metadata import AttentionMetadata
 
 log = logging.getLogger(__name__)
 
-_PROMPT_LOGPROBS_ROWS = 64  # prompt positions turned into logits at a time (see ModelRunner._prompt_logprobs)
+_PROMPT_LOGPROBS_ROWS = 64  # prompt positions turned into logits at a time (see ModelRunner.run_step)
 
 
 def _as_dtype(dtype: Any) -> torch.dtype:
@@ -43,30 +45,53 @@ def kv_block_bytes(num_layers: int, block_size: int, num_kv_heads: int, head_dim
 
 
 def kv_cache_blocks(loaded: Any, config: EngineConfig) -> int:
-    """The number of KV blocks the cache of a runner for `loaded` with `config` has (known before it is made)."""
+    """The number of KV blocks the cache of a runner for `loaded` with `config` has (known before it is made); on a
+    tensor-parallel worker each rank's cache holds that many blocks of its own KV heads in kv_cache_memory_gb."""
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks
     mc = loaded.config
-    block_bytes = kv_block_bytes(mc.num_layers, config.block_size, mc.num_kv_heads, mc.head_dim,
-                                 _as_dtype(loaded.dtype))
+    kv_heads = getattr(loaded.model, "num_local_kv_heads", mc.num_kv_heads)  # a tensor-parallel rank's own
+    block_bytes = kv_block_bytes(mc.num_layers, config.block_size, kv_heads, mc.head_dim, _as_dtype(loaded.dtype))
     blocks = int(config.kv_cache_memory_gb * (1 << 30)) // block_bytes
     if blocks < 1:
         raise ValueError(f"kv_cache_memory_gb={config.kv_cache_memory_gb} holds no KV block ({block_bytes} bytes each)")
     return blocks
 
 
+@dataclass
+class StepInputs:
+    """One step's flattened batch as plain lists: what rank 0 broadcasts to the other ranks of a tensor-parallel
+    worker, each of which makes its own device tensors of it (ModelRunner.tensors)."""
+
+    input_ids: list[int]
+    positions: list[int]
+    slots: list[int]
+    query_start_loc: list[int]
+    seq_lens: list[int]
+    block_tables: list[list[int]]
+    query_lens: list[int]
+    logits_indices: list[int]  # flattened tokens whose logits are sampled from
+    prompt_spans: list[tuple[int, int]]  # (first flattened token, count) whose logits give prompt logprobs
+
+
 class ModelRunner:
     def __init__(self, loaded: Any, config: EngineConfig, max_model_len: int | None = None):
         """`max_model_len`: the engine's context limit (None: the model's); it sizes the CUDA graphs'
-        block tables."""
+        block tables. On a tensor-parallel worker (loaded.tp) the ranks take rank 0's context limit and cache
+        size, and each holds the cache of its own KV heads."""
         self.model = loaded.model
         self.model_config = loaded.config
+        self.tp = getattr(loaded, "tp", None)
         self.device = torch.device(loaded.device)
         self.dtype = _as_dtype(loaded.dtype)
         self.block_size = config.block_size
         mc = self.model_config
         self.num_blocks = kv_cache_blocks(loaded, config)
-        self.kv_cache = torch.zeros(self.num_blocks, mc.num_layers, 2, self.block_size, mc.num_kv_heads,
+        if self.tp is not None:
+            max_model_len, self.num_blocks = self.tp.broadcast((max_model_len, self.num_blocks))
+        self.max_model_len = max_model_len
+        kv_heads = getattr(self.model, "num_local_kv_heads", mc.num_kv_heads)
+        self.kv_cache = torch.zeros(self.num_blocks, mc.num_layers, 2, self.block_size, kv_heads,
                                     mc.head_dim, dtype=self.dtype, device=self.device)
         # Pack the CPU GEMM weights now rather than in the middle of the first batched request.
         pack_weights = getattr(self.model, "pack_weights", None)
@@ -102,38 +127,68 @@ class ModelRunner:
                 ) -> tuple[torch.Tensor | None, list[int], dict[int, list[TokenLogprobs]]]:
         """Run one step. Returns (float32 logits [S, V], the indices into `seqs` of those S rows, and for each row
         whose request wants prompt logprobs, those of the prompt tokens this step's positions predict, in order)."""
-        input_ids, positions, meta, logits_indices, sample_rows, prompt_spans = self.prepare(seqs, num_new_tokens)
+        step, sample_rows, prompt_rows = self.prepare(seqs, num_new_tokens)
+        if self.tp is not None:
+            self.tp.broadcast(step)
+        prompt_logprobs: dict[int, list[TokenLogprobs]] = {row: [] for row, _ in prompt_rows}
+
+        def on_prompt_logits(span: int, offset: int, logits: torch.Tensor) -> None:
+            row, position = prompt_rows[span]
+            seq = seqs[row]
+            targets = seq.token_ids[position + 1 + offset:position + 1 + offset + logits.shape[0]]
+            prompt_logprobs[row] += token_logprobs(logits, targets, [seq.params.prompt_logprobs] * len(targets))
+
+        logits = self.run_step(step, on_prompt_logits)
+        return logits, sample_rows, prompt_logprobs
+
+    @torch.inference_mode()
+    def run_step(self, step: StepInputs, on_prompt_logits: Callable[[int, int, torch.Tensor], None] | None = None
+                 ) -> torch.Tensor | None:
+        """The step's forward pass and its logits: the same calls on every rank of a tensor-parallel worker, whose
+        collectives they run together. Prompt logprobs' logits go to `on_prompt_logits(span, offset, logits)` a
+        slice of rows at a time: a whole chunk's logits would be [chunk, vocab] float32, gigabytes for a large
+        vocabulary, beside a KV cache sized without them. Returns the logits sampled from (None when none is)."""
+        input_ids, positions, meta = self.tensors(step)
         if self.decode_graphs is not None and self.decode_graphs.can_run(meta):
             hidden = self.decode_graphs.run(input_ids, positions, meta)
         else:
             hidden = self.model.forward(input_ids, positions, self.kv_cache, meta)
-        prompt_logprobs = {row: self._prompt_logprobs(hidden[first:first + count], seqs[row], position)
-                           for row, first, count, position in prompt_spans}
-        if not sample_rows:
-            return None, sample_rows, prompt_logprobs
-        if len(logits_indices) == hidden.shape[0]:
+        for span, (first, count) in enumerate(step.prompt_spans):
+            for lo in range(0, count, _PROMPT_LOGPROBS_ROWS):
+                logits = self.model.compute_logits(hidden[first + lo:first + min(count, lo + _PROMPT_LOGPROBS_ROWS)])
+                if on_prompt_logits is not None:
+                    on_prompt_logits(span, lo, logits)
+        if not step.logits_indices:
+            return None
+        if len(step.logits_indices) == hidden.shape[0]:
             last_hidden = hidden
         else:
-            last_hidden = hidden[torch.tensor(logits_indices, device=self.device)]
-        return self.model.compute_logits(last_hidden), sample_rows, prompt_logprobs
+            last_hidden = hidden[torch.tensor(step.logits_indices, device=self.device)]
+        return self.model.compute_logits(last_hidden)
 
-    def _prompt_logprobs(self, hidden: torch.Tensor, seq: Sequence, position: int) -> list[TokenLogprobs]:
-        """The logprobs of the prompt tokens that hidden rows at positions position, position + 1, ... predict,
-        each with params.prompt_logprobs alternatives (of the raw distribution, as the sampler reports an output
-        token's). A slice of rows at a time: a whole chunk's logits would be [chunk, vocab] float32, gigabytes for a
-        large vocabulary, beside a KV cache sized without them."""
-        entries = []
-        for lo in range(0, hidden.shape[0], _PROMPT_LOGPROBS_ROWS):
-            logits = self.model.compute_logits(hidden[lo:lo + _PROMPT_LOGPROBS_ROWS])
-            targets = seq.token_ids[position + 1 + lo:position + 1 + lo + logits.shape[0]]
-            entries += token_logprobs(logits, targets, [seq.params.prompt_logprobs] * len(targets))
-        return entries
+    def tensors(self, step: StepInputs) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """(input ids, positions, attention metadata) of a step, on this runner's device."""
+        device = self.device
+        width = max(len(table) for table in step.block_tables)
+        tables = [table + [0] * (width - len(table)) for table in step.block_tables]
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(step.slots, dtype=torch.int64, device=device),
+            query_start_loc=torch.tensor(step.query_start_loc, dtype=torch.int32, device=device),
+            seq_lens=torch.tensor(step.seq_lens, dtype=torch.int32, device=device),
+            block_tables=torch.tensor(tables, dtype=torch.int32, device=device),
+            query_lens_list=list(step.query_lens),
+            seq_lens_list=step.seq_lens,
+            max_query_len=max(step.query_lens),
+            max_seq_len=max(step.seq_lens),
+        )
+        return (torch.tensor(step.input_ids, dtype=torch.int64, device=device),
+                torch.tensor(step.positions, dtype=torch.int64, device=device), meta)
 
-    def prepare(self, seqs: Seq[Sequence], num_new_tokens: Seq[int]):
-        """Flatten a step into (input_ids, positions, AttentionMetadata, logits_indices, sample_rows, prompt_spans):
-        prompt_spans (row, first index into the flattened tokens, count, first position) are the positions of rows
-        that want prompt logprobs whose logits predict a prompt token not yet recorded (the last prompt position
-        predicts the first output)."""
+    def prepare(self, seqs: Seq[Sequence], num_new_tokens: Seq[int]
+                ) -> tuple[StepInputs, list[int], list[tuple[int, int]]]:
+        """Flatten a step into (StepInputs, sample_rows, prompt_rows): prompt_rows (row, first position) go with
+        StepInputs.prompt_spans, the positions of rows that want prompt logprobs whose logits predict a prompt token
+        not yet recorded (the last prompt position predicts the first output)."""
         block_size = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -142,7 +197,8 @@ class ModelRunner:
         seq_lens: list[int] = []
         logits_indices: list[int] = []
         sample_rows: list[int] = []
-        prompt_spans: list[tuple[int, int, int]] = []
+        prompt_spans: list[tuple[int, int]] = []
+        prompt_rows: list[tuple[int, int]] = []
         for row, (seq, num_new) in enumerate(zip(seqs, num_new_tokens, strict=True)):
             start = seq.num_computed_tokens
             end = start + num_new
@@ -167,26 +223,13 @@ class ModelRunner:
                 first = max(start, len(seq.prompt_logprobs) - 1)
                 count = min(end, seq.num_prompt_tokens - 1) - first
                 if count > 0:
-                    prompt_spans.append((row, query_start_loc[-1] + first - start, count, first))
+                    prompt_spans.append((query_start_loc[-1] + first - start, count))
+                    prompt_rows.append((row, first))
             query_start_loc.append(query_start_loc[-1] + num_new)
             seq_lens.append(end)
             if end == seq.num_tokens:
                 logits_indices.append(query_start_loc[-1] - 1)
                 sample_rows.append(row)
-
-        width = max(len(seq.block_table) for seq in seqs)
-        tables = [seq.block_table + [0] * (width - len(seq.block_table)) for seq in seqs]
-        device = self.device
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-            query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32, device=device),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-            block_tables=torch.tensor(tables, dtype=torch.int32, device=device),
-            query_lens_list=list(num_new_tokens),
-            seq_lens_list=seq_lens,
-            max_query_len=max(num_new_tokens),
-            max_seq_len=max(seq_lens),
-        )
-        return (torch.tensor(input_ids, dtype=torch.int64, device=device),
-                torch.tensor(positions, dtype=torch.int64, device=device),
-                meta, logits_indices, sample_rows, prompt_spans)
+        step = StepInputs(input_ids, positions, slots, query_start_loc, seq_lens,
+                          [seq.block_table for seq in seqs], list(num_new_tokens), logits_indices, prompt_spans)
+        return step, sample_rows, prompt_rows

@@ -22,6 +22,7 @@ from tandem.workers.kernels.gguf_linear import GGUFBlocks, gguf_linear
 from tandem.workers.layers.fp8_linear import FP8, fp8_linear, quantize_weight
 from tandem.workers.layers.metadata import AttentionMetadata
 from tandem.workers.models.config import ModelConfig
+from tandem.workers.tensor_parallel import HeadShard, TPGroup, check_sizes
 
 # HF parameter -> (our fused parameter, index of its shard within it)
 _FUSED_SHARDS = {
@@ -93,6 +94,18 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pac
     return F.linear(x, weight, bias)
 
 
+def head_shard(config: ModelConfig, tp: TPGroup | None) -> HeadShard:
+    """The query and KV heads this rank holds (all of them without tensor parallelism)."""
+    if tp is None:
+        return HeadShard(0, config.num_heads, 0, config.num_kv_heads)
+    return HeadShard.of(tp.rank, tp.size, config.num_heads, config.num_kv_heads)
+
+
+def vocab_rows(config: ModelConfig, tp: TPGroup | None) -> int:
+    """Rows of the embedding and LM head this rank holds: the vocabulary in equal parts, the last padded."""
+    return config.vocab_size if tp is None else -(-config.vocab_size // tp.size)
+
+
 class Gemm(NamedTuple):
     """One GEMM of the model as linear() takes it: float weight, bias, packed copy, GGUF blocks if any."""
 
@@ -154,17 +167,20 @@ class RMSNorm(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, ops: SimpleNamespace):
+    def __init__(self, config: ModelConfig, ops: SimpleNamespace, tp: TPGroup | None = None):
         super().__init__()
         if config.num_heads % config.num_kv_heads:
             raise ValueError(
                 f"num_heads ({config.num_heads}) must be a multiple of num_kv_heads ({config.num_kv_heads})"
             )
-        self.num_heads = config.num_heads
-        self.num_kv_heads = config.num_kv_heads
+        shard = head_shard(config, tp)
+        self.shard = shard
+        self.tp = tp
+        self.num_heads = shard.q_end - shard.q_start
+        self.num_kv_heads = shard.kv_end - shard.kv_start
         self.head_dim = config.head_dim
-        self.q_size = config.num_heads * config.head_dim
-        self.kv_size = config.num_kv_heads * config.head_dim
+        self.q_size = self.num_heads * config.head_dim
+        self.kv_size = self.num_kv_heads * config.head_dim
         self.shard_sizes = (self.q_size, self.kv_size, self.kv_size)
         self.scale = config.head_dim**-0.5
         self.ops = ops
@@ -188,26 +204,30 @@ class LlamaAttention(nn.Module):
         q, k = self.ops.apply_rotary(positions, q, k, cos_sin_cache)
         self.ops.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
         out = self.ops.paged_attention(q, k_cache, v_cache, meta, self.scale)
-        return self.o_proj.forward(out.reshape(num_tokens, self.q_size))
+        out = self.o_proj.forward(out.reshape(num_tokens, self.q_size))
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig, ops: SimpleNamespace):
+    def __init__(self, config: ModelConfig, ops: SimpleNamespace, tp: TPGroup | None = None):
         super().__init__()
-        self.shard_sizes = (config.intermediate_size, config.intermediate_size)
+        width = config.intermediate_size // (1 if tp is None else tp.size)
+        self.tp = tp
+        self.shard_sizes = (width, width)
         self.ops = ops
-        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * width, bias=False)
+        self.down_proj = Linear(width, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj.forward(self.ops.silu_and_mul(self.gate_up_proj.forward(x)))
+        out = self.down_proj.forward(self.ops.silu_and_mul(self.gate_up_proj.forward(x)))
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, ops: SimpleNamespace):
+    def __init__(self, config: ModelConfig, ops: SimpleNamespace, tp: TPGroup | None = None):
         super().__init__()
-        self.self_attn = LlamaAttention(config, ops)
-        self.mlp = LlamaMLP(config, ops)
+        self.self_attn = LlamaAttention(config, ops, tp)
+        self.mlp = LlamaMLP(config, ops, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
 
@@ -224,25 +244,29 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig, ops: SimpleNamespace):
+    def __init__(self, config: ModelConfig, ops: SimpleNamespace, tp: TPGroup | None = None):
         super().__init__()
-        self.embed_tokens = nn.Embedding(
-            config.vocab_size, config.hidden_size, _weight=torch.empty(config.vocab_size, config.hidden_size)
-        )
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, ops) for _ in range(config.num_layers))
+        rows = vocab_rows(config, tp)
+        self.embed_tokens = nn.Embedding(rows, config.hidden_size, _weight=torch.empty(rows, config.hidden_size))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, ops, tp) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig, ops: SimpleNamespace):
+    def __init__(self, config: ModelConfig, ops: SimpleNamespace, tp: TPGroup | None = None):
+        """`tp`: this rank's tensor-parallel group: the model holds its shard (query and KV heads, MLP columns,
+        vocabulary rows; tandem.workers.tensor_parallel), and its forward pass runs the group's collectives."""
         super().__init__()
         if config.architecture not in ("llama", "qwen2"):
             raise ValueError(f"LlamaForCausalLM cannot run architecture {config.architecture!r}")
+        if tp is not None:
+            check_sizes(tp.size, config.num_heads, config.num_kv_heads, config.intermediate_size)
         self.config = config
         self.ops = ops
-        self.model = LlamaModel(config, ops)
+        self.tp = tp
+        self.model = LlamaModel(config, ops, tp)
         self.lm_head = (
-            None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size, bias=False)
+            None if config.tie_word_embeddings else Linear(config.hidden_size, vocab_rows(config, tp), bias=False)
         )
         self.cos_sin_cache = self._build_cos_sin_cache()
         self.lm_head_packed = PackedWeight()
@@ -272,12 +296,29 @@ class LlamaForCausalLM(nn.Module):
         kv_cache[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim] at meta.slot_mapping."""
         if self.cos_sin_cache.device != input_ids.device:
             self.cos_sin_cache = self.cos_sin_cache.to(input_ids.device)
-        hidden = self.model.embed_tokens(input_ids)
+        hidden = self._embed(input_ids)
         residual = None
         for layer, (k_cache, v_cache) in zip(self.model.layers, self._layer_cache_views(kv_cache), strict=True):
             hidden, residual = layer.forward(positions, hidden, residual, k_cache, v_cache, meta, self.cos_sin_cache)
         hidden, _ = self.model.norm.forward(hidden, residual)
         return hidden
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The tokens' embeddings; with tensor parallelism each rank looks up the ids of its vocabulary rows, and
+        the ranks' rows are summed."""
+        if self.tp is None:
+            return self.model.embed_tokens(input_ids)
+        rows = self.model.embed_tokens.weight.shape[0]
+        local = input_ids - self.tp.rank * rows
+        outside = (local < 0) | (local >= rows)
+        hidden = F.embedding(local.masked_fill(outside, 0), self.model.embed_tokens.weight)
+        return self.tp.all_reduce(hidden.masked_fill_(outside.unsqueeze(-1), 0.0))
+
+    @property
+    def num_local_kv_heads(self) -> int:
+        """The KV heads this rank's cache holds (all of them without tensor parallelism)."""
+        shard = head_shard(self.config, self.tp)
+        return shard.kv_end - shard.kv_start
 
     def _layer_cache_views(self, kv_cache: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(keys, values) views of each layer's slice of kv_cache, made once per cache tensor, not per step."""
@@ -307,8 +348,12 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [B, hidden_size] -> float32 logits [B, vocab_size]."""
-        return linear(hidden, self.head_weight, None, self.lm_head_packed, self.lm_head_blocks).float()
+        """hidden [B, hidden_size] -> float32 logits [B, vocab_size] (with tensor parallelism, each rank's rows of
+        the vocabulary gathered on every rank)."""
+        logits = linear(hidden, self.head_weight, None, self.lm_head_packed, self.lm_head_blocks).float()
+        if self.tp is None:
+            return logits
+        return self.tp.all_gather_last(logits)[:, :self.config.vocab_size]
 
     def pack_weights(self) -> None:
         """Builds the packed oneDNN copies of every GEMM weight now (on CPU), rather than on first use."""
@@ -344,6 +389,7 @@ class LlamaForCausalLM(nn.Module):
             name, shard = self._map_name(hf_name)
             if name not in params:
                 raise ValueError(f"checkpoint tensor {hf_name!r} has no place in this {self.config.architecture} model")
+            tensor = self._rank_slice(hf_name, tensor)
             target = params[name].data
             if shard is not None:
                 sizes = self._fused_owner(name).shard_sizes
@@ -358,6 +404,37 @@ class LlamaForCausalLM(nn.Module):
         if missing:
             names = sorted(f"{name}[{shard}]" if shard is not None else name for name, shard in missing)
             raise ValueError(f"checkpoint is missing {len(names)} tensors, e.g. {names[:5]}")
+
+    def _rank_slice(self, hf_name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's part of a checkpoint tensor (the whole tensor without tensor parallelism): column-parallel
+        q/k/v and gate/up by output rows, row-parallel o and down by input columns, the embedding and the LM head by
+        vocabulary rows (the last rank's padded with zeros); norms whole."""
+        tp = self.tp
+        if tp is None:
+            return tensor
+        config = self.config
+        module, _, kind = hf_name.rpartition(".")
+        leaf = module.rpartition(".")[2]
+        heads, d = head_shard(config, tp), config.head_dim
+        width = config.intermediate_size // tp.size
+        rows_by_module = {"q_proj": (heads.q_start * d, heads.q_end * d), "k_proj": (heads.kv_start * d, heads.kv_end * d),
+                          "v_proj": (heads.kv_start * d, heads.kv_end * d),
+                          "gate_proj": (tp.rank * width, (tp.rank + 1) * width),
+                          "up_proj": (tp.rank * width, (tp.rank + 1) * width)}
+        if leaf in rows_by_module:
+            start, end = rows_by_module[leaf]
+            return tensor[start:end]
+        if leaf in ("o_proj", "down_proj") and kind == "weight":
+            start, end = (heads.q_start * d, heads.q_end * d) if leaf == "o_proj" else \
+                (tp.rank * width, (tp.rank + 1) * width)
+            return tensor[:, start:end]
+        if hf_name in ("model.embed_tokens.weight", "lm_head.weight"):
+            rows = vocab_rows(config, tp)
+            part = tensor[tp.rank * rows:(tp.rank + 1) * rows]
+            if part.shape[0] < rows:
+                part = torch.cat([part, part.new_zeros(rows - part.shape[0], *part.shape[1:])])
+            return part
+        return tensor
 
     def attach_gguf_blocks(self, blocks: Iterable[tuple[str, GGUFBlocks]]) -> None:
         """Gives each GEMM whose whole weight the file stores in GGUF blocks (every shard of a fused one, all in

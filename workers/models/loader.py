@@ -18,6 +18,7 @@ from tandem.workers.models.config import ModelConfig
 from tandem.workers.models.gguf_loader import iter_gguf_blocks, iter_gguf_tensors, load_gguf_config
 from tandem.workers.models.hf_loader import iter_hf_tensors, load_hf_config
 from tandem.workers.models.llama import MAX_GGUF_BLOCK_ROWS, LlamaForCausalLM
+from tandem.workers.tensor_parallel import TPGroup
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +34,7 @@ class LoadedModel:
     source: str  # the resolved path
     dtype: torch.dtype
     device: torch.device
+    tp: TPGroup | None = None  # this rank's tensor-parallel group: the model is its shard
 
     @property
     def gguf_block_gemms(self) -> int:
@@ -65,6 +67,12 @@ def _has_tokenizer(model_dir: str) -> bool:
     return os.path.isfile(os.path.join(model_dir, "tokenizer.json"))
 
 
+def load_engine_config(source: str) -> ModelConfig:
+    """The architecture of the model `source` names, read without its weights."""
+    path = resolve_model_source(source)
+    return load_hf_config(path) if os.path.isdir(path) else load_gguf_config(open_gguf(path))
+
+
 def load_model(
     source: str,
     dtype: str | torch.dtype = "auto",
@@ -73,13 +81,15 @@ def load_model(
     served_name: str | None = None,
     quantized_gemv: str = "auto",
     quantization: str | None = None,
+    tp: TPGroup | None = None,
 ) -> LoadedModel:
     """Loads weights, config and tokenizer (None when the checkpoint has none). dtype "auto" is float32 on
     CPU and bfloat16 on CUDA; the served name defaults to "smollm2" for the alias, else the checkpoint's
     folder or file stem. quantized_gemv "auto": on CPU, the GEMMs of a GGUF file's Q4_0 / Q4_1 / Q8_0
     weights also keep the file's blocks, read instead of the float weights for a few rows (decode steps of
     small batches) where the native kernel runs (AVX-512); "off": the float weights only. quantization "fp8": the
-    decoder layers' GEMM weights are quantized to FP8 once loaded (tandem.workers.layers.fp8_linear)."""
+    decoder layers' GEMM weights are quantized to FP8 once loaded (tandem.workers.layers.fp8_linear). `tp`: load
+    this rank's shard (tandem.workers.tensor_parallel)."""
     if quantized_gemv not in ("auto", "off"):
         raise ValueError(f"quantized_gemv must be 'auto' or 'off', not {quantized_gemv!r}")
     if quantization not in QUANTIZATIONS:
@@ -108,16 +118,17 @@ def load_model(
 
     # Parameters are allocated uninitialised, in the target dtype and on the target device, then loaded.
     with torch.device(device), default_dtype(torch_dtype):
-        model = LlamaForCausalLM(config, ops)
+        model = LlamaForCausalLM(config, ops, tp)
     model.load_weights(weights)
     if quantization == "fp8":
         model.quantize_fp8()
     model.eval()
-    if (quantized_gemv == "auto" and device.type == "cpu" and not os.path.isdir(path)
-            and torch_dtype in MAX_GGUF_BLOCK_ROWS):  # float16 activations: the float weights only
+    if (quantized_gemv == "auto" and device.type == "cpu" and not os.path.isdir(path) and tp is None
+            and torch_dtype in MAX_GGUF_BLOCK_ROWS):  # float16 activations, or shards: the float weights only
         if gguf_linear.supported():
             model.attach_gguf_blocks(iter_gguf_blocks(reader, config))
         else:
             log.info("GGUF blocks are not read here (the GEMV needs the native CPU extension and AVX-512): "
                      "every GEMM uses the dequantized weights")
-    return LoadedModel(model=model, config=config, tokenizer=tokenizer, source=path, dtype=torch_dtype, device=device)
+    return LoadedModel(model=model, config=config, tokenizer=tokenizer, source=path, dtype=torch_dtype, device=device,
+                       tp=tp)
