@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import heapq
+import math
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -34,19 +36,22 @@ class Dispatcher:
         self._changed = asyncio.Condition()
         admission.capacity = self
 
-    def slots(self, request: AdmissionRequest, slo: SLOClass) -> tuple[int, RejectReason]:
-        """(slots for requests like this one, what limits them)."""
+    def slots(self, request: AdmissionRequest, slo: SLOClass) -> tuple[int, RejectReason, bool]:
+        """(slots for requests like this one, what limits them, whether its targets can be met at all)."""
         if self.decode is None or not self.admission.enabled:
-            return self.limit, RejectReason.DISPATCH_SLOTS
+            return self.limit, RejectReason.DISPATCH_SLOTS, True
         itl = min([slo.itl_s] + [self.admission.slo_classes[name].itl_s for name, n in self.active_by_class.items()
                                  if n and name in self.admission.slo_classes])
         output = self.admission.rates.expected_output(request.max_tokens, request.ignore_eos)
         share = 1 - self.admission.headroom
         handoff = slo.itl_s * share if request.pool == "prefill" else None  # it comes from a prefill worker
         held = self.decode.streams(itl * share, request.prompt_tokens, output, handoff)
-        if held is None or held >= self.limit:
-            return self.limit, RejectReason.DISPATCH_SLOTS
-        return held, RejectReason.DECODE_CAPACITY
+        if held is None:
+            return self.limit, RejectReason.DISPATCH_SLOTS, True
+        streams, feasible = held
+        if streams >= self.limit:
+            return self.limit, RejectReason.DISPATCH_SLOTS, feasible
+        return streams, RejectReason.DECODE_CAPACITY, feasible
 
     def hold_s(self, request: AdmissionRequest, slots: int) -> float | None:
         """How long a request like this one is predicted to hold its slot: its prefill and its expected output at the
@@ -61,27 +66,23 @@ class Dispatcher:
 
     def wait_s(self, request: AdmissionRequest, slo: SLOClass, queued_ahead: int) -> tuple[float, RejectReason]:
         """Seconds until a slot is free for `request` with `queued_ahead` admitted requests before it (admission's
-        Capacity), and what the slots are short of.
+        Capacity), and what the slots are short of; math.inf when no decode worker could serve it at its targets
+        even alone.
 
-        The slots free as the requests holding them end (each predicted to end its hold after its dispatch), then
-        again one hold after each is taken: the requests ahead take the first of those times, in order, and this one
-        the next (docs/admission.md, "Waiting for a slot")."""
-        slots, reason = self.slots(request, slo)
-        free = slots - self.active
-        if queued_ahead < free:
+        The requests holding slots end when their predicted holds run out; the requests ahead take the slots as they
+        free, in order, each holding one for a hold like this one's; this one takes the next (docs/admission.md,
+        "Waiting for a slot")."""
+        slots, reason, feasible = self.slots(request, slo)
+        if not feasible:
+            return math.inf, reason
+        if queued_ahead < slots - self.active:
             return 0.0, reason
         hold = self.hold_s(request, slots)
         if hold is None:
             return 0.0, reason
         now = self._clock()
-        times = [max(0.0, start + (held if held is not None else hold) - now) for start, held in self._held.values()]
-        if free > 0:  # taken by the first requests ahead, and free again one hold later
-            times += [hold] * free
-        if not times:
-            return 0.0, reason
-        times.sort()
-        event = queued_ahead - free  # which freeing this request's slot is, counting from 0
-        return times[event % len(times)] + (event // len(times)) * hold, reason
+        ends = [max(0.0, start + (held if held is not None else hold) - now) for start, held in self._held.values()]
+        return _slot_free_at(ends, max(1, slots), queued_ahead, hold), reason
 
     async def acquire(self, rid: str) -> None:
         if self._take(rid):  # a free slot and nobody ahead: no lock, no wait (the usual case)
@@ -153,3 +154,18 @@ class Dispatcher:
     async def _notify(self) -> None:
         async with self._changed:
             self._changed.notify_all()
+
+
+def _slot_free_at(ends: list[float], slots: int, queued_ahead: int, hold: float) -> float:
+    """When the slot of the request with `queued_ahead` requests before it frees: `ends` are the seconds until the
+    requests holding slots end (more of them than `slots` when the slots shrank), each request ahead holds one for
+    `hold` seconds."""
+    heap = sorted(ends)
+    now = 0.0
+    for turn in range(queued_ahead + 1):
+        while len(heap) >= slots:  # wait for the earliest end
+            now = heapq.heappop(heap)
+        if turn == queued_ahead:
+            return now
+        heapq.heappush(heap, now + hold)
+    return now

@@ -10,6 +10,8 @@ token than a short one, as attention makes it.
 from __future__ import annotations
 
 import math
+import threading
+import time
 from collections import deque
 from dataclasses import asdict, dataclass
 
@@ -59,8 +61,7 @@ class StepCost:
             return 0.0
         per_chunk = max(1, budget - decodes)
         chunks = -(-new_tokens // per_chunk)
-        shared = self.base_s + (self.decode_step_s(decodes, decode_context_tokens) - self.decode_base_s
-                                if decodes else 0.0)
+        shared = self.base_s + self.decode_sequence_s * decodes + self.decode_pair_s * decode_context_tokens
         return chunks * shared + self.token_s * new_tokens + self.sequence_s \
             + self.pair_s * attention_pairs(cached_tokens, new_tokens)
 
@@ -70,9 +71,9 @@ class StepCost:
         room = seconds - self.decode_base_s
         if room < per_sequence:
             return 0
-        if per_sequence <= 0:
+        if per_sequence <= 0 or room / per_sequence >= limit:  # (also where the division overflows to inf)
             return limit
-        return min(limit, int(room / per_sequence))
+        return int(room / per_sequence)
 
     def to_dict(self) -> dict[str, float]:
         return asdict(self)
@@ -134,7 +135,8 @@ class _DecayingLeastSquares:
         self.rows += 1
 
     def solve(self) -> list[float]:
-        return _nonnegative_solve(self._prior[0] + self._measured[0], self._prior[1] + self._measured[1])
+        (prior_xtx, prior_xty), (xtx, xty) = self._prior, self._measured
+        return _nonnegative_solve(prior_xtx + xtx, prior_xty + xty)
 
 
 class StepCostFit:
@@ -148,13 +150,18 @@ class StepCostFit:
     refitted).
     """
 
-    def __init__(self, half_life_s: float = 30.0):
+    REFRESH_S = 0.5  # the fit is solved again at most this often (a solve costs ~0.1 ms; a decode step a few ms)
+
+    def __init__(self, half_life_s: float = 30.0, clock=time.monotonic):
         if not (math.isfinite(half_life_s) and half_life_s > 0):
             raise ValueError(f"half_life_s must be a positive number of seconds, got {half_life_s}")
         self.half_life_s = half_life_s
         self._prefill = _DecayingLeastSquares(4, half_life_s)
         self._decode = _DecayingLeastSquares(3, half_life_s)
         self._cached: StepCost | None = None
+        self._solved_at = -math.inf
+        self._clock = clock
+        self._lock = threading.Lock()  # the engine thread adds, the server's reads the model
 
     @property
     def samples(self) -> int:
@@ -163,19 +170,24 @@ class StepCostFit:
     def add(self, tokens: float, sequences: float, pairs: float, seconds: float, prior: bool = False) -> None:
         if not (seconds > 0 and math.isfinite(seconds)):
             return
-        if tokens == sequences:  # every sequence computed one token: decodes alone
-            self._decode.add(np.array([1.0, sequences, pairs]), seconds, prior)
-        else:
-            self._prefill.add(np.array([1.0, tokens, sequences, pairs]), seconds, prior)
-        self._cached = None
+        with self._lock:
+            if tokens == sequences:  # every sequence computed one token: decodes alone
+                self._decode.add(np.array([1.0, sequences, pairs]), seconds, prior)
+            else:
+                self._prefill.add(np.array([1.0, tokens, sequences, pairs]), seconds, prior)
+            if prior:
+                self._solved_at = -math.inf  # the calibration's model at once
 
     def cost(self) -> StepCost | None:
-        """The fitted model; None until steps of both kinds were added."""
-        if not self._prefill.rows or not self._decode.rows:
-            return None
-        if self._cached is None:
-            self._cached = StepCost(*self._prefill.solve(), *self._decode.solve())
-        return self._cached
+        """The fitted model (solved again at most every REFRESH_S); None until steps of both kinds were added."""
+        now = self._clock()
+        with self._lock:
+            if not self._prefill.rows or not self._decode.rows:
+                return None
+            if self._cached is None or now - self._solved_at >= self.REFRESH_S:
+                self._cached = StepCost(*self._prefill.solve(), *self._decode.solve())
+                self._solved_at = now
+            return self._cached
 
 
 def _nonnegative_solve(xtx: np.ndarray, xty: np.ndarray) -> list[float]:

@@ -123,39 +123,103 @@ def _admits_a_first_byte(grammar: str) -> bool:
 
 
 def _no_reference_cycle(schema_text: str) -> None:
-    """ValueError naming the reference when a subschema is only a `$ref` that leads back to itself through other
-    such references (`{"$ref": "#/$defs/a"}` with `a` that same reference): it admits no value, and nested in a
-    schema that is otherwise fine (a tool's parameters), the output would break off where it is reached."""
+    """ValueError when the JSON schema admits no value (admits_no_value), naming a reference that leads nowhere."""
     try:
         root = json.loads(schema_text)
     except (ValueError, RecursionError):
         return
-    pending = [root]
+    reason = admits_no_value(root)
+    if reason is not None:
+        raise ValueError(reason)
+
+
+def admits_no_value(root) -> str | None:
+    """Why a JSON schema admits no finite value, or None when it admits one (or this cannot tell).
+
+    A subschema admits a value when everything it requires does: its `$ref` target, each of `allOf`, one of each
+    `anyOf` / `oneOf`, its required properties, and its items when it asks for at least one. A reference that leads
+    only back to itself (`{"$ref": "#/$defs/a"}` with `a` that reference, or `anyOf: [that reference]`) admits
+    none, and nested in a schema that is otherwise fine (a tool's parameters), the output would break off where it
+    is reached. Found in one pass over the subschemas and their requirements (a worklist), so a long chain of
+    references costs its length, not its square. Keywords this does not read (`not`, `if`, patterns) are taken to
+    admit values."""
+    if not isinstance(root, dict):
+        return None if root is not False else "the JSON schema admits no value"
+    nodes: dict[int, dict] = {}
+    requirements: dict[int, list[tuple[str, list]]] = {}
+    pending: list = [root]
     while pending:
         node = pending.pop()
         if isinstance(node, list):
             pending.extend(node)
+        elif isinstance(node, dict) and id(node) not in nodes:
+            nodes[id(node)] = node
+            requirements[id(node)] = _requirements(root, node)
+            pending.extend(value for key, value in node.items() if key not in _DATA_KEYWORDS)
+    unmet = {i: 0 for i in nodes}  # requirements of each subschema not met yet
+    left: dict[tuple[int, int], int] = {}  # an "all" requirement's children not admitting yet
+    parents: dict[int, list[tuple[int, int]]] = {}
+    for i, reqs in requirements.items():
+        for r, (kind, children) in enumerate(reqs):
+            schemas = [c for c in children if isinstance(c, dict)]
+            if kind == "any" and any(c is True for c in children):
+                continue  # met by a literal `true`
+            if kind == "all" and any(c is False for c in children):
+                unmet[i] += 1  # never met
+                continue
+            if kind == "all" and not schemas:
+                continue
+            unmet[i] += 1
+            left[(i, r)] = len(schemas)
+            for child in schemas:
+                parents.setdefault(id(child), []).append((i, r))
+    admitting: set[int] = set()
+    queue = [i for i, count in unmet.items() if count == 0]
+    while queue:
+        i = queue.pop()
+        if i in admitting:
             continue
-        if not isinstance(node, dict):
-            continue
-        seen: list[str] = []
-        current = node
-        while isinstance(current, dict) and isinstance(current.get("$ref"), str) and _only_a_reference(current):
-            ref = current["$ref"]
-            if ref in seen:
-                raise ValueError(f"the JSON schema's reference {ref!r} refers only to itself (through "
-                                 f"{' -> '.join(seen)}), so it admits no value")
-            seen.append(ref)
-            current = _resolve(root, ref)
-        pending.extend(value for key, value in node.items() if key not in _DATA_KEYWORDS)
+        admitting.add(i)
+        for parent, r in parents.get(i, ()):
+            if left.get((parent, r), 0) <= 0:
+                continue  # met already
+            kind = requirements[parent][r][0]
+            left[(parent, r)] = 0 if kind == "any" else left[(parent, r)] - 1
+            if left[(parent, r)] == 0:
+                unmet[parent] -= 1
+                if unmet[parent] == 0:
+                    queue.append(parent)
+    if id(root) in admitting:
+        return None
+    refs = [n["$ref"] for i, n in nodes.items() if i not in admitting and isinstance(n.get("$ref"), str)]
+    return "the JSON schema admits no value" + (f": {refs[0]!r} leads only back to itself" if refs else "")
 
 
-_ANNOTATIONS = frozenset({"$ref", "$defs", "definitions", "title", "description", "$comment", "$id", "$schema",
-                          "default", "examples"})
-
-
-def _only_a_reference(node: dict) -> bool:
-    return all(key in _ANNOTATIONS for key in node)
+def _requirements(root, node: dict) -> list[tuple[str, list]]:
+    """What a subschema needs to admit a value: ("all", children) and ("any", children) groups; a child is a
+    subschema or a boolean schema (`false` admits nothing)."""
+    reqs: list[tuple[str, list]] = []
+    ref = node.get("$ref")
+    if isinstance(ref, str):
+        target = _resolve(root, ref)
+        if target is node:
+            reqs.append(("all", [False]))
+        elif isinstance(target, (dict, bool)):
+            reqs.append(("all", [target]))
+    if isinstance(node.get("allOf"), list):
+        reqs.append(("all", node["allOf"]))
+    for key in ("anyOf", "oneOf"):
+        if isinstance(node.get(key), list):
+            reqs.append(("any", node[key]))
+    properties = node.get("properties") if isinstance(node.get("properties"), dict) else {}
+    names = node.get("required") if isinstance(node.get("required"), list) else []
+    required = [properties[name] for name in names if isinstance(name, str) and name in properties]
+    if required:
+        reqs.append(("all", required))
+    items = node.get("items")
+    if isinstance(items, (dict, bool)) and isinstance(node.get("minItems"), int) and node["minItems"] > 0:
+        reqs.append(("all", [items]))
+    return [(kind, [c for c in children if isinstance(c, (dict, bool))]) for kind, children in reqs]
 
 
 def _resolve(root, ref: str):

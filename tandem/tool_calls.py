@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from tandem.errors import APIError
+from tandem.structured_output import admits_no_value
 from tandem.tool_parsers import TOOL_CALL_PARSERS, HermesToolParser
 
 if TYPE_CHECKING:  # the request models are tandem.openai_protocol's, which imports this module
@@ -94,6 +95,10 @@ def resolve(tools: list[Tool] | None, choice: ToolChoice | None, parallel_tool_c
         return ParsedToolCalls(parser, single=parallel_tool_calls is False), None
     if choice == "none":
         return None, None
+    for tool in tools:  # each tool the output may call must admit arguments (one that admits none breaks it off)
+        reason = admits_no_value(tool.function.parameters) if tool.function.parameters else None
+        if reason is not None:
+            raise APIError(400, f"tool {tool.function.name!r}: its parameters: {reason}", param="tools")
     if choice == "required":
         definitions: dict = {}
         items = {"type": "object", "anyOf": [_named_call_schema(tool, definitions) for tool in tools]}

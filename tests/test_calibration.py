@@ -78,3 +78,10 @@ def test_calibration_on_a_gpu_engine_with_its_graphs(tiny_llama_dir, tmp_path, m
     cost = calibrate(engine)
     assert cost.prefill_s(128) >= cost.prefill_s(16) > 0
     assert [r.token_ids for r in engine.generate(PROMPTS, GREEDY)] == reference
+
+
+def test_a_cache_folder_that_cannot_be_written_only_costs_the_measuring(tiny_llama_dir, tmp_path, monkeypatch):
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    monkeypatch.setenv(calibration.CACHE_ENV, str(blocked / "cache"))  # under a file: no folder can be made there
+    assert calibrate(engine_for(tiny_llama_dir)) is not None

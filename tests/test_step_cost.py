@@ -93,7 +93,8 @@ def test_no_coefficient_is_fitted_below_zero():
 
 
 def test_measured_steps_move_the_fit_away_from_its_prior_and_the_newest_weigh_most():
-    fit = StepCostFit(half_life_s=60.0)
+    now = [0.0]
+    fit = StepCostFit(half_life_s=60.0, clock=lambda: now[0])
     for step in synthetic_steps(COST):
         fit.add(*step, prior=True)
     slower = StepCost(**{k: 2 * v for k, v in COST.to_dict().items()})
@@ -106,6 +107,8 @@ def test_measured_steps_move_the_fit_away_from_its_prior_and_the_newest_weigh_mo
     for _ in range(50):  # and back to normal: the slow steps have decayed away
         for step in synthetic_steps(COST):
             fit.add(*step)
+    assert fit.cost().prefill_s(1000) / COST.prefill_s(1000) == pytest.approx(moved)  # solved at most every 0.5 s
+    now[0] += fit.REFRESH_S
     assert fit.cost().prefill_s(1000) / COST.prefill_s(1000) < 1.1
 
 
@@ -127,3 +130,19 @@ def test_the_step_tail_is_the_99th_percentile_of_gaps_over_their_prediction():
     for _ in range(100):  # the window moves on: the long gaps are forgotten
         tail.add(0.008, 0.01)
     assert tail.factor == 1.0  # never below the prediction
+
+
+def test_an_engine_measures_decode_gaps_against_its_decode_model(tiny_llama_dir):
+    """A review's find: the gaps between decode steps were measured against the prefill model, several times longer
+    than a decode step, so the tail stayed at 1 however long the gaps ran."""
+    from tandem.config import EngineConfig
+    from tandem.workers.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine.from_config(EngineConfig(model=tiny_llama_dir, num_kv_blocks=16))
+    cost = StepCost(base_s=0.1, token_s=0.0, sequence_s=0.0, pair_s=0.0, decode_base_s=0.01, decode_sequence_s=0.0,
+                    decode_pair_s=0.0)
+    engine.step_costs = type("Fixed", (), {"cost": staticmethod(lambda: cost)})()
+    engine.scheduler.running.append(object())  # a sequence waits on the next step
+    for i in range(10):
+        engine._time_gap(4, 4, 40, ended=i * 0.02)  # decode steps 20 ms apart: twice the decode model's 10 ms
+    assert engine.step_tail.factor == pytest.approx(2.0)

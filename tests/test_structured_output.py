@@ -11,7 +11,7 @@ import torch
 from tandem.errors import APIError
 from tandem.openai_protocol import ChatCompletionRequest, CompletionRequest
 from tandem.protocol import SamplingParams, StructuredOutput
-from tandem.structured_output import check, grammar_text
+from tandem.structured_output import admits_no_value, check, grammar_text
 from tandem.tokenizer import load_tokenizer
 from tandem.workers.engine.grammar import GrammarMatchers
 from tandem.workers.engine.sampler import History, Sampler
@@ -86,10 +86,33 @@ def test_a_tool_whose_parameters_refer_only_to_themselves_is_refused_naming_the_
     with pytest.raises(APIError) as info:
         asyncio.run(check(request.sampling_params(16, VOCAB).structured, request.structured_param))
     assert info.value.status == 400 and info.value.param == "tools"
-    assert "'#/$defs/a' refers only to itself" in info.value.message
+    assert "'#/$defs/a' leads only back to itself" in info.value.message
     # A schema that refers to itself through a structure is a recursive schema, and fine.
     tree = {"type": "object", "properties": {"children": {"type": "array", "items": {"$ref": "#"}}}}
     grammar_text(StructuredOutput(kind="json", value=json.dumps(tree)))
+
+
+@pytest.mark.parametrize("parameters", [
+    {"$ref": "#/$defs/a", "$defs": {"a": {"anyOf": [{"$ref": "#/$defs/a"}]}}},  # a review's find: behind an anyOf
+    {"type": "object", "properties": {"x": {"$ref": "#"}}, "required": ["x"]},  # each object must hold another
+])
+def test_a_tool_that_admits_no_arguments_is_refused_beside_good_ones(parameters):
+    tools = [{"type": "function", "function": {"name": "ok", "parameters": {"type": "object"}}},
+             {"type": "function", "function": {"name": "broken", "parameters": parameters}}]
+    with pytest.raises(APIError) as info:
+        ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "x"}], tools=tools,
+                              tool_choice="required").sampling_params(16, VOCAB)
+    assert info.value.status == 400 and info.value.param == "tools" and "'broken'" in info.value.message
+
+
+def test_a_long_chain_of_references_is_judged_by_where_it_ends():
+    """A review's find: each subschema walked its whole chain of references, a legal 64 KB schema holding the grammar
+    thread for 14 s; the chain is walked once now (0.04 s on the same machine)."""
+    chain = {f"d{i}": {"$ref": f"#/$defs/d{i + 1}"} for i in range(1850)}
+    chain["d1850"] = {"type": "integer"}
+    assert admits_no_value({"$ref": "#/$defs/d0", "$defs": chain}) is None
+    chain["d1850"] = {"$ref": "#/$defs/d0"}
+    assert admits_no_value({"$ref": "#/$defs/d0", "$defs": chain}) is not None
 
 
 def test_completions_take_them_too():

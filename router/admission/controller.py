@@ -14,6 +14,7 @@ dispatch slot is what binds). The formula and its inputs are in docs/admission.m
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections import deque
@@ -108,8 +109,8 @@ class Capacity(Protocol):
     """What a request waits for besides the prefill pool: a dispatch slot (tandem.router.app.Dispatcher)."""
 
     def wait_s(self, request: AdmissionRequest, slo: SLOClass, queued_ahead: int) -> tuple[float, RejectReason]:
-        """Seconds until a slot is free for the request with `queued_ahead` admitted requests before it, and what
-        the slot is short of (dispatch_slots or decode_capacity)."""
+        """Seconds until a slot is free for the request with `queued_ahead` admitted requests before it (math.inf:
+        never), and what the slot is short of (dispatch_slots or decode_capacity)."""
         ...
 
 
@@ -260,10 +261,10 @@ class AdmissionController:
             predicted = None if wait is None and not own else (wait or 0.0) + own  # as the models make it
             factor = self.ttft_correction
             prefill_wait = None if prefill_wait is None else prefill_wait * factor
-            slot_wait, own = slot_wait * factor, own * factor
+            slot_wait = slot_wait * factor
             wait = _longer(prefill_wait, slot_wait)
             if request.checks_ttft:
-                refusal = self._refusal(slo, own, prefill_wait, slot_wait, slot_reason)
+                refusal = self._refusal(slo, own, factor, prefill_wait, slot_wait, slot_reason)
                 if refusal is not None:
                     return refusal
 
@@ -272,19 +273,24 @@ class AdmissionController:
         self.queue.push(request.request_id, ticket, deadline, slo.priority)
         return ticket
 
-    def _refusal(self, slo: SLOClass, own: float, prefill_wait: float | None, slot_wait: float,
+    def _refusal(self, slo: SLOClass, own: float, factor: float, prefill_wait: float | None, slot_wait: float,
                  slot_reason: RejectReason) -> Reject | None:
-        """The refusal of a request whose predicted time to first token (`own` prefill after the waits) passes its
-        class's target; None to admit."""
+        """The refusal of a request whose predicted time to first token (`own` prefill times the correction `factor`
+        after the waits) passes its class's target; None to admit. A prompt refused for good (no Retry-After) is
+        one whose own prefill alone, as the model predicts it, passes the target."""
         target = slo.ttft_s * (1 - self.headroom)
         if own > target:  # its own prefill alone, on an idle pool: retrying cannot help
             return Reject(RejectReason.SLO_UNMEETABLE, None,
                           f"predicted time to first token {own:.2f} s exceeds the {slo.name!r} target of "
                           f"{slo.ttft_s:g} s: the prompt alone takes that long to compute; use a class with a "
                           f"longer target")
-        wait = _longer(prefill_wait, slot_wait)
+        if math.isinf(slot_wait):
+            return Reject(slot_reason, None, f"the {slo.name!r} inter-token target of {slo.itl_s:g} s cannot be met: "
+                                             "no decode worker's steps are that short, even for this stream alone")
+        own *= factor
+        wait = _longer(prefill_wait, slot_wait) or 0.0
         allowed = target - own
-        if wait is None or wait <= allowed:
+        if wait <= allowed:
             return None
         # The backlog ahead drains at one second of predicted wait per second.
         slots = slot_wait > (prefill_wait or 0.0)
@@ -310,14 +316,15 @@ class AdmissionController:
 
     def record_ttft(self, ticket: Admit, measured_s: float) -> None:
         """A request's first token came `measured_s` after its arrival: ttft_correction becomes the median of the
-        recent measured / predicted ratios (within [0.5, 4]). The median, so that a request slow for its own reasons
-        (a grammar compiled first) does not move it."""
+        recent measured / predicted ratios, within [1, 4]: predictions are only ever made longer by it (one too long
+        costs a refusal; one too short, a missed target). The median, so that a request slow for its own reasons (a
+        grammar compiled first) does not move it."""
         predicted = ticket.predicted_ttft_s
-        if predicted is None or predicted < self.MIN_PREDICTED_S:
+        if predicted is None or not self.MIN_PREDICTED_S <= predicted < math.inf:
             return
         self._ttft_ratios.append(measured_s / predicted)
         if len(self._ttft_ratios) >= self.MIN_CORRECTION_SAMPLES:
-            self.ttft_correction = min(4.0, max(0.5, statistics.median(self._ttft_ratios)))
+            self.ttft_correction = min(4.0, max(1.0, statistics.median(self._ttft_ratios)))
 
     def queued(self, slo_class: str) -> int:
         """Requests of that SLO class admitted and not yet dispatched (read when /metrics is scraped)."""

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from tandem.config import EngineConfig
 from tandem.router.pool import Worker
 from tandem.step_cost import attention_pairs
 
-DEFAULT_BUDGET = 2048  # the engine's default max_num_batched_tokens, for a worker that reports none
-DEFAULT_MAX_NUM_SEQS = 64
+# The engine's defaults, for a worker that reports none.
+DEFAULT_BUDGET = EngineConfig.model_fields["max_num_batched_tokens"].default
+DEFAULT_MAX_NUM_SEQS = EngineConfig.model_fields["max_num_seqs"].default
 
 
 def prefill_s(workers: list[Worker], uncached: int, prompt_tokens: int, colocated: bool) -> float | None:
@@ -34,6 +36,7 @@ def colocated_stall_s(workers: list[Worker], uncached: int, prompt_tokens: int) 
             continue
         decodes = min(worker.running, worker.max_num_seqs or DEFAULT_MAX_NUM_SEQS)
         chunk = max(1, min(uncached, (worker.max_num_batched_tokens or DEFAULT_BUDGET) - decodes))
-        stalls.append(cost.step_s(decodes + chunk, decodes + 1,
-                                  worker.context_tokens + attention_pairs(prompt_tokens - uncached, chunk)))
+        step = cost.step_s(decodes + chunk, decodes + 1,
+                           worker.context_tokens + attention_pairs(prompt_tokens - uncached, chunk))
+        stalls.append(step * (worker.step_tail if decodes else 1.0))
     return max(stalls) if stalls else None

@@ -25,45 +25,50 @@ COST = StepCost(base_s=0.01, token_s=0.002, sequence_s=0.0005, pair_s=0.0, decod
 
 
 def worker(url="w", max_num_seqs=64, total_blocks=10_000, cost=COST, running=0, mine=0) -> Worker:
-    return Worker(url, healthy=True, max_num_seqs=max_num_seqs, total_blocks=total_blocks, step_cost=cost,
-                  running=running, in_flight=mine, in_flight_at_report=mine)
+    return Worker(url, healthy=True, max_num_seqs=max_num_seqs, total_blocks=total_blocks, free_blocks=total_blocks,
+                  step_cost=cost, running=running, in_flight=mine, in_flight_at_report=mine)
 
 
 def test_streams_are_the_fewest_that_the_batch_limit_the_kv_cache_and_the_target_allow():
     # A stream of 40 + 100 tokens needs 9 blocks of 16.
-    assert DecodeCapacity(lambda: [worker()], 16).streams(0.1, 40, 100) == 36  # the step time binds
-    assert DecodeCapacity(lambda: [worker(max_num_seqs=8)], 16).streams(0.1, 40, 100) == 8
-    assert DecodeCapacity(lambda: [worker(total_blocks=100)], 16).streams(0.1, 40, 100) == 11  # KV: 100 // 9
-    assert DecodeCapacity(lambda: [worker(total_blocks=8)], 16).streams(0.1, 40, 100) == 0  # not even one fits
-    assert DecodeCapacity(lambda: [worker()], 16).streams(1.0, 40, 100) == 64  # a loose target: the batch limit
+    assert DecodeCapacity(lambda: [worker()], 16).streams(0.1, 40, 100) == (36, True)  # the step time binds
+    assert DecodeCapacity(lambda: [worker(max_num_seqs=8)], 16).streams(0.1, 40, 100) == (8, True)
+    assert DecodeCapacity(lambda: [worker(total_blocks=100)], 16).streams(0.1, 40, 100) == (11, True)  # 100 // 9
+    assert DecodeCapacity(lambda: [worker(total_blocks=8)], 16).streams(0.1, 40, 100) == (0, True)  # none fits
+    assert DecodeCapacity(lambda: [worker()], 16).streams(1.0, 40, 100) == (64, True)  # a loose target
     two = DecodeCapacity(lambda: [worker("a"), worker("b", max_num_seqs=8)], 16)
-    assert two.streams(0.1, 40, 100) == 44
+    assert two.streams(0.1, 40, 100) == (44, True)
+    # The blocks its running streams hold count: 10 running, 18 blocks free, streams of 9 blocks: 10 + 2.
+    busy = worker(total_blocks=1000, running=10, mine=10)
+    busy.free_blocks = 18
+    assert DecodeCapacity(lambda: [busy], 16).streams(1.0, 40, 100) == (12, True)
 
 
 def test_streams_other_routers_hold_are_not_this_routers():
     # 10 sequences reported, 4 of them this router's when the report came: 6 are another router's.
     capacity = DecodeCapacity(lambda: [worker(running=10, mine=4)], 16)
-    assert capacity.streams(0.1, 40, 100) == 30
+    assert capacity.streams(0.1, 40, 100) == (30, True)
 
 
 def test_a_worker_whose_steps_run_long_at_worst_holds_fewer_streams_and_a_handoff_needs_two_steps():
-    slow = worker()
+    slow = worker(running=1, mine=1)
     slow.step_tail = 2.0  # its gaps ran twice the predicted step at worst: 50 ms of predicted step is the budget
-    assert DecodeCapacity(lambda: [slow], 16).streams(0.1, 40, 100) == 16  # (0.05 - 0.01) / 0.0025
+    assert DecodeCapacity(lambda: [slow], 16).streams(0.1, 40, 100) == (16, True)  # (0.05 - 0.01) / 0.0025
+    slow.running = slow.in_flight = 0  # idle: its steps are judged without the tail its load gave them
+    assert DecodeCapacity(lambda: [slow], 16).streams(0.1, 40, 100) == (36, True)
     # A stream from a prefill worker: its KV pull (10 ms) and two steps before its second token, within 100 ms.
-    assert DecodeCapacity(lambda: [worker()], 16).streams(0.1, 40, 100, handoff_itl_s=0.1) == 16
+    assert DecodeCapacity(lambda: [worker()], 16).streams(0.1, 40, 100, handoff_itl_s=0.1) == (16, True)
     w = worker()
     w.kv_pull_s = 0.01
-    assert DecodeCapacity(lambda: [w], 16).streams(0.1, 40, 100, handoff_itl_s=0.1) == 14
+    assert DecodeCapacity(lambda: [w], 16).streams(0.1, 40, 100, handoff_itl_s=0.1) == (14, True)
 
 
-def test_a_worker_whose_steps_miss_the_target_takes_a_stream_only_when_idle_and_no_workers_is_none():
+def test_a_target_no_worker_meets_even_alone_is_said_and_no_workers_is_none():
     too_slow = StepCost(0.2, 0.001, 0.0, 0.0, 0.2, 0.001, 0.0)
-    assert DecodeCapacity(lambda: [worker(cost=too_slow)], 16).streams(0.1, 40, 100) == 1  # idle: a stream alone
-    assert DecodeCapacity(lambda: [worker(cost=too_slow, running=1, mine=1)], 16).streams(0.1, 40, 100) == 0
+    assert DecodeCapacity(lambda: [worker(cost=too_slow)], 16).streams(0.1, 40, 100) == (0, False)
     assert DecodeCapacity(lambda: [], 16).streams(0.1, 40, 100) is None
     # A worker that reports no model is held to its batch limit and KV cache alone.
-    assert DecodeCapacity(lambda: [worker(cost=None)], 16).streams(0.001, 40, 100) == 64
+    assert DecodeCapacity(lambda: [worker(cost=None)], 16).streams(0.001, 40, 100) == (64, True)
 
 
 def test_a_streams_hold_is_its_output_at_the_step_time_of_the_batch():
@@ -124,12 +129,12 @@ def test_a_stream_that_would_wait_past_its_ttft_target_is_refused_with_decode_ca
     assert isinstance(control.decide(request("c", slo="batch")), Admit)  # 30 s is enough to wait for it
 
 
-def test_on_a_worker_too_slow_for_the_target_streams_go_one_at_a_time(clock):
-    control, dispatcher = stack(clock, cost=StepCost(0.2, 0.001, 0.0, 0.0, 0.2, 0.001, 0.0))  # 200 ms steps
-    assert isinstance(control.decide(request("a", slo="interactive", max_tokens=4)), Admit)
-    assert dispatcher._take("a")
-    refusal = control.decide(request("b", slo="interactive", max_tokens=4))  # waits a 0.9 s hold: past 1 s
-    assert isinstance(refusal, Reject) and refusal.reason == RejectReason.DECODE_CAPACITY, refusal
+def test_a_stream_no_decode_worker_can_serve_at_its_target_is_refused_for_good(clock):
+    control, _ = stack(clock, cost=StepCost(0.2, 0.001, 0.0, 0.0, 0.2, 0.001, 0.0))  # 200 ms steps, even idle
+    refusal = control.decide(request("a", slo="interactive"))  # 100 ms between tokens: never
+    assert isinstance(refusal, Reject) and refusal.reason == RejectReason.DECODE_CAPACITY
+    assert refusal.retry_after_s is None and "inter-token target" in refusal.message
+    assert isinstance(control.decide(request("b", slo="batch")), Admit)  # 1 s: fine
 
 
 def test_the_tightest_target_among_the_streams_sets_the_capacity(clock):
@@ -183,7 +188,7 @@ def test_the_same_load_on_the_same_state_gets_the_same_decisions(make_clock):
     assert load(*fresh()) == first
     control, dispatcher, clock = fresh()
     load(control, dispatcher, clock)
-    assert load(control, dispatcher, clock) == first  # measurements made meanwhile change nothing
+    assert load(control, dispatcher, clock) == first  # the hold times released meanwhile change nothing
 
 
 def test_measured_ttfts_correct_the_predictions_by_their_median_ratio(clock):
@@ -203,3 +208,22 @@ def test_measured_ttfts_correct_the_predictions_by_their_median_ratio(clock):
     # Now a batch-class request waits for "a"'s slot: its predicted wait is doubled.
     hold = 0.1 + 100 * COST.decode_step_s(1, 90)
     assert control.decide(request("b")).predicted_wait_s == pytest.approx(2 * hold)
+
+
+def test_the_correction_only_lengthens_predictions_and_never_refuses_a_prompt_for_good(clock):
+    """A review's finds: a correction under 1 admitted a prompt whose own prefill passed the target, and one over 1
+    refused a short prompt for good (no Retry-After) on an idle stack."""
+    control, _ = stack(clock)
+    ticket = control.decide(request("a"))
+    control.release("a")
+    for _ in range(control.MIN_CORRECTION_SAMPLES):
+        control.record_ttft(ticket, 0.03)  # measured 0.3x the prediction
+    assert control.ttft_correction == 1.0
+    long_prompt = AdmissionRequest("long", 40, 10, "interactive", uncached_prompt_tokens=40, prefill_s=1.6)
+    assert isinstance(control.decide(long_prompt), Reject)
+    for _ in range(3 * control.MIN_CORRECTION_SAMPLES):
+        control.record_ttft(ticket, 0.4)  # measured 4x, most of the recent ones
+    assert control.ttft_correction == 4.0
+    short = AdmissionRequest("short", 40, 10, "interactive", uncached_prompt_tokens=40, prefill_s=0.5)
+    refusal = control.decide(short)  # 0.5 s predicted, 2 s corrected: refused, but not for good
+    assert isinstance(refusal, Reject) and refusal.retry_after_s is not None

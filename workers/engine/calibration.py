@@ -50,14 +50,20 @@ def calibrate(engine) -> StepCost:
     """Time the calibration steps (or read them from the cache) into `engine.step_costs` as its prior; returns the
     model they give."""
     path = os.path.join(cache_dir(), f"step-cost-{cache_key(engine)}.json")
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with _locked(path + ".lock"):  # workers started together measure one after the other, not on shared cores
-        samples = _read(path)
+    with contextlib.ExitStack() as held:
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            held.enter_context(_locked(path + ".lock"))  # workers started together measure one after the other
+        except OSError as exc:  # the cache only saves time: without it, this worker measures
+            log.warning("step cost calibration: cannot use the cache folder %s (%s)", os.path.dirname(path), exc)
+            path = None
+        samples = _read(path) if path else None
         if samples is None:
             started = time.monotonic()
             samples = measure(engine)
             log.info("step cost calibration: %d steps in %.1f s", len(samples), time.monotonic() - started)
-            _write(path, samples)
+            if path:
+                _write(path, samples)
     for tokens, sequences, pairs, seconds in samples:
         engine.step_costs.add(tokens, sequences, pairs, seconds, prior=True)
     return engine.step_costs.cost()

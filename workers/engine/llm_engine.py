@@ -409,7 +409,8 @@ class LLMEngine:
         predicted time (StepTail); a gap starts only while sequences run (an idle engine's wait is no gap)."""
         cost = self.step_costs.cost()
         if sampled and self._last_step_end is not None and cost is not None:
-            self.step_tail.add(ended - self._last_step_end, cost.step_s(tokens, sampled, pairs))
+            predicted = cost.decode_step_s(sampled, pairs) if tokens == sampled else cost.step_s(tokens, sampled, pairs)
+            self.step_tail.add(ended - self._last_step_end, predicted)
         self._last_step_end = ended if sampled and self.scheduler.running else None
 
     def generate(self, prompts: Seq[Seq[int]], params: SamplingParams | Seq[SamplingParams]) -> list[GenerationResult]:
