@@ -94,7 +94,8 @@ def engine_args(engine: DeploymentEngineSpec) -> list[str]:
     return args
 
 
-def _env(settings: PodSettings) -> list[dict]:
+def pod_env(settings: PodSettings) -> list[dict]:
+    """The spec's env entries as a container's env."""
     return [e.model_dump(by_alias=True, exclude_none=True) for e in settings.env or []]
 
 
@@ -209,7 +210,7 @@ def worker_deployment(owner: Owner, spec: LLMDeploymentSpec, pool: str, replicas
     args = ["worker", "--role", pool, "--model", model_arg, "--served-model-name", spec.model.name,
             "--host", "0.0.0.0", "--port", str(HTTP_PORT), "--kv-transfer", spec.kv_transfer.backend,
             "--kv-transfer-lanes", str(spec.kv_transfer.lanes), *engine_args(spec.engine), *(settings.extra_args or [])]
-    env = [internal_token_env(owner), *_env(settings)]
+    env = [internal_token_env(owner), *pod_env(settings)]
     if spec.kv_transfer.ucx_transports:
         env.append({"name": "UCX_TLS", "value": ",".join(spec.kv_transfer.ucx_transports)})
     # UCX's shared-memory transport and torch's IPC need a real /dev/shm, not the runtime's 64 MiB default.
@@ -288,7 +289,7 @@ def router_deployment(owner: Owner, spec: LLMDeploymentSpec, internal_secret: st
         # One prefill replica's capacity: what admission predicts waits with until this router has measured its own,
         # so that a router started into traffic (a rolling update, a scale-up) does not admit blind meanwhile.
         args += ["--initial-prefill-tps", str(prefill_tps)]
-    env = [internal_token_env(owner), *_env(router), {"name": "TANDEM_CONFIG_DIR", "value": CONFIG_MOUNT}]
+    env = [internal_token_env(owner), *pod_env(router), {"name": "TANDEM_CONFIG_DIR", "value": CONFIG_MOUNT}]
     volumes = [*volumes, {"name": "config", "configMap": {"name": names.config_map_name(owner.name)}}]
     mounts = [*mounts, {"name": "config", "mountPath": CONFIG_MOUNT, "readOnly": True}]
     if router.tenants_secret:

@@ -19,6 +19,9 @@ from tandem.operator.validation import SpecError
 RESOURCE = (CRD_GROUP, CRD_VERSION, CRD_PLURAL)
 OWNED = {"app.kubernetes.io/managed-by": names.MANAGER, names.OWNER_LABEL: kopf.PRESENT}
 EVENT_REASONS: dict[Outcome, str] = {"created": "Created", "updated": "Updated"}
+# The owned kinds put back as soon as they are deleted: what the status reads, and what pods need to start (the
+# routers mount the ConfigMap; every pod reads the token Secret).
+WATCHED = (("apps", "v1", "deployments"), ("", "v1", "services"), ("", "v1", "configmaps"), ("", "v1", "secrets"))
 RETRY_SECONDS = 10  # API hiccups (409/429/5xx)
 SLOW_RETRY_SECONDS = 120  # other API refusals (RBAC, admission): retried, but never in a storm
 RETRY_CHECK_SECONDS = 2  # how often the retry timer looks whether a failed apply is due (a retry is that much late)
@@ -144,8 +147,8 @@ def build_registry(kube: Kube, keeper: StatusKeeper, resync_seconds: float | Non
         if kube.get(names.API_VERSION, names.KIND, namespace, name) is None:
             keeper.forget(namespace, name)
 
-    kopf.on.event("apps", "v1", "deployments", labels=OWNED, registry=registry)(owned_object_changed)
-    kopf.on.event("", "v1", "services", labels=OWNED, registry=registry)(owned_object_changed)
+    for group, version, plural in WATCHED:
+        kopf.on.event(group, version, plural, labels=OWNED, registry=registry)(owned_object_changed)
 
     @kopf.timer(*RESOURCE, interval=RETRY_CHECK_SECONDS, registry=registry)
     def retry_failed_apply(body, name, namespace, **_):

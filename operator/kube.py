@@ -33,6 +33,8 @@ PLURALS = {
 }
 
 Outcome = Literal["created", "updated", "unchanged"]
+# How an API server's server-side apply says, with a 500, that a field has the wrong type or is not in the schema.
+TYPED_PATCH_FAILURE = "failed to create typed patch object"
 
 
 class KubeError(Exception):
@@ -45,13 +47,14 @@ class KubeError(Exception):
 
     @property
     def retriable(self) -> bool:
-        return self.status in (409, 429) or self.status >= 500
+        return (self.status in (409, 429) or self.status >= 500) and not self.invalid
 
     @property
     def invalid(self) -> bool:
-        """The server refused the object itself: 422 (schema, validation) or 400 (a malformed request, or an
-        admission webhook that denies with it)."""
-        return self.status in (400, 422)
+        """The server refused the object itself: 422 (schema, validation), 400 (a malformed request, or an
+        admission webhook that denies with it), or the 500 server-side apply answers for a field of the wrong type
+        or unknown to the schema (kubernetes#139253)."""
+        return self.status in (400, 422) or (self.status == 500 and TYPED_PATCH_FAILURE in self.message)
 
 
 class ForeignObjectError(Exception):

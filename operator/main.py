@@ -17,7 +17,7 @@ import kubernetes.config
 
 from tandem.config import CRD_GROUP
 from tandem.operator import names
-from tandem.operator.handlers import build_registry
+from tandem.operator.handlers import WATCHED, build_registry
 from tandem.operator.kube import Kube, load_api_client
 from tandem.operator.metrics_source import ScrapedMetrics
 from tandem.operator.planner import MetricsSource, Planner
@@ -54,6 +54,10 @@ def operator_settings(peering: str | None = None) -> kopf.OperatorSettings:
     # kopf would post an Event for each of its own info lines (every handler run, every Deployment status
     # change); only its warnings and errors go out, and the operator posts one Event per action itself.
     settings.posting.level = logging.WARNING
+    # The API server sends the operator only the objects it owns of the kinds it watches: not every Secret and
+    # ConfigMap of the namespaces it serves (RBAC grants it list and watch on all of them).
+    for _, _, plural in WATCHED:
+        settings.watching.label_selectors[plural] = names.OWNED_SELECTOR
     settings.execution.max_workers = 8
     settings.networking.request_timeout = 60
     if peering:

@@ -11,6 +11,7 @@ OWNER_LABEL = f"{CRD_GROUP}/llmdeployment"
 HASH_ANNOTATION = f"{CRD_GROUP}/desired-hash"
 CONFIG_HASH_ANNOTATION = f"{CRD_GROUP}/config-hash"
 INTERNAL_SECRET_ANNOTATION = f"{CRD_GROUP}/internal-secret"  # the internal-token Secret's uid
+OWNED_SELECTOR = f"app.kubernetes.io/managed-by={MANAGER},{OWNER_LABEL}"  # every object an LLMDeployment owns
 
 POOLS = ("prefill", "decode")
 COMPONENTS = ("prefill", "decode", "router")

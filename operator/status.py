@@ -22,10 +22,21 @@ class ComponentState:
     exists: bool
     rolling_out: bool  # new pods are still being brought up (a normal, temporary shortfall)
     stalled: str | None  # why the Deployment controller gave up, if it did
+    scale_up_from: int | None = None  # a scale-up under way: the ready replicas it started from
+
+    @property
+    def scaling_up(self) -> bool:
+        """New pods of a scale-up are starting, and none of those it started with is lost."""
+        return self.exists and self.stalled is None and self.scale_up_from is not None and \
+            self.ready >= self.scale_up_from
+
+    @property
+    def progressing(self) -> bool:
+        return self.rolling_out or self.scaling_up
 
     @property
     def degraded(self) -> bool:
-        return self.stalled is not None or (self.exists and not self.rolling_out and self.ready < self.desired)
+        return self.stalled is not None or (self.exists and not self.progressing and self.ready < self.desired)
 
 
 @dataclass(frozen=True)
@@ -41,11 +52,26 @@ class Problem:
 ROLLOUT_COMPLETE = "NewReplicaSetAvailable"
 
 
-def component_state(deployment: Mapping[str, Any] | None, desired: int) -> ComponentState:
-    """Rollout state of one Deployment, read the way `kubectl rollout status` reads it.
+def scale_up_from(before: Mapping[str, Any], desired: int, ready: int) -> int | None:
+    """The ready replicas a scale-up under way started from (None when none is under way), from the component's
+    previous status (`before`): one starts when the desired replicas of a component that ran rise, and lasts until
+    it is full."""
+    if ready >= desired:
+        return None
+    if before.get("scaleUpFrom") is not None:
+        return min(before["scaleUpFrom"], desired)
+    previous = before.get("desired") or 0
+    return min(before.get("ready") or 0, previous) if 0 < previous < desired else None
+
+
+def component_state(deployment: Mapping[str, Any] | None, desired: int,
+                    before: Mapping[str, Any] | None = None) -> ComponentState:
+    """Rollout state of one Deployment, read the way `kubectl rollout status` reads it; `before` is the component's
+    previous status.
 
     A shortfall of ready pods is "rolling out" while the controller still works on the newest ReplicaSet
-    (models take minutes to load) and "degraded" once it called the rollout complete or gave up.
+    (models take minutes to load), "scaling up" while the new pods of a scale-up start, and "degraded" once the
+    controller called the rollout complete or gave up, or a pod that ran before the scale-up is lost.
     """
     if deployment is None:
         return ComponentState(desired, 0, 0, exists=False, rolling_out=False, stalled=None)
@@ -69,7 +95,8 @@ def component_state(deployment: Mapping[str, Any] | None, desired: int) -> Compo
         rolling_out = stalled is None and progressing.get("reason") != ROLLOUT_COMPLETE
     else:  # no word from the controller yet (or a spec it has not seen): judge by the counts
         rolling_out = stalled is None and not complete
-    return ComponentState(desired, ready, updated, exists=True, rolling_out=rolling_out, stalled=stalled)
+    return ComponentState(desired, ready, updated, exists=True, rolling_out=rolling_out, stalled=stalled,
+                          scale_up_from=scale_up_from(before or {}, desired, ready))
 
 
 def router_endpoint(service: Mapping[str, Any] | None) -> str | None:
@@ -125,14 +152,14 @@ def compute_status(resource: Mapping[str, Any], deployments: Mapping[str, Mappin
         # is not put back until the spec is fixed; the last status still says what it was to run.
         desired = {c: (deployments.get(c) or {}).get("spec", {}).get("replicas", (old.get(c) or {}).get("desired", 0))
                    for c in names.COMPONENTS}
-    states = {c: component_state(deployments.get(c), desired[c]) for c in names.COMPONENTS}
+    states = {c: component_state(deployments.get(c), desired[c], old.get(c)) for c in names.COMPONENTS}
 
     summary = ", ".join(f"{c} {s.ready}/{s.desired}" for c, s in states.items())
     # The newest spec is not what runs until a reconcile of its generation went through (one that failed to apply
     # leaves observedGeneration behind): not ready, whatever the replicas of the spec before say.
     generation_now = meta.get("generation")
     behind = spec_error is None and generation_now is not None and (observed_generation or 0) < generation_now
-    ready = spec_error is None and not behind and all(s.exists and not s.rolling_out and s.ready >= s.desired
+    ready = spec_error is None and not behind and all(s.exists and not s.progressing and s.ready >= s.desired
                                                       for s in states.values())
     stalled = [f"{c}: {s.stalled}" for c, s in states.items() if s.stalled]
     # Under a valid spec a missing Deployment is being made (or put back at once); under an invalid one it stays gone.
@@ -140,7 +167,10 @@ def compute_status(resource: Mapping[str, Any], deployments: Mapping[str, Mappin
     short = [c for c, s in states.items() if s.degraded and not s.stalled]
     apply_failed = problem.message if problem is not None and not problem.refused else None
     degraded = bool(stalled or missing or short or apply_failed)
-    progressing = spec_error is None and any(s.exists and s.rolling_out for s in states.values())
+    progressing = spec_error is None and any(s.exists and s.progressing for s in states.values())
+    # A Deployment controller says nothing of a scale-up (its Progressing condition stays NewReplicaSetAvailable).
+    rolling_out = any(s.exists and s.rolling_out for s in states.values())
+    progressing_reason, progress = ("RollingOut", "rolling out") if rolling_out else ("ScalingUp", "scaling up")
     if degraded:
         degraded_reason = "ApplyFailed" if apply_failed else "RolloutStalled" if stalled else \
             "DeploymentMissing" if missing else "ReplicasUnavailable"
@@ -161,8 +191,8 @@ def compute_status(resource: Mapping[str, Any], deployments: Mapping[str, Mappin
         _condition("SpecValid", spec_error is None, "Valid" if spec_error is None else "InvalidSpec",
                    spec_error or "the spec is valid", now, previous, observed_generation),
         _condition("Ready", ready, ready_reason, ready_message, now, previous, observed_generation),
-        _condition("Progressing", progressing, "RollingOut" if progressing else "Idle",
-                   f"rolling out: {summary}" if progressing else "no rollout in progress", now, previous,
+        _condition("Progressing", progressing, progressing_reason if progressing else "Idle",
+                   f"{progress}: {summary}" if progressing else "no rollout in progress", now, previous,
                    observed_generation),
         _condition("Degraded", degraded, degraded_reason, degraded_message, now, previous, observed_generation),
     ]
@@ -180,12 +210,9 @@ def compute_status(resource: Mapping[str, Any], deployments: Mapping[str, Mappin
     status = LLMDeploymentStatus(
         phase=phase,
         observed_generation=observed_generation,
-        prefill={"desired": states["prefill"].desired, "ready": states["prefill"].ready,
-                 "updated": states["prefill"].updated},
-        decode={"desired": states["decode"].desired, "ready": states["decode"].ready,
-                "updated": states["decode"].updated},
-        router={"desired": states["router"].desired, "ready": states["router"].ready,
-                "updated": states["router"].updated},
+        prefill=_pool_status(states["prefill"]),
+        decode=_pool_status(states["decode"]),
+        router=_pool_status(states["router"]),
         ready=f"{workers_and_router[0]}/{workers_and_router[1]}",
         ratio=f"{states['prefill'].ready}:{states['decode'].ready}",
         endpoint=router_endpoint(router_svc),
@@ -194,6 +221,11 @@ def compute_status(resource: Mapping[str, Any], deployments: Mapping[str, Mappin
     )
     # Every field is written, None included: a merge patch then removes what no longer applies.
     return status.model_dump(by_alias=True, mode="json")
+
+
+def _pool_status(state: ComponentState) -> dict:
+    return {"desired": state.desired, "ready": state.ready, "updated": state.updated,
+            "scaleUpFrom": state.scale_up_from}
 
 
 def same_status(a: Mapping[str, Any] | None, b: Mapping[str, Any] | None) -> bool:

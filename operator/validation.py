@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import functools
+import json
 import re
 from collections.abc import Mapping
 from typing import Any
 
+import kubernetes_validate
 from pydantic import ValidationError
 
-from tandem.config import EngineConfig, LLMDeploymentSpec
-from tandem.operator.names import MAX_NAME_LENGTH
+from tandem.config import EngineConfig, LLMDeploymentSpec, PodSettings
+from tandem.operator.builders import pod_env
+from tandem.operator.names import COMPONENTS, MAX_NAME_LENGTH
 from tandem.operator.scaling import GPU_RESOURCE, pool_gpus, scaling_reasons
 from tandem.operator.sizing import PoolSizes, resolve_pool_sizes
 
@@ -77,6 +81,39 @@ def built_object_reasons(objects: list[dict]) -> list[str]:
     return reasons
 
 
+def _json_path(parts) -> str:
+    return "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in parts)
+
+
+def pod_field_reasons(where: str, settings: PodSettings) -> list[str]:
+    """What the Kubernetes schema refuses in the pod fields the spec passes through as written (`tolerations`,
+    `affinity`, `env`), each named as the spec names it (`where`: spec.decode, ...). Not strict: a field the
+    schema does not know yet is the API server's to judge."""
+    fields = {"tolerations": settings.tolerations, "affinity": settings.affinity, "env": pod_env(settings)}
+    problems = (_schema_problem(field, json.dumps(value, sort_keys=True)) for field, value in fields.items() if value)
+    return [f"{where}{problem}" for problem in problems if problem]
+
+
+@functools.lru_cache(maxsize=256)  # every status refresh validates the spec again
+def _schema_problem(field: str, value_json: str) -> str | None:
+    """Where and why the Kubernetes schema refuses one pod field (as JSON) in a pod, or None."""
+    value = json.loads(value_json)
+    pod_spec: dict[str, Any] = {"containers": [{"name": "check"}]}
+    if field == "env":
+        pod_spec["containers"][0]["env"] = value
+    else:
+        pod_spec[field] = value
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "check"}, "spec": pod_spec}
+    try:
+        kubernetes_validate.validate(pod, kubernetes_validate.latest_version(), strict=False)
+    except kubernetes_validate.ValidationError as exc:
+        path = list(exc.absolute_path)[1:]  # under the pod's spec
+        if path[:2] == ["containers", 0]:
+            path = path[2:]
+        return f"{_json_path(path)}: {exc.message} (the Kubernetes schema)"
+    return None
+
+
 def validate_spec(raw_spec: Mapping[str, Any] | None, name: str) -> tuple[LLMDeploymentSpec, PoolSizes]:
     """The parsed spec and its pool sizes, or SpecError naming every problem."""
     reasons = validate_name(name)
@@ -89,6 +126,8 @@ def validate_spec(raw_spec: Mapping[str, Any] | None, name: str) -> tuple[LLMDep
     except ValueError as exc:
         raise SpecError([*reasons, f"spec: {exc}"]) from None
     reasons += _semantic_reasons(spec, sizes) + scaling_reasons(spec)
+    for component in COMPONENTS:
+        reasons += pod_field_reasons(f"spec.{component}", getattr(spec, component))
     if reasons:
         raise SpecError(reasons)
     return spec, sizes

@@ -519,6 +519,8 @@ class PoolStatus(_CamelModel):
     desired: int = 0
     ready: int = 0
     updated: int = 0
+    scale_up_from: int | None = Field(None, description="while a scale-up is under way: the ready replicas it "
+                                                        "started from (fewer ready is Degraded)")
 
 
 class Condition(_CamelModel):

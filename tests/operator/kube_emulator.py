@@ -5,8 +5,11 @@ a real API server does on every write that kopf and the operator rely on: names 
 events), uid, resourceVersion (kopf's consistency checks), metadata.generation bumped on spec changes
 (status.observedGeneration) and creationTimestamp. Like a real API server it refuses, with 422 Invalid, a
 built-in object that breaks the Kubernetes schema (kubernetes-validate, strict) or repeats an env name in a
-container (server-side apply cannot merge such a list), refuses a RoleBinding to a Role that is not there (RBAC's
-escalation check, for a caller that may not `bind`), and answers `?dryRun=All` without storing anything.
+container (server-side apply cannot merge such a list), but a server-side apply of a field of the wrong type or
+one the schema does not declare with a 500, as Kubernetes does (kubernetes#139253); it refuses a RoleBinding to a
+Role that is not there (RBAC's escalation check, for a caller that may not `bind`), and answers `?dryRun=All`
+without storing anything. Where a test reported a Deployment's status, a change of its replicas alone gets the
+status its controller would write (the Progressing condition unchanged).
 """
 
 from __future__ import annotations
@@ -74,15 +77,55 @@ class InvalidObjectError(kmock.KubernetesError):
     message: str = "the object is invalid"
 
 
-def schema_problem(obj: dict) -> str | None:
-    """Why a real API server would refuse `obj`, or None."""
-    kind, name, api_version = obj.get("kind"), obj.get("metadata", {}).get("name"), obj.get("apiVersion")
+@attrs.frozen
+class TypedPatchError(kmock.KubernetesError):
+    """What server-side apply answers for a field of the wrong type or unknown to the schema: a 500, not a 422
+    (kubernetes#139253), the dry run's included."""
+
+    status: int = 500
+    reason: str = "InternalError"
+    message: str = "failed to create typed patch object"
+
+
+def schema_error(obj: dict) -> kubernetes_validate.ValidationError | None:
+    """The first thing the Kubernetes schema (strict: unknown fields too) refuses in a built-in object, or None."""
+    kind, api_version = obj.get("kind"), obj.get("apiVersion")
     if not kind or not api_version or api_version.startswith(CUSTOM_GROUPS) or kind == "Event":
         return None  # what the built-in schemas do not cover (kopf's events are posted without apiVersion)
     try:
         kubernetes_validate.validate(obj, SCHEMA_VERSION, strict=True)
     except kubernetes_validate.ValidationError as exc:
-        return f"{kind} {name!r} is invalid: {str(exc).splitlines()[0]}"
+        return exc
+    return None
+
+
+JSON_TYPES = {str: "string", bool: "bool", int: "numeric", float: "numeric", list: "list", dict: "map"}
+
+
+def typed_patch_failure(obj: dict) -> str | None:
+    """The message of the 500 server-side apply answers for `obj` (as Kubernetes 1.24 words it), or None: a field
+    of the wrong type or one the schema does not declare. Other schema errors come after the patch, as 422s."""
+    error = schema_error(obj)
+    if error is None or error.validator not in ("type", "oneOf", "additionalProperties"):
+        return None
+    path = "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in error.absolute_path)
+    if error.validator == "additionalProperties":
+        unknown = sorted(set(error.instance) - set(error.schema.get("properties") or {}))
+        path, problem = f"{path}.{unknown[0]}", "field not declared in schema"
+    else:
+        wanted = error.validator_value if isinstance(error.validator_value, list) else [error.validator_value]
+        expected = "numeric (int or float)" if {"integer", "number"} & set(wanted) else wanted[0]
+        problem = f"expected {expected}, got {JSON_TYPES.get(type(error.instance), 'null')}"
+    group_version = obj["apiVersion"] if "/" in obj["apiVersion"] else f"/{obj['apiVersion']}"
+    return f"failed to create typed patch object ({group_version}, Kind={obj['kind']}): {path}: {problem}"
+
+
+def schema_problem(obj: dict) -> str | None:
+    """Why a real API server would refuse `obj`, or None."""
+    kind, name = obj.get("kind"), obj.get("metadata", {}).get("name")
+    error = schema_error(obj)
+    if error is not None:
+        return f"{kind} {name!r} is invalid: {str(error).splitlines()[0]}"
     pod = obj.get("spec", {}).get("template", {}).get("spec", {})
     for container in pod.get("containers") or []:
         env = [e.get("name") for e in container.get("env") or []]
@@ -90,6 +133,29 @@ def schema_problem(obj: dict) -> str | None:
         if repeated:
             return f'{kind} {name!r} is invalid: duplicate entries for key [name="{repeated[0]}"]'
     return None
+
+
+def scaled_deployment_status(current: dict, spec: dict, generation: int) -> dict | None:
+    """The status a Deployment controller writes when only the replicas of a Deployment it reported on change (None
+    for any other change, which tests report by hand): the pods of the same ReplicaSet are added or removed, and
+    the Progressing condition stays as it was, NewReplicaSetAvailable once a rollout completed."""
+    status, before = current.get("status") or {}, current.get("spec") or {}
+    if current.get("kind") != "Deployment" or "observedGeneration" not in status:
+        return None
+    if {**spec, "replicas": None} != {**before, "replicas": None}:
+        return None
+    replicas = spec.get("replicas", 1)
+    updated = replicas if status.get("updatedReplicas") == status.get("replicas") else \
+        min(status.get("updatedReplicas") or 0, replicas)
+    return {**status, "observedGeneration": generation, "replicas": replicas, "updatedReplicas": updated,
+            "readyReplicas": min(status.get("readyReplicas") or 0, replicas),
+            "availableReplicas": min(status.get("availableReplicas") or 0, replicas)}
+
+
+def is_apply(request) -> bool:
+    """A server-side apply (PATCH application/apply-patch+yaml)."""
+    content_type = next((v for k, v in (request.headers or {}).items() if k.lower() == "content-type"), "")
+    return request.method == kmock.method.PATCH and content_type.startswith("application/apply-patch")
 
 
 @attrs.define(kw_only=True)
@@ -121,6 +187,10 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
         return f'roles.rbac.authorization.k8s.io "{ref.get("name")}" not found'
 
     async def _handle(self, request):
+        if is_apply(request) and isinstance(request.data, dict):  # the typed patch comes first, dry run or not
+            failure = typed_patch_failure(request.data)
+            if failure is not None:
+                raise TypedPatchError(message=failure)
         result = self._result_of(request)
         if result is not None:
             problem = schema_problem(result)
@@ -154,8 +224,21 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
                         new_spec = merge_patch(current.get("spec", {}), data["spec"])
                         if new_spec != current.get("spec", {}):
                             meta["generation"] = current.get("metadata", {}).get("generation", 1) + 1
+                            status = scaled_deployment_status(current, new_spec, meta["generation"])
+                            if status is not None:
+                                data["status"] = status
                     meta["resourceVersion"] = str(next(self._versions))
         return await super()._handle(request)
+
+
+PDBS = "policy/v1/poddisruptionbudgets"
+
+
+def foreign_disruption_budget(name: str, namespace: str) -> dict:
+    """A PodDisruptionBudget named as an LLMDeployment's that is not its own. The operator does not watch them, so
+    one of its own deleted and replaced with this stays replaced until it reconciles."""
+    return {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget", "metadata": {"name": name, "namespace": namespace},
+            "spec": {"maxUnavailable": 1, "selector": {"matchLabels": {"app": "theirs"}}}}
 
 
 class Cluster:

@@ -126,9 +126,11 @@ def test_rbac_is_least_privilege():
         # Owner references with blockOwnerDeletion need it where OwnerReferencesPermissionEnforcement runs.
         assert ("serving.tandem.dev", "llmdeployments/finalizers") in granted
         assert ("discovery.k8s.io", "endpointslices") in granted  # needed to grant it to the routers
-        # The internal-endpoint token's Secret is created once: nothing lets the operator read other Secrets in bulk.
+        # The internal-endpoint token's Secret is created once and never changed (patch: an orphaned one is adopted
+        # back); list and watch: one deleted is put back at once (operator_settings has the API server send only
+        # the operator's own). Never update or delete.
         secret_verbs = {v for rule in rules if "secrets" in rule["resources"] for v in rule["verbs"]}
-        assert secret_verbs == {"get", "create", "patch"}  # patch: an orphaned token Secret is adopted back
+        assert secret_verbs == {"get", "list", "watch", "create", "patch"}
     namespaced = [o for o in _objects(VALUE_SETS["one-namespace-ha"]) if o["kind"] in ("Role", "RoleBinding")]
     assert {o["metadata"]["namespace"] for o in namespaced} == {"llm"}
 

@@ -8,9 +8,13 @@ import signal
 import subprocess
 import sys
 
+import kmock
+import kubernetes.client
+import pytest
 import yaml
-from kube_emulator import CR, EXAMPLE, Cluster
+from kube_emulator import CR, EXAMPLE, PDBS, Cluster, foreign_disruption_budget
 
+from tandem.operator import names
 from tandem.operator.builders import Owner, build_objects
 from tandem.operator.kube import Kube, KubeError, with_desired_hash
 from tandem.operator.main import peering_priority
@@ -162,9 +166,9 @@ async def test_changing_the_ratio_patches_replicas(cluster):
 
 
 def _deployment_status(replicas: int, ready: int, progressing: str = "NewReplicaSetAvailable",
-                       progressing_status: str = "True") -> dict:
+                       progressing_status: str = "True", generation: int = 1) -> dict:
     """What the Deployment controller writes: every pod on the new template, `ready` of them ready."""
-    return {"status": {"observedGeneration": 1, "replicas": replicas, "updatedReplicas": replicas,
+    return {"status": {"observedGeneration": generation, "replicas": replicas, "updatedReplicas": replicas,
                        "readyReplicas": ready, "availableReplicas": ready,
                        "conditions": [{"type": "Progressing", "status": progressing_status, "reason": progressing}]}}
 
@@ -210,6 +214,34 @@ async def test_deployment_statuses_move_the_resource_to_ready(cluster):
     assert degraded["reason"] == "RolloutStalled" and "decode: ProgressDeadlineExceeded" in degraded["message"]
 
 
+async def test_a_scale_up_under_way_is_progressing_not_degraded(cluster):
+    """A real Deployment controller keeps Progressing=True NewReplicaSetAvailable when only the replicas change (the
+    emulator's too): the new pods load the model for minutes meanwhile, and that is no failure."""
+    await cluster.apply_example()
+    await _all_owned(cluster)
+    for name, replicas in (("smollm2-prefill", 1), ("smollm2-decode", 3), ("smollm2-router", 2)):
+        await cluster.patch(DEPLOYMENTS, name, _deployment_status(replicas, replicas), subresource="status")
+    await cluster.wait_for("Ready", lambda: (cluster.get(CR, "smollm2").get("status") or {}).get("phase") == "Ready")
+
+    await cluster.patch(CR, "smollm2", {"spec": {"replicas": 8}})  # 1:3 of 8: 2 prefill, 6 decode
+    await cluster.wait_for("the decode scale-up seen by the Deployment controller", lambda: (
+        cluster.get(DEPLOYMENTS, "smollm2-decode")["status"]["replicas"] == 6))
+    decode = cluster.get(DEPLOYMENTS, "smollm2-decode")
+    assert decode["status"]["observedGeneration"] == decode["metadata"]["generation"] == 2
+    assert decode["status"]["readyReplicas"] == 3
+    assert decode["status"]["conditions"][0]["reason"] == "NewReplicaSetAvailable"
+    await cluster.wait_for("Progressing=True ScalingUp", lambda: _conditions(cluster)["Progressing"]["reason"] == "ScalingUp")
+    status = cluster.get(CR, "smollm2")["status"]
+    assert status["phase"] == "Progressing" and status["decode"]["scaleUpFrom"] == 3
+    assert (_conditions(cluster)["Degraded"]["status"], _conditions(cluster)["Progressing"]["status"]) == ("False", "True")
+
+    for name, replicas in (("smollm2-prefill", 2), ("smollm2-decode", 6)):
+        await cluster.patch(DEPLOYMENTS, name, _deployment_status(replicas, replicas, generation=2),
+                            subresource="status")
+    await cluster.wait_for("Ready at 8", lambda: cluster.get(CR, "smollm2")["status"]["phase"] == "Ready")
+    assert cluster.get(CR, "smollm2")["status"]["ready"] == "10/10"
+
+
 async def test_invalid_spec_sets_spec_valid_false_posts_an_event_and_creates_nothing(cluster):
     await cluster.apply_example(prefill={"replicas": 2})  # a ratio and an explicit pool size at once
     status = await cluster.wait_for("SpecValid=False", lambda: (cluster.get(CR, "smollm2") or {}).get("status"))
@@ -245,15 +277,65 @@ def _container(cluster, name: str) -> dict:
     return cluster.get(DEPLOYMENTS, name)["spec"]["template"]["spec"]["containers"][0]
 
 
+async def test_a_field_of_the_wrong_type_in_a_pod_setting_is_an_invalid_spec_not_an_outage(cluster):
+    """docs/kubernetes.md's own example. A real API server's server-side apply answers a field of the wrong type with
+    a 500 (the emulator too), which read as an outage made the LLMDeployment Degraded and retried it every 10 s."""
+    await cluster.apply_example(decode={"tolerations": [{"key": "gpu", "operator": "Exists",
+                                                         "tolerationSeconds": "abc"}]})
+    await cluster.wait_for("SpecValid=False", lambda: _conditions(cluster).get("SpecValid", {}).get("status") == "False")
+    message = "spec.decode.tolerations[0].tolerationSeconds: 'abc' is not of type 'integer'"
+    assert message in _conditions(cluster)["SpecValid"]["message"]
+    events = await cluster.wait_for("an InvalidSpec event", lambda: cluster.events("InvalidSpec"))
+    assert len(events) == 1 and message in events[0]["message"]
+    await asyncio.sleep(1.5)
+    assert len(cluster.events("InvalidSpec")) == 1 and cluster.events("ApplyFailed") == []
+    assert cluster.get(CR, "smollm2")["status"]["phase"] == "Invalid"
+    assert _conditions(cluster)["Degraded"]["status"] == "False"
+    for resource in [*OWNED, "v1/secrets"]:
+        assert cluster.all(resource) == {}, resource
+
+
+async def test_the_emulator_answers_a_type_error_in_a_server_side_apply_as_kubernetes_does(emulator):
+    """A 500 naming the field, dry run or not (kubernetes#139253); other schema errors stay 422s."""
+    spec, sizes = validate_spec(yaml.safe_load(EXAMPLE.read_text())["spec"], "smollm2")
+    deployment = build_objects(Owner("smollm2", "ns1", "uid"), spec, sizes)[-4]
+    deployment["spec"]["template"]["spec"]["tolerations"] = [{"key": "gpu", "tolerationSeconds": "abc"}]
+    api = kubernetes.client.ApiClient(kubernetes.client.Configuration(host=str(emulator.url).rstrip("/")))
+    try:
+        kube = Kube(api)
+        for dry_run in (True, False):
+            with pytest.raises(KubeError) as refused:
+                await asyncio.to_thread(kube.apply, deployment, dry_run)
+            assert refused.value.status == 500 and refused.value.invalid and not refused.value.retriable
+            assert refused.value.message == (
+                "failed to create typed patch object (apps/v1, Kind=Deployment): "
+                ".spec.template.spec.tolerations[0].tolerationSeconds: expected numeric (int or float), got string")
+        deployment["spec"]["template"]["spec"]["tolerations"] = [{"key": "gpu", "tolerationSecond": 5}]
+        with pytest.raises(KubeError) as unknown:
+            await asyncio.to_thread(kube.apply, deployment, True)
+        assert unknown.value.status == 500 and unknown.value.message.endswith(
+            ".spec.template.spec.tolerations[0].tolerationSecond: field not declared in schema")
+        del deployment["spec"]["template"]["spec"]["tolerations"]
+        del deployment["spec"]["selector"]  # required: refused after the patch is made, with a 422
+        with pytest.raises(KubeError) as missing:
+            await asyncio.to_thread(kube.create, deployment, True)
+        assert missing.value.status == 422 and missing.value.invalid
+    finally:
+        api.close()
+
+
 async def test_a_spec_the_api_server_refuses_is_applied_whole_or_not_at_all(cluster):
     """Tolerations, affinity and env entries go into the pods as written; the API server may refuse them. Each
-    changed object is checked by a dry run first: no pool rolls to a spec another pool cannot take."""
-    refused = {"tolerations": [{"key": "gpu", "operator": "Exists", "tolerationSeconds": "soon"}]}
+    changed object is checked by a dry run first: no pool rolls to a spec another pool cannot take. A field the
+    operator's schema check leaves to the server (one it does not know: the server may be newer) is refused by
+    server-side apply with a 500, read as the refusal it is."""
+    refused = {"tolerations": [{"key": "gpu", "operator": "Exists", "tolerationSecond": 30}]}
     await cluster.apply_example(decode=refused)
     await cluster.wait_for("an InvalidSpec event", lambda: cluster.events("InvalidSpec"))
     await cluster.wait_for("SpecValid=False", lambda: _conditions(cluster).get("SpecValid", {}).get("status") == "False")
     conditions = _conditions(cluster)
     assert "refuses Deployment smollm2-decode" in conditions["SpecValid"]["message"]
+    assert "tolerations[0].tolerationSecond: field not declared in schema" in conditions["SpecValid"]["message"]
     for resource in [*OWNED, "v1/secrets"]:
         assert cluster.all(resource) == {}, resource  # not the prefill pool, the router, the token, or anything else
 
@@ -326,6 +408,33 @@ async def test_a_token_secret_made_again_rolls_the_router_and_both_pools(cluster
                            lambda: secret_annotations() == {again["metadata"]["uid"]})
 
 
+async def test_a_deleted_config_map_or_token_secret_is_put_back_at_once(cluster):
+    """The routers mount the ConfigMap and every pod reads the token Secret when it starts: new pods cannot start
+    without them, so they are watched as the Deployments are, not left for the next resync (off in these tests)."""
+    await cluster.apply_example()
+    await _all_owned(cluster)
+    config = cluster.get("v1/configmaps", "smollm2-config")
+    await cluster.delete("v1/configmaps", "smollm2-config")
+    await cluster.wait_for("the ConfigMap back", lambda: cluster.get("v1/configmaps", "smollm2-config"))
+    assert cluster.get("v1/configmaps", "smollm2-config")["data"] == config["data"]
+
+    first = cluster.get("v1/secrets", "smollm2-internal")["metadata"]["uid"]
+    await cluster.delete("v1/secrets", "smollm2-internal")
+    await cluster.wait_for("a new token Secret", lambda: (cluster.get("v1/secrets", "smollm2-internal") or {}).get(
+        "metadata", {}).get("uid") not in (None, first))
+    again = cluster.get("v1/secrets", "smollm2-internal")["metadata"]["uid"]
+    await cluster.wait_for("every pod template on the new Secret", lambda: {
+        d["spec"]["template"]["metadata"]["annotations"].get("serving.tandem.dev/internal-secret")
+        for d in cluster.all(DEPLOYMENTS).values()} == {again})
+
+    # Watched by their labels on the API server's side: the operator is sent its own ConfigMaps and Secrets only.
+    reads = [r for r in cluster.emulator if r.resource in (
+        kmock.resource("v1/configmaps"), kmock.resource("v1/secrets")) and r.action in (kmock.action.LIST,
+                                                                                      kmock.action.WATCH)]
+    assert {r.resource.plural for r in reads} == {"configmaps", "secrets"}
+    assert {r.params.get("labelSelector") for r in reads} == {names.OWNED_SELECTOR}
+
+
 async def test_a_token_secret_of_the_same_name_that_is_not_ours_is_not_used(cluster):
     """Its token would be whoever made it's: the deployment waits, Degraded, rather than trust it."""
     theirs = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "smollm2-internal", "namespace": "ns1"},
@@ -373,15 +482,14 @@ async def test_a_failed_change_reverted_before_a_retry_applied_it_still_ends_rea
     await cluster.wait_for("observedGeneration 1", lambda: (cluster.get(CR, "smollm2").get("status") or {}).get(
         "observedGeneration") == 1, 15)
     image = cluster.get(CR, "smollm2")["spec"]["image"]
-    await cluster.delete("v1/configmaps", "smollm2-config")
-    await cluster.create("v1/configmaps", {"apiVersion": "v1", "kind": "ConfigMap", "data": {"a": "1"},
-                                           "metadata": {"name": "smollm2-config", "namespace": "ns1"}})
+    await cluster.delete(PDBS, "smollm2-router")
+    await cluster.create(PDBS, foreign_disruption_budget("smollm2-router", "ns1"))
     await cluster.patch(CR, "smollm2", {"spec": {"image": "tandem/worker:9.9.9"}})  # generation 2: fails
     await cluster.wait_for("ApplyFailed", lambda: _conditions(cluster).get("Degraded", {}).get("reason") == "ApplyFailed")
     assert _conditions(cluster)["Ready"]["reason"] == "SpecNotApplied"
     await cluster.patch(CR, "smollm2", {"spec": {"image": image}})  # generation 3: generation 1's spec again
     await asyncio.sleep(1)
-    await cluster.delete("v1/configmaps", "smollm2-config")  # the retry (every 10 s) now goes through
+    await cluster.delete(PDBS, "smollm2-router")  # the retry (every 10 s) now goes through
     await cluster.wait_for("generation 3 observed", lambda: cluster.get(CR, "smollm2")["status"].get(
         "observedGeneration") == 3, 30)
     assert _conditions(cluster)["Ready"]["reason"] != "SpecNotApplied"
@@ -392,16 +500,14 @@ async def test_a_deleted_object_that_cannot_be_put_back_at_once_is_put_back_late
     retried by the operator's own timer, and said once (one Warning event while the problem stays the same)."""
     await cluster.apply_example()
     await _all_owned(cluster)
-    await cluster.delete("v1/configmaps", "smollm2-config")  # unwatched: back at the next reconcile
-    theirs = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "smollm2-config", "namespace": "ns1"},
-              "data": {"app.properties": "important=1"}}
-    await cluster.create("v1/configmaps", theirs)
+    await cluster.delete(PDBS, "smollm2-router")  # unwatched: back at the next reconcile
+    await cluster.create(PDBS, foreign_disruption_budget("smollm2-router", "ns1"))
     await cluster.delete(DEPLOYMENTS, "smollm2-router")
     await cluster.wait_for("Degraded", lambda: _conditions(cluster).get("Degraded", {}).get("reason") == "ApplyFailed")
     await asyncio.sleep(12)  # a retry, 10 s on, meets the same problem
     assert cluster.get(DEPLOYMENTS, "smollm2-router") is None and len(cluster.events("ApplyFailed")) == 1
 
-    await cluster.delete("v1/configmaps", "smollm2-config")
+    await cluster.delete(PDBS, "smollm2-router")
     await cluster.wait_for("the router Deployment back", lambda: cluster.get(DEPLOYMENTS, "smollm2-router"), timeout=15)
     await _all_owned(cluster)
     await cluster.wait_for("Degraded cleared", lambda: _conditions(cluster)["Degraded"]["reason"] != "ApplyFailed")

@@ -12,7 +12,7 @@ import cel
 import pytest
 import pytest_asyncio
 import yaml
-from kube_emulator import CR, EXAMPLE, running_operator
+from kube_emulator import CR, EXAMPLE, PDBS, foreign_disruption_budget, running_operator
 from pydantic import ValidationError
 
 from tandem.config import LLMDeploymentSpec
@@ -337,15 +337,14 @@ async def test_a_resize_that_could_not_be_applied_is_applied_once_it_can_be(plan
     await _apply(cluster, _planner())
     await _ticks(cluster, load, 2)
     assert _replicas(cluster) == (1, 3)
-    await cluster.delete("v1/configmaps", "smollm2-config")
-    await cluster.create("v1/configmaps", {"apiVersion": "v1", "kind": "ConfigMap",
-                                           "metadata": {"name": "smollm2-config", "namespace": cluster.namespace}})
-    load.set(mean_out=360)  # decode needs 4.5: to 5, which the foreign ConfigMap keeps from being applied
+    await cluster.delete(PDBS, "smollm2-router")
+    await cluster.create(PDBS, foreign_disruption_budget("smollm2-router", cluster.namespace))
+    load.set(mean_out=360)  # decode needs 4.5: to 5, which the foreign PodDisruptionBudget keeps from being applied
     await cluster.wait_for("PlannerFailed", lambda: cluster.events("PlannerFailed"))
     await _ticks(cluster, load, 3)
     assert _replicas(cluster) == (1, 3) and _planner_status(cluster)["decode"] == 5
 
-    await cluster.delete("v1/configmaps", "smollm2-config")
+    await cluster.delete(PDBS, "smollm2-router")
     await cluster.wait_for("decode scaled to 5", lambda: _replicas(cluster) == (1, 5), timeout=15)
     await cluster.wait_for("Degraded cleared", lambda: not any(
         c["type"] == "Degraded" and c["status"] == "True"

@@ -51,6 +51,14 @@ def _spec(**changes) -> dict:
      "'lots' is not a Kubernetes quantity"),
     ("smollm2", _spec(decode={"resources": {"limits": {"nvidia.com/gpu": "500m"}}}),
      "spec.decode.resources: nvidia.com/gpu '500m' is not a whole number of GPUs"),
+    # The pod fields passed through as written, against the Kubernetes schema.
+    ("smollm2", _spec(decode={"tolerations": [{"key": "gpu", "tolerationSeconds": "abc"}]}),
+     "spec.decode.tolerations[0].tolerationSeconds: 'abc' is not of type 'integer'"),
+    ("smollm2", _spec(router={"affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {}}}}),
+     "spec.router.affinity.nodeAffinity.requiredDuringSchedulingIgnoredDuringExecution: 'nodeSelectorTerms' is a "
+     "required property"),
+    ("smollm2", _spec(prefill={"env": [{"name": "A", "valueFrom": {"fieldRef": {"fieldPath": 3}}}]}),
+     "spec.prefill.env[0].valueFrom.fieldRef.fieldPath: 3 is not of type 'string'"),
     ("Bad_Name", _spec(), "metadata.name: 'Bad_Name' must be a DNS-1035 label"),
     ("x" * 60, _spec(), "is 60 characters; at most 55"),
 ])
@@ -58,6 +66,12 @@ def test_invalid_specs_give_reasons_naming_the_field(name, spec, reason):
     with pytest.raises(SpecError) as info:
         validate_spec(spec, name)
     assert any(reason in r for r in info.value.reasons), info.value.reasons
+
+
+def test_a_pod_field_newer_than_the_operators_schema_is_left_to_the_api_server():
+    """Not strict: a field the bundled schema does not know may be one of a newer Kubernetes."""
+    validate_spec(_spec(decode={"tolerations": [{"key": "gpu", "operator": "Exists", "fromTheFuture": 1}]}),
+                  "smollm2")
 
 
 @pytest.mark.parametrize(("quantity", "gpus"), [("1", 1), ("1.0", 1), ("1e0", 1), ("2000m", 2)])
@@ -102,6 +116,45 @@ def test_status_ready_and_transition_times_only_move_on_flips():
     assert times == {"SpecValid": "t1", "Ready": "t3", "Progressing": "t1", "Degraded": "t3"}
 
 
+def test_status_a_scale_up_under_way_is_progressing_until_a_pod_it_started_with_is_lost():
+    """A Deployment controller keeps Progressing=True NewReplicaSetAvailable when only the replicas change, so the
+    counts alone cannot tell new pods loading (minutes, for a model) from pods lost: the status remembers where a
+    scale-up started."""
+    deployments = {"prefill": _deployment(1, 1), "decode": _deployment(3, 3), "router": _deployment(2, 2)}
+    ready = compute_status(_resource(), deployments, None, "t1", generation=3)
+    assert ready["phase"] == "Ready"
+
+    def scaled(status):  # the spec asks for 8 workers at 1:3: 2 prefill, 6 decode
+        resource = _resource(**status)
+        resource["spec"]["replicas"] = 8
+        resource["metadata"]["generation"] = 4
+        return resource
+
+    def conditions(status):
+        return {c["type"]: (c["status"], c["reason"]) for c in status["conditions"]}
+
+    deployments.update(prefill=_deployment(2, 1, generation=2, observed=2),
+                       decode=_deployment(6, 3, generation=2, observed=2))
+    scaling = compute_status(scaled(ready), deployments, None, "t2", generation=4)
+    assert scaling["phase"] == "Progressing"
+    assert conditions(scaling)["Progressing"] == ("True", "ScalingUp")
+    assert conditions(scaling)["Degraded"] == ("False", "AsExpected")
+    assert (scaling["prefill"]["scaleUpFrom"], scaling["decode"]["scaleUpFrom"]) == (1, 3)
+    deployments["decode"] = _deployment(6, 5, generation=2, observed=2)
+    later = compute_status(scaled(scaling), deployments, None, "t3")
+    assert later["phase"] == "Progressing" and later["decode"]["scaleUpFrom"] == 3
+
+    deployments["decode"] = _deployment(6, 2, generation=2, observed=2)  # one of the three it started with is lost
+    lost = compute_status(scaled(later), deployments, None, "t4")
+    assert lost["phase"] == "Degraded" and conditions(lost)["Degraded"] == ("True", "ReplicasUnavailable")
+
+    deployments.update(prefill=_deployment(2, 2, generation=2, observed=2),
+                       decode=_deployment(6, 6, generation=2, observed=2))
+    done = compute_status(scaled(lost), deployments, None, "t5")
+    assert done["phase"] == "Ready" and done["decode"]["scaleUpFrom"] is None
+    assert conditions(done)["Progressing"] == ("False", "Idle")
+
+
 def test_status_a_deployment_behind_its_generation_is_progressing():
     deployments = {"prefill": _deployment(1, 1, generation=2, observed=1), "decode": _deployment(3, 3),
                    "router": _deployment(2, 2)}
@@ -144,7 +197,8 @@ def test_status_of_an_invalid_spec_says_a_deployment_deleted_meanwhile_is_missin
     del deployments["router"]
     status = compute_status(resource, deployments, None, "t2", generation=4)
     conditions = {c["type"]: c for c in status["conditions"]}
-    assert status["phase"] == "Invalid" and status["router"] == {"desired": 2, "ready": 0, "updated": 0}
+    assert status["phase"] == "Invalid" and status["router"] == {"desired": 2, "ready": 0, "updated": 0,
+                                                                    "scaleUpFrom": None}
     assert conditions["Degraded"]["status"] == "True" and conditions["Degraded"]["reason"] == "DeploymentMissing"
     assert "the router Deployment is missing" in conditions["Degraded"]["message"]
 

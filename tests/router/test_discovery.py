@@ -6,13 +6,13 @@ The emulated workers listen on 127.0.0.2 and 127.0.0.3 (loopback), so the pool's
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 
 import attrs
 import httpx
 import kmock
-import kubernetes.client
 import pytest
 import pytest_asyncio
 import yaml
@@ -84,23 +84,24 @@ async def emulator():
         yield server
 
 
-@pytest.fixture
-def discovery(emulator, tmp_path, monkeypatch):
-    """KubernetesDiscovery as deployed, but configured from a kubeconfig that points at the emulator."""
+def point_kubeconfig_at(server: str, tmp_path, monkeypatch) -> None:
+    """Not in a pod: KubernetesDiscovery falls back to the default kubeconfig, here one that names `server`."""
     kubeconfig = tmp_path / "kubeconfig"
     kubeconfig.write_text(yaml.safe_dump({
         "apiVersion": "v1", "kind": "Config", "current-context": "emulator",
-        "clusters": [{"name": "emulator", "cluster": {"server": str(emulator.url).rstrip("/")}}],
+        "clusters": [{"name": "emulator", "cluster": {"server": server}}],
         "users": [{"name": "emulator", "user": {"token": "test"}}],
         "contexts": [{"name": "emulator", "context": {"cluster": "emulator", "user": "emulator"}}],
     }))
-    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)  # not in a pod: fall back to the kubeconfig
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
     monkeypatch.setattr(kube_config, "KUBE_CONFIG_DEFAULT_LOCATION", str(kubeconfig))
-    saved = kubernetes.client.Configuration.get_default_copy()
-    try:
-        yield KubernetesDiscovery(NAMESPACE, PREFILL_SELECTOR, DECODE_SELECTOR)
-    finally:
-        kubernetes.client.Configuration.set_default(saved)  # load_kube_config sets a process-wide default
+
+
+@pytest.fixture
+def discovery(emulator, tmp_path, monkeypatch):
+    """KubernetesDiscovery as deployed, but configured from a kubeconfig that points at the emulator."""
+    point_kubeconfig_at(str(emulator.url).rstrip("/"), tmp_path, monkeypatch)
+    return KubernetesDiscovery(NAMESPACE, PREFILL_SELECTOR, DECODE_SELECTOR)
 
 
 async def create(emulator, body: dict) -> None:
@@ -131,6 +132,63 @@ async def test_each_selector_yields_its_ready_endpoints(emulator, discovery):
 
 async def test_no_slices_means_empty_pools(emulator, discovery):
     assert await discovery.members() == ([], [])
+
+
+async def test_an_api_server_away_is_said_once_and_asked_again_with_backoff(tmp_path, monkeypatch, caplog):
+    """While the API server is away the router keeps the workers it listed last, logs one line (no traceback, no
+    urllib3 retry warnings) and asks again ever less often; one more line when the API server is back."""
+    port = free_port()
+    slices = [endpoint_slice("decode-a", "decode", 8001, [("10.2.0.1", True)])]
+
+    async def list_slices(request):  # the API server's answer, labelSelector honoured
+        wanted = parse_selector(request.query["labelSelector"]).items()
+        items = [s for s in slices if wanted <= s["metadata"]["labels"].items()]
+        return web.json_response({"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSliceList",
+                                  "metadata": {}, "items": items})
+
+    async def serve() -> web.AppRunner:
+        app = web.Application()
+        app.add_routes([web.get(slices_path(), list_slices)])
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        return runner
+
+    runner = await serve()
+    try:
+        point_kubeconfig_at(f"http://127.0.0.1:{port}", tmp_path, monkeypatch)
+        discovery = KubernetesDiscovery(NAMESPACE, PREFILL_SELECTOR, DECODE_SELECTOR, backoff_s=0.1,
+                                        max_backoff_s=0.4)
+        listed = ([], ["http://10.2.0.1:8001"])
+        assert await discovery.members() == listed
+        tries = []
+        list_slices_of = discovery.api.list_namespaced_endpoint_slice
+        monkeypatch.setattr(discovery.api, "list_namespaced_endpoint_slice",
+                            lambda *args, **kwargs: tries.append(1) or list_slices_of(*args, **kwargs))
+
+        await runner.cleanup()  # away: its connections closed, its port refusing
+        caplog.clear()
+        caplog.set_level(logging.INFO)
+        for _ in range(30):  # the router asks every probe interval
+            assert await discovery.members() == listed  # the workers listed last stay
+            await asyncio.sleep(0.05)
+        # 30 asks in 1.5 s; backoff 0.1, 0.2, 0.4, 0.4, ... s lets through about 6.
+        assert 3 <= len(tries) <= 8, tries
+        said = [r for r in caplog.records if r.name == "tandem.router.discovery"]
+        assert [r.levelno for r in said] == [logging.WARNING] and said[0].exc_info is None
+        assert "listing EndpointSlices in serving failed" in said[0].getMessage()
+        assert "keeping the 1 workers listed last" in said[0].getMessage()
+        assert not [r for r in caplog.records if r.name.startswith("urllib3")]
+
+        runner = await serve()
+        slices.append(endpoint_slice("prefill-a", "prefill", 8000, [("10.1.0.1", True)]))
+        await asyncio.sleep(0.45)  # past the longest backoff
+        assert await discovery.members() == (["http://10.1.0.1:8000"], ["http://10.2.0.1:8001"])
+        said = [r for r in caplog.records if r.name == "tandem.router.discovery"]
+        assert [r.levelno for r in said] == [logging.WARNING, logging.INFO]
+        assert "listed again" in said[1].getMessage()
+    finally:
+        await runner.cleanup()
 
 
 @contextlib.asynccontextmanager
