@@ -89,7 +89,7 @@ def engine_args(engine: DeploymentEngineSpec) -> list[str]:
             args.append(f"--{flag}" if value else f"--no-{flag}")
         else:
             args += [f"--{flag}", str(value)]
-    if engine.tensor_parallel_size > 1 and "tensor_parallel_size" in EngineConfig.model_fields:
+    if engine.tensor_parallel_size > 1:
         args += ["--tensor-parallel-size", str(engine.tensor_parallel_size)]
     return args
 

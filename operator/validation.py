@@ -11,7 +11,7 @@ from typing import Any
 import kubernetes_validate
 from pydantic import ValidationError
 
-from tandem.config import EngineConfig, LLMDeploymentSpec, PodSettings
+from tandem.config import LLMDeploymentSpec, PodSettings
 from tandem.operator.builders import pod_env
 from tandem.operator.names import COMPONENTS, MAX_NAME_LENGTH
 from tandem.operator.scaling import GPU_RESOURCE, pool_gpus, scaling_reasons
@@ -42,9 +42,6 @@ def _semantic_reasons(spec: LLMDeploymentSpec, sizes: PoolSizes) -> list[str]:
     if sizes.decode < 1:
         reasons.append("spec.decode.replicas: must be at least 1: decode workers generate every response")
     tp = spec.engine.tensor_parallel_size
-    if tp > 1 and "tensor_parallel_size" not in EngineConfig.model_fields:
-        reasons.append(f"spec.engine.tensorParallelSize: {tp} is not supported by this worker version, "
-                       "which runs one GPU per worker; use 1")
     for pool in ("prefill", "decode"):
         try:
             gpus = pool_gpus(getattr(spec, pool).resources)

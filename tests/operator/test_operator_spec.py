@@ -46,7 +46,6 @@ def _spec(**changes) -> dict:
     ("smollm2", _spec(bogus=1), "spec.bogus: Extra inputs are not permitted"),
     ("smollm2", _spec(ratio=None, replicas=None, prefill={"replicas": 1}, decode={"replicas": 0}),
      "spec.decode.replicas: must be at least 1"),
-    ("smollm2", _spec(engine={"tensorParallelSize": 2}), "spec.engine.tensorParallelSize: 2 is not supported"),
     ("smollm2", _spec(prefill={"resources": {"limits": {"memory": "lots"}}}),
      "'lots' is not a Kubernetes quantity"),
     ("smollm2", _spec(decode={"resources": {"limits": {"nvidia.com/gpu": "500m"}}}),
