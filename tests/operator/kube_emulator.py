@@ -27,6 +27,7 @@ from pathlib import Path
 
 import aiohttp.web
 import attrs
+import jsonpatch
 import kmock
 import kubernetes.client
 import kubernetes_validate
@@ -228,7 +229,14 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
                             if status is not None:
                                 data["status"] = status
                     meta["resourceVersion"] = str(next(self._versions))
-        return await super()._handle(request)
+        try:
+            return await super()._handle(request)
+        except jsonpatch.JsonPatchTestFailed as exc:
+            # A JSON patch whose `test` fails (kopf tests resourceVersion) is a 422 on a real API server; kopf reads
+            # it as "newer changes pending" and tries again on the next cycle. Left as the 500 kmock answers, kopf
+            # retried the stale patch with backoff for ~20 s.
+            return aiohttp.web.json_response({"apiVersion": "v1", "kind": "Status", "status": "Failure",
+                                              "reason": "Invalid", "code": 422, "message": str(exc)}, status=422)
 
 
 PDBS = "policy/v1/poddisruptionbudgets"
