@@ -38,6 +38,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--decode-tok-s", type=float, default=1500.0, help="tokens/s per decode worker within the ITL SLO")
     p.add_argument("--curve", help="fit the service model to this `tandem bench` result instead of the rates")
     p.add_argument("--tp", type=int, default=8, help="GPUs per worker")
+    p.add_argument("--prefill-tp", type=int, help="GPUs per prefill worker (default: --tp)")
+    p.add_argument("--decode-tp", type=int, help="GPUs per decode worker (default: --tp)")
     p.add_argument("--slo-ttft", type=float, default=2.0)
     p.add_argument("--slo-itl", type=float, default=0.05)
     p.add_argument("--safety", type=float, default=1.3, help="static headroom; the planner targets 1/safety utilisation")
@@ -69,20 +71,22 @@ def main(argv=None) -> int:
                 pool_replicas(rps * out.mean / model.decode_tok_s(), a.safety))
 
     static = sizing(a.peak_rps)
-    limits = PlannerLimits(gpus_per_replica=a.tp, gpu_budget=a.gpu_budget, target_utilization=1 / a.safety,
-                           hysteresis=a.hysteresis, scale_up_cooldown_s=a.scale_up_cooldown_s,
-                           scale_down_cooldown_s=a.scale_down_cooldown_s)
-    config = SimConfig(model, a.slo_ttft, a.slo_itl, gpus_per_replica=a.tp, startup_s=a.startup_s,
-                       tick_s=a.tick_s, seed=a.seed)
+    tp_p, tp_d = a.prefill_tp or a.tp, a.decode_tp or a.tp
+    tp_text = f"TP{tp_p}" if tp_p == tp_d else f"prefill TP{tp_p}, decode TP{tp_d}"
+    limits = PlannerLimits(prefill_gpus_per_replica=tp_p, decode_gpus_per_replica=tp_d, gpu_budget=a.gpu_budget,
+                           target_utilization=1 / a.safety, hysteresis=a.hysteresis,
+                           scale_up_cooldown_s=a.scale_up_cooldown_s, scale_down_cooldown_s=a.scale_down_cooldown_s)
+    config = SimConfig(model, a.slo_ttft, a.slo_itl, prefill_gpus_per_replica=tp_p, decode_gpus_per_replica=tp_d,
+                       startup_s=a.startup_s, tick_s=a.tick_s, seed=a.seed)
     print("planner simulation: static peak sizing vs the planner policy (tandem/planning/policy.py)")
     print(f"  trace     {a.hours:g} h, diurnal {a.trough * a.peak_rps:g}..{a.peak_rps:g} RPS (period "
           f"{a.period_hours:g} h), Poisson arrivals: {len(trace):,} requests (made in {make_s:.1f} s)")
     print(f"  lengths   input {inp.spec} (mean {inp.mean:g}), output {out.spec} (mean {out.mean:g})")
     print(f"  service   prefill {model.prefill_tok_s:,.0f} tok/s per worker; decode itl(b) = "
           f"{model.itl_base_s * 1000:.1f} ms + {model.itl_per_seq_s * 1000:.3f} ms x b, batch <= {model.max_batch} "
-          f"({model.decode_tok_s():,.0f} tok/s per worker); TP{a.tp}; {'fitted to ' + a.curve if a.curve else 'from stated rates'}")
+          f"({model.decode_tok_s():,.0f} tok/s per worker); {tp_text}; {'fitted to ' + a.curve if a.curve else 'from stated rates'}")
     print(f"  fleet     static {static[0]} prefill + {static[1]} decode workers (peak x {a.safety:g}) = "
-          f"{(static[0] + static[1]) * a.tp} GPUs; planner every {a.tick_s:g} s, hysteresis {a.hysteresis:g}, "
+          f"{static[0] * tp_p + static[1] * tp_d} GPUs; planner every {a.tick_s:g} s, hysteresis {a.hysteresis:g}, "
           f"cooldowns {a.scale_up_cooldown_s:g}/{a.scale_down_cooldown_s:g} s up/down, startup {a.startup_s:g} s, "
           f"budget {a.gpu_budget or 'none'}")
     results = []

@@ -13,7 +13,7 @@ from typing import Any
 
 from tandem.config import DeploymentEngineSpec, EngineConfig, LLMDeploymentSpec, PodSettings, PoolSpec
 from tandem.internal_auth import INTERNAL_TOKEN_ENV
-from tandem.operator import names
+from tandem.operator import devices, names
 from tandem.operator.names import HTTP_PORT
 from tandem.operator.sizing import PoolSizes
 
@@ -77,8 +77,9 @@ def model_location(spec: LLMDeploymentSpec) -> tuple[str, list[dict], list[dict]
     return source.uri, [], []
 
 
-def engine_args(engine: DeploymentEngineSpec) -> list[str]:
-    """Only the settings the spec sets: everything else keeps the worker's own defaults."""
+def engine_args(engine: DeploymentEngineSpec, tensor_parallel_size: int = 1) -> list[str]:
+    """Only the settings the spec sets: everything else keeps the worker's own defaults. `tensor_parallel_size` is
+    the pool's (devices.pool_tp)."""
     args: list[str] = []
     for field in ENGINE_FLAG_FIELDS:
         value = getattr(engine, field)
@@ -89,8 +90,8 @@ def engine_args(engine: DeploymentEngineSpec) -> list[str]:
             args.append(f"--{flag}" if value else f"--no-{flag}")
         else:
             args += [f"--{flag}", str(value)]
-    if engine.tensor_parallel_size > 1:
-        args += ["--tensor-parallel-size", str(engine.tensor_parallel_size)]
+    if tensor_parallel_size > 1:
+        args += ["--tensor-parallel-size", str(tensor_parallel_size)]
     return args
 
 
@@ -123,7 +124,7 @@ def _probes() -> dict:
     }
 
 
-def _container(name: str, image: str, args: list[str], env: list[dict], settings: PodSettings,
+def _container(name: str, image: str, args: list[str], env: list[dict], resources: dict,
                mounts: list[dict], pull_policy: str | None, pre_stop: list[str] | None = None) -> dict:
     container = {
         "name": name,
@@ -132,7 +133,7 @@ def _container(name: str, image: str, args: list[str], env: list[dict], settings
         "args": args,
         "ports": [{"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"}],
         "env": [*WRITABLE_ENV, *env],
-        "resources": _resources(settings),
+        "resources": resources,
         **_probes(),
         "lifecycle": {"preStop": {"exec": {"command": pre_stop or ["sleep", str(DRAIN_SECONDS)]}}},
         "securityContext": {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
@@ -206,22 +207,25 @@ def _deployment(owner: Owner, component: str, replicas: int, pod_spec: dict, str
 def worker_deployment(owner: Owner, spec: LLMDeploymentSpec, pool: str, replicas: int,
                       internal_secret: str | None = None) -> dict:
     settings: PoolSpec = getattr(spec, pool)
+    tp = devices.pool_tp(spec, pool)
     model_arg, volumes, mounts = model_location(spec)
     args = ["worker", "--role", pool, "--model", model_arg, "--served-model-name", spec.model.name,
             "--host", "0.0.0.0", "--port", str(HTTP_PORT), "--kv-transfer", spec.kv_transfer.backend,
-            "--kv-transfer-lanes", str(spec.kv_transfer.lanes), *engine_args(spec.engine), *(settings.extra_args or [])]
-    env = [internal_token_env(owner), *pod_env(settings)]
+            "--kv-transfer-lanes", str(spec.kv_transfer.lanes), *engine_args(spec.engine, tp),
+            *(settings.extra_args or [])]
+    env = [internal_token_env(owner), *pod_env(settings), *devices.nccl_env(spec, pool)]
     if spec.kv_transfer.ucx_transports:
         env.append({"name": "UCX_TLS", "value": ",".join(spec.kv_transfer.ucx_transports)})
-    # UCX's shared-memory transport and torch's IPC need a real /dev/shm, not the runtime's 64 MiB default.
-    volumes = [*volumes, {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": "2Gi"}}]
+    # UCX's shared-memory transport, torch's IPC and NCCL need a real /dev/shm, not the runtime's 64 MiB default.
+    volumes = [*volumes, {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": devices.shm_size(tp)}}]
     mounts = [*mounts, {"name": "shm", "mountPath": "/dev/shm"}]
     # Scale-down drain: the worker leaves every router's rotation (its /ready turns 503) and finishes
     # what it has before SIGTERM. The preStop hook's time counts in the grace period: a few seconds of it are kept
     # for the server's own exit (its shutdown gives the requests left 5 s).
     drain = ["tandem", "drain", "--url", f"http://127.0.0.1:{HTTP_PORT}",
              "--timeout", str(max(settings.termination_grace_period_seconds - 5, 0))]
-    container = _container("worker", spec.image, args, env, settings, mounts, spec.image_pull_policy, drain)
+    resources = devices.with_gpus(_resources(settings), spec, pool)
+    container = _container("worker", spec.image, args, env, resources, mounts, spec.image_pull_policy, drain)
     pod = _pod_spec(owner, pool, container, settings, volumes, settings.termination_grace_period_seconds, None,
                     spec.image_pull_secrets)
     # GPUs are rarely spare: replace workers one at a time instead of surging an extra one.
@@ -236,6 +240,7 @@ def router_config(spec: LLMDeploymentSpec, sizes: PoolSizes) -> dict[str, str]:
     """The ConfigMap's files: what the router reads beside its command-line options, and the deployment's shape
     for people and tools (deployment.json)."""
     deployment = {"model": spec.model.name, "pools": {"prefill": sizes.prefill, "decode": sizes.decode},
+                  "tensorParallelSize": {pool: devices.pool_tp(spec, pool) for pool in names.POOLS},
                   "ratio": sizes.ratio, "kvTransfer": spec.kv_transfer.model_dump(by_alias=True, exclude_none=True),
                   "blockSize": spec.engine.block_size or EngineConfig.model_fields["block_size"].default}
     return {ROUTER_READS: _slo_classes_file(spec),
@@ -297,7 +302,7 @@ def router_deployment(owner: Owner, spec: LLMDeploymentSpec, internal_secret: st
         volumes.append({"name": "tenants", "secret": {"secretName": router.tenants_secret}})
         mounts.append({"name": "tenants", "mountPath": TENANTS_MOUNT, "readOnly": True})
     image = router.image or spec.image
-    container = _container("router", image, args, env, router, mounts, spec.image_pull_policy)
+    container = _container("router", image, args, env, _resources(router), mounts, spec.image_pull_policy)
     pod = _pod_spec(owner, "router", container, router, volumes, ROUTER_GRACE_SECONDS,
                     names.object_name(owner.name, "router"), spec.image_pull_secrets)
     strategy = {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}

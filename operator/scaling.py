@@ -11,40 +11,20 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from kubernetes.utils.quantity import parse_quantity
-
 from tandem.config import LLMDeploymentSpec
+from tandem.operator import devices
 from tandem.operator.sizing import PoolSizes
 from tandem.planning.policy import PlannerLimits
-
-GPU_RESOURCE = "nvidia.com/gpu"
 
 
 def planner_mode(spec: LLMDeploymentSpec) -> bool:
     return spec.scaling.mode == "planner"
 
 
-def gpus_per_replica(spec: LLMDeploymentSpec) -> int:
-    """GPUs one worker holds: its GPU limit (or request), else the tensor-parallel degree.
-
-    The policy takes one figure for both pools; the larger pool figure keeps the budget a hard limit.
-    """
-    counts = [spec.engine.tensor_parallel_size]
-    counts += [g for g in (pool_gpus(spec.prefill.resources), pool_gpus(spec.decode.resources)) if g is not None]
-    return max(max(counts), 1)
-
-
-def pool_gpus(resources) -> int | None:
-    """A pool's GPUs per worker, from its limit (or request); None when it names none. ValueError for a quantity
-    that is no whole number: Kubernetes counts extended resources in whole units ("2", "1.0", "2000m")."""
-    for bucket in (resources.limits, resources.requests) if resources is not None else ():
-        if bucket and GPU_RESOURCE in bucket:
-            quantity = str(bucket[GPU_RESOURCE])  # its form was checked by ResourceRequirements (QUANTITY_PATTERN)
-            value = parse_quantity(quantity)
-            if value < 0 or value != value.to_integral_value():
-                raise ValueError(f"{GPU_RESOURCE} {quantity!r} is not a whole number of GPUs")
-            return int(value)
-    return None
+def budget_gpus(spec: LLMDeploymentSpec, pool: str) -> int:
+    """What one worker of `pool` counts against spec.scaling.gpuBudget: its GPUs (devices.worker_gpus), or on CPU
+    its ranks."""
+    return devices.worker_gpus(spec, pool) or devices.pool_tp(spec, pool)
 
 
 def planner_limits(spec: LLMDeploymentSpec) -> PlannerLimits:
@@ -55,7 +35,8 @@ def planner_limits(spec: LLMDeploymentSpec) -> PlannerLimits:
     return PlannerLimits(
         min_prefill=scaling.prefill.min, max_prefill=scaling.prefill.max,
         min_decode=scaling.decode.min, max_decode=scaling.decode.max,
-        gpus_per_replica=gpus_per_replica(spec), gpu_budget=scaling.gpu_budget,
+        prefill_gpus_per_replica=budget_gpus(spec, "prefill"), decode_gpus_per_replica=budget_gpus(spec, "decode"),
+        gpu_budget=scaling.gpu_budget,
         target_utilization=scaling.target_utilization, hysteresis=scaling.hysteresis,
         scale_up_cooldown_s=scaling.cooldown_seconds, scale_down_cooldown_s=down)
 
@@ -75,16 +56,17 @@ def scaling_reasons(spec: LLMDeploymentSpec) -> list[str]:
 
 
 def clamp_to_limits(prefill: int, decode: int, limits: PlannerLimits) -> PoolSizes:
-    """Sizes within the pools' min..max and the GPU budget; over budget, both pools shrink to fill it in
-    their current proportion (rounded half up for prefill, as `split_by_ratio` does)."""
+    """Sizes within the pools' min..max and the GPU budget (each pool's replicas x its GPUs per replica); over
+    budget, both pools shrink by one factor to fill it (prefill rounded half up, as `split_by_ratio` does), and
+    decode takes the GPUs prefill leaves."""
     prefill = min(max(prefill, limits.min_prefill), limits.max_prefill)
     decode = min(max(decode, limits.min_decode), limits.max_decode)
-    budget = None if limits.gpu_budget is None else limits.gpu_budget // limits.gpus_per_replica
-    if budget is not None and prefill + decode > budget:
-        # PlannerLimits guarantees min_prefill + min_decode <= budget, so both minimums fit.
-        share = math.floor(budget * prefill / (prefill + decode) + 0.5)
-        prefill = min(max(share, limits.min_prefill), budget - limits.min_decode)
-        decode = min(budget - prefill, limits.max_decode)
+    budget, per_p, per_d = limits.gpu_budget, limits.prefill_gpus_per_replica, limits.decode_gpus_per_replica
+    if budget is not None and limits.gpus(prefill, decode) > budget:
+        # PlannerLimits guarantees that the minimum pools fit the budget.
+        share = math.floor(prefill * budget / limits.gpus(prefill, decode) + 0.5)
+        prefill = min(max(share, limits.min_prefill), (budget - limits.min_decode * per_d) // per_p)
+        decode = min((budget - prefill * per_p) // per_d, limits.max_decode)
     return PoolSizes(prefill=prefill, decode=decode)
 
 

@@ -6,9 +6,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from tandem.config import LLMDeploymentStatus
-from tandem.operator import names
+from tandem.config import LLMDeploymentSpec, LLMDeploymentStatus
+from tandem.operator import devices, names
 from tandem.operator.scaling import planned_sizes, planner_mode
+from tandem.operator.sizing import PoolSizes
 from tandem.operator.validation import SpecError, validate_spec
 
 
@@ -144,10 +145,11 @@ def compute_status(resource: Mapping[str, Any], deployments: Mapping[str, Mappin
         # The planner's decision is the planner's to write; manual mode drops it (a later switch starts afresh).
         planner = old.get("planner") if planner_mode(spec) else None
         desired = {"prefill": sizes.prefill, "decode": sizes.decode, "router": spec.router.replicas}
+        gpus = fleet_gpus(spec, sizes)
         spec_error = None
     except SpecError as exc:
         spec_error = str(exc)
-        planner = old.get("planner")
+        planner, gpus = old.get("planner"), old.get("gpus")
         # Nothing of it was applied: what runs is what the last valid spec asked for. A Deployment deleted meanwhile
         # is not put back until the spec is fixed; the last status still says what it was to run.
         desired = {c: (deployments.get(c) or {}).get("spec", {}).get("replicas", (old.get(c) or {}).get("desired", 0))
@@ -216,11 +218,18 @@ def compute_status(resource: Mapping[str, Any], deployments: Mapping[str, Mappin
         ready=f"{workers_and_router[0]}/{workers_and_router[1]}",
         ratio=f"{states['prefill'].ready}:{states['decode'].ready}",
         endpoint=router_endpoint(router_svc),
+        gpus=gpus,
         conditions=conditions,
         planner=planner,
     )
     # Every field is written, None included: a merge patch then removes what no longer applies.
     return status.model_dump(by_alias=True, mode="json")
+
+
+def fleet_gpus(spec: LLMDeploymentSpec, sizes: PoolSizes) -> int | None:
+    """GPUs the desired workers hold: each pool's replicas x its GPUs per worker; None on CPU."""
+    gpus = sum(getattr(sizes, pool) * devices.worker_gpus(spec, pool) for pool in names.POOLS)
+    return gpus or None
 
 
 def _pool_status(state: ComponentState) -> dict:

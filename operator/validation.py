@@ -13,8 +13,9 @@ from pydantic import ValidationError
 
 from tandem.config import LLMDeploymentSpec, PodSettings
 from tandem.operator.builders import pod_env
-from tandem.operator.names import COMPONENTS, MAX_NAME_LENGTH
-from tandem.operator.scaling import GPU_RESOURCE, pool_gpus, scaling_reasons
+from tandem.operator.devices import GPU_RESOURCE, pool_gpus, pool_tp
+from tandem.operator.names import COMPONENTS, MAX_NAME_LENGTH, POOLS
+from tandem.operator.scaling import scaling_reasons
 from tandem.operator.sizing import PoolSizes, resolve_pool_sizes
 
 DNS_1035_LABEL = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
@@ -41,15 +42,16 @@ def _semantic_reasons(spec: LLMDeploymentSpec, sizes: PoolSizes) -> list[str]:
     reasons = []
     if sizes.decode < 1:
         reasons.append("spec.decode.replicas: must be at least 1: decode workers generate every response")
-    tp = spec.engine.tensor_parallel_size
-    for pool in ("prefill", "decode"):
+    for pool in POOLS:
         try:
             gpus = pool_gpus(getattr(spec, pool).resources)
         except ValueError as exc:
             reasons.append(f"spec.{pool}.resources: {exc}")
             continue
+        tp = pool_tp(spec, pool)
         if gpus is not None and 0 < gpus < tp:
-            reasons.append(f"spec.{pool}.resources: {gpus} {GPU_RESOURCE} cannot hold tensorParallelSize {tp}")
+            reasons.append(f"spec.{pool}.resources: {gpus} {GPU_RESOURCE} cannot hold tensorParallelSize {tp} (one "
+                           f"GPU per rank): ask for {tp}, or leave {GPU_RESOURCE} out for the operator to ask")
     return reasons
 
 

@@ -290,6 +290,9 @@ class ModelSpec(_CamelModel):
         return self
 
 
+MAX_TENSOR_PARALLEL = 16  # GPUs one worker may span: one node's
+
+
 class DeploymentEngineSpec(_CamelModel):
     """Engine settings shared by every worker; unset fields keep the worker's defaults (tandem/config.py)."""
 
@@ -306,7 +309,9 @@ class DeploymentEngineSpec(_CamelModel):
         "kv_cache_memory_gb", "KV cache size in GiB per worker"))
     enable_prefix_caching: bool | None = Field(None, description=_with_defaults_from_engine(
         "enable_prefix_caching", "reuse cached KV blocks of shared prefixes"))
-    tensor_parallel_size: int = Field(1, ge=1, le=16, description="GPUs per worker for one model replica")
+    tensor_parallel_size: int = Field(1, ge=1, le=MAX_TENSOR_PARALLEL, strict=True,
+                                      description="ranks per worker (one GPU each on GPUs); the pools' "
+                                                  "tensorParallelSize overrides it")
     tool_call_parser: ToolCallParserName | None = Field(
         None, description='serve tool_choice "auto" with this parser of the model\'s tool calls (the workers\' and '
                           "routers' --tool-call-parser); hermes: <tool_call>{...}</tool_call> blocks. Unset: "
@@ -367,6 +372,9 @@ class PodSettings(_CamelModel):
 class PoolSpec(PodSettings):
     replicas: int | None = Field(None, ge=0, le=10000, description="workers in this pool; leave unset when "
                                                                     "spec.ratio and spec.replicas size the pools")
+    tensor_parallel_size: int | None = Field(None, ge=1, le=MAX_TENSOR_PARALLEL, strict=True,
+                                             description="ranks per worker of this pool, one GPU each on GPUs "
+                                                         "(default: spec.engine.tensorParallelSize)")
     extra_args: list[str] | None = Field(None, description="more `tandem worker` options for this pool")
     termination_grace_period_seconds: int = Field(120, ge=0, le=3600, description="time a stopping worker "
                                                                                  "gets to finish its requests")
@@ -552,6 +560,8 @@ class LLMDeploymentStatus(_CamelModel):
     ready: str | None = Field(None, description="ready/desired pods over both pools and the router")
     ratio: str | None = Field(None, description="effective P:D: ready prefill to ready decode workers")
     endpoint: str | None = Field(None, description="the router's OpenAI-compatible base URL")
+    gpus: int | None = Field(None, description="GPUs the desired workers hold: each pool's replicas x its GPUs per "
+                                               "worker (its tensorParallelSize), summed; unset on CPU")
     conditions: list[Condition] | None = Field(
         None, json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]})
     planner: PlannerStatus | None = Field(None, description="planner mode: its recommendation and reason")

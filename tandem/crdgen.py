@@ -136,6 +136,8 @@ def crd_manifest() -> dict:
                      "description": "ready/desired pods"},
                     {"name": "P:D", "type": "string", "jsonPath": ".status.ratio",
                      "description": "ready prefill : ready decode workers"},
+                    {"name": "GPUs", "type": "integer", "jsonPath": ".status.gpus",
+                     "description": "GPUs the desired workers hold (replicas x tensor-parallel size per pool)"},
                     {"name": "Endpoint", "type": "string", "jsonPath": ".status.endpoint"},
                     {"name": "Phase", "type": "string", "jsonPath": ".status.phase", "priority": 1},
                     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},

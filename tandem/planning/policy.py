@@ -15,7 +15,8 @@ How it decides, per pool:
   Cooldowns: no scale-up within `scale_up_cooldown_s` of the last change, no scale-down within
   `scale_down_cooldown_s` (longer: capacity is cheap to keep and slow to bring back).
   Limits: each pool is clamped to [min, max]; when the GPUs wanted exceed the budget, both needs are scaled
-  down together (keeping the P:D balance) before the band is applied, and the result is trimmed to fit.
+  down together (keeping the P:D balance) before the band is applied, and the result is trimmed to fit. A pool's
+  GPUs are its replicas x the GPUs one of its replicas holds (its tensor-parallel size), which may differ by pool.
 """
 
 from __future__ import annotations
@@ -77,7 +78,8 @@ class PlannerLimits:
     max_prefill: int = 1000
     min_decode: int = 1
     max_decode: int = 1000
-    gpus_per_replica: int = 1
+    prefill_gpus_per_replica: int = 1
+    decode_gpus_per_replica: int = 1
     gpu_budget: int | None = None
     target_utilization: float = 0.8
     hysteresis: float = 0.2
@@ -92,11 +94,13 @@ class PlannerLimits:
         if not 0 <= self.min_decode <= self.max_decode:
             raise ValueError(f"planner limits: need 0 <= min_decode <= max_decode, got "
                              f"{self.min_decode}..{self.max_decode}")
-        if self.gpus_per_replica < 1:
-            raise ValueError(f"planner limits: gpus_per_replica must be at least 1, got {self.gpus_per_replica}")
-        if self.gpu_budget is not None and (self.min_prefill + self.min_decode) * self.gpus_per_replica > self.gpu_budget:
-            raise ValueError(f"planner limits: the minimum pools ({self.min_prefill} + {self.min_decode} replicas x "
-                             f"{self.gpus_per_replica} GPUs) exceed the GPU budget of {self.gpu_budget}")
+        for name in ("prefill_gpus_per_replica", "decode_gpus_per_replica"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"planner limits: {name} must be at least 1, got {getattr(self, name)}")
+        if self.gpu_budget is not None and self.gpus(self.min_prefill, self.min_decode) > self.gpu_budget:
+            raise ValueError(f"planner limits: the minimum pools ({self.min_prefill} x "
+                             f"{self.prefill_gpus_per_replica} + {self.min_decode} x {self.decode_gpus_per_replica} "
+                             f"GPUs) exceed the GPU budget of {self.gpu_budget}")
         if not 0 < self.target_utilization <= 1:
             raise ValueError(f"planner limits: target_utilization must be in (0, 1], got {self.target_utilization}")
         if not 0 <= self.hysteresis < 1:
@@ -106,6 +110,10 @@ class PlannerLimits:
                 raise ValueError(f"planner limits: {name} must be >= 0, got {getattr(self, name)}")
         if self.backlog_drain_s <= 0:
             raise ValueError(f"planner limits: backlog_drain_s must be > 0, got {self.backlog_drain_s}")
+
+    def gpus(self, prefill: float, decode: float) -> float:
+        """GPUs `prefill` and `decode` replicas hold together."""
+        return prefill * self.prefill_gpus_per_replica + decode * self.decode_gpus_per_replica
 
 
 @dataclass(frozen=True)
@@ -141,11 +149,10 @@ def recommend(metrics_window: MetricsWindow, current: FleetState, limits: Planne
     """Prefill and decode replicas for the measured load, with the reason (see the module docstring)."""
     need_p, need_d = replicas_needed(metrics_window, limits)
     reasons = []
-    gpr = limits.gpus_per_replica
-    budget_replicas = None if limits.gpu_budget is None else limits.gpu_budget // gpr
-    if budget_replicas is not None and ceil_count(need_p) + ceil_count(need_d) > budget_replicas:
+    budget = limits.gpu_budget
+    if budget is not None and limits.gpus(ceil_count(need_p), ceil_count(need_d)) > budget:
         # Scale both needs by one factor so the pools shrink together and the P:D balance survives the cap.
-        scale = budget_replicas / (need_p + need_d)
+        scale = budget / limits.gpus(need_p, need_d)
         need_p, need_d = need_p * scale, need_d * scale
         reasons.append(f"needs scaled by {scale:.2f} to fit the {limits.gpu_budget}-GPU budget")
 
@@ -172,14 +179,15 @@ def recommend(metrics_window: MetricsWindow, current: FleetState, limits: Planne
                        f"decode {limits.min_decode}..{limits.max_decode}")
     target_p, target_d = clamped_p, clamped_d
 
-    if budget_replicas is not None and target_p + target_d > budget_replicas:
+    if budget is not None and limits.gpus(target_p, target_d) > budget:
         # Trim the pool with the most replicas beyond its need first; the budget is a hard limit.
-        while target_p + target_d > budget_replicas:
+        while limits.gpus(target_p, target_d) > budget:
             spare_p = target_p - need_p if target_p > limits.min_prefill else -math.inf
             spare_d = target_d - need_d if target_d > limits.min_decode else -math.inf
             if spare_p >= spare_d:
                 target_p -= 1
             else:
                 target_d -= 1
-        reasons.append(f"trimmed to {target_p}+{target_d} replicas for the {limits.gpu_budget}-GPU budget")
+        reasons.append(f"trimmed to {target_p}+{target_d} replicas ({limits.gpus(target_p, target_d)} GPUs) for "
+                       f"the {limits.gpu_budget}-GPU budget")
     return Recommendation(target_p, target_d, "; ".join(reasons))

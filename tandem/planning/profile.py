@@ -25,6 +25,10 @@ class WorkloadProfile(BaseModel):
     slo_percentile: Literal["p50", "p90", "p99"] = Field("p99", description="latency percentile the SLO "
                                                                            "bounds")
     tensor_parallel_size: int = Field(1, ge=1, le=64, description="GPUs per instance (tensor parallel size)")
+    prefill_tensor_parallel_size: int | None = Field(None, ge=1, le=64, description="GPUs per prefill worker; "
+                                                                                   "default: tensor_parallel_size")
+    decode_tensor_parallel_size: int | None = Field(None, ge=1, le=64, description="GPUs per decode worker; "
+                                                                                  "default: tensor_parallel_size")
     safety_factor: float = Field(1.3, ge=1.0, le=10.0, description="headroom multiplier on GPUs and replicas")
     prefill_tok_s: float | None = Field(None, gt=0, description="prompt tokens/s one prefill worker computes; "
                                                                 "default: fitted from the curve")
@@ -53,6 +57,11 @@ class WorkloadProfile(BaseModel):
     def _valid_distribution(cls, value, info):
         parse_distribution(value, "input" if info.field_name == "input_tokens" else "output")
         return value
+
+    def pool_tp(self, pool: str) -> int:
+        """GPUs per worker of `pool` (prefill or decode)."""
+        own = getattr(self, f"{pool}_tensor_parallel_size")
+        return self.tensor_parallel_size if own is None else own
 
     @property
     def input_distribution(self) -> LengthDistribution:

@@ -23,6 +23,22 @@ def slo_text(profile) -> str:
     return " and ".join(targets) or "no SLO given"
 
 
+def _tp_text(profile) -> str:
+    """The profile's TP, with the pools' where either differs."""
+    text = f"TP{profile.tensor_parallel_size}"
+    pools = [f"{pool} TP{profile.pool_tp(pool)}" for pool in ("prefill", "decode")
+             if profile.pool_tp(pool) != profile.tensor_parallel_size]
+    return f"{text} ({', '.join(pools)})" if pools else text
+
+
+def _pd_gpus_basis(plan: Plan) -> str:
+    """How the P/D GPUs were counted: replicas x TP, per pool where the pools' TP differ."""
+    tp_p, tp_d = plan.profile.pool_tp("prefill"), plan.profile.pool_tp("decode")
+    if tp_p == tp_d:
+        return f"({plan.prefill_replicas} + {plan.decode_replicas}) x TP{tp_p}"
+    return f"{plan.prefill_replicas} x TP{tp_p} + {plan.decode_replicas} x TP{tp_d}"
+
+
 def plan_rows(plan: Plan) -> list[tuple[str, str, str]]:
     """(quantity, value, how it was obtained) rows, in reading order."""
     p = plan.profile
@@ -50,7 +66,7 @@ def plan_rows(plan: Plan) -> list[tuple[str, str, str]]:
         rows.append(("P:D ratio", lo.ratio_text, f"{lo.prefill:.2f} : {lo.decode:.2f} in terms <= {p.ratio_max_term}"))
         rows.append(("prefill / decode replicas", f"{plan.prefill_replicas} / {plan.decode_replicas}",
                      plan.replicas_source))
-        rows.append(("P/D GPUs", str(plan.pd_gpus), f"({plan.prefill_replicas} + {plan.decode_replicas}) x TP{tp}"))
+        rows.append(("P/D GPUs", str(plan.pd_gpus), _pd_gpus_basis(plan)))
         rows.append(("disaggregation threshold",
                      "n/a" if plan.disagg_threshold is None else f"{plan.disagg_threshold} tokens",
                      _no_threshold_reason(plan) if plan.disagg_threshold is None else
@@ -83,7 +99,7 @@ def format_plan(plan: Plan) -> str:
         "Tandem capacity plan",
         f"  workload  peak {p.peak_rps:g} RPS; input mean {plan.mean_input_tokens:g} tokens ({p.input_tokens}); "
         f"output mean {plan.mean_output_tokens:g} tokens ({p.output_tokens})",
-        f"  SLO       {slo_text(p)}; TP{p.tensor_parallel_size}; safety x{p.safety_factor:g}",
+        f"  SLO       {slo_text(p)}; {_tp_text(p)}; safety x{p.safety_factor:g}",
         "",
     ]
     rows = [("quantity", "value", "how"), *plan_rows(plan)]
@@ -101,6 +117,7 @@ def plan_patch(plan: Plan, style: PatchStyle = "pools") -> dict:
     The CRD sizes pools one way or the other, never both, so the patch clears the other way's fields:
     pools  prefill.replicas and decode.replicas exactly (clears spec.ratio and spec.replicas);
     ratio  spec.ratio with spec.replicas = prefill + decode (the operator rounds the split itself).
+    A pool's tensor-parallel size the profile gives is set on that pool.
     """
     if plan.prefill_replicas is None or plan.decode_replicas is None or plan.loads is None:
         raise ValueError("this plan has no P:D split to patch (it needs per-phase rates or a curve to fit them)")
@@ -118,6 +135,10 @@ def plan_patch(plan: Plan, style: PatchStyle = "pools") -> dict:
                 "decode": {"replicas": None}}
     else:
         raise ValueError(f"patch style {style!r} must be 'pools' or 'ratio'")
+    for pool in ("prefill", "decode"):
+        tp = getattr(plan.profile, f"{pool}_tensor_parallel_size")
+        if tp is not None:
+            spec[pool]["tensorParallelSize"] = tp
     if plan.disagg_threshold is not None:
         spec["router"] = {"disaggMinTokens": plan.disagg_threshold}
     return {"spec": spec}

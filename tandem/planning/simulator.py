@@ -42,7 +42,8 @@ class SimConfig:
     model: ServiceModel
     slo_ttft_s: float
     slo_itl_s: float
-    gpus_per_replica: int = 1
+    prefill_gpus_per_replica: int = 1  # one replica's tensor-parallel size
+    decode_gpus_per_replica: int = 1
     startup_s: float = 180.0
     kv_transfer_s: float = 0.0
     tick_s: float = 60.0
@@ -55,8 +56,9 @@ class SimConfig:
         for name in ("startup_s", "kv_transfer_s"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"simulator: {name} must be >= 0, got {getattr(self, name)}")
-        if self.gpus_per_replica < 1:
-            raise ValueError(f"simulator: gpus_per_replica must be at least 1, got {self.gpus_per_replica}")
+        for name in ("prefill_gpus_per_replica", "decode_gpus_per_replica"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"simulator: {name} must be at least 1, got {getattr(self, name)}")
 
 
 @dataclass(frozen=True)
@@ -166,17 +168,19 @@ class _Simulation:
     def _allocated(self, workers) -> int:
         return sum(1 for w in workers if w.state != GONE)
 
+    def _gpus_held(self) -> int:
+        return (self._allocated(self.prefill_workers) * self.cfg.prefill_gpus_per_replica
+                + self._allocated(self.decode_workers) * self.cfg.decode_gpus_per_replica)
+
     def _account(self) -> None:
         """Add GPU time held since the last call (only inside the trace's duration)."""
         t = min(self.now, self.duration)
         if t > self.accounted_to:
-            held = (self._allocated(self.prefill_workers) + self._allocated(self.decode_workers))
-            self.gpu_seconds += held * self.cfg.gpus_per_replica * (t - self.accounted_to)
+            self.gpu_seconds += self._gpus_held() * (t - self.accounted_to)
             self.accounted_to = t
 
     def _note_gpus(self) -> None:
-        held = self._allocated(self.prefill_workers) + self._allocated(self.decode_workers)
-        self.peak_gpus = max(self.peak_gpus, held * self.cfg.gpus_per_replica)
+        self.peak_gpus = max(self.peak_gpus, self._gpus_held())
 
     # -- prefill --------------------------------------------------------------------------------------
 

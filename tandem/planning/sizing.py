@@ -9,6 +9,7 @@ share them. The field guide's method:
   prefill load (workers)     = rps x mean input tokens  / prefill tokens/s per worker
   decode load (workers)      = rps x mean output tokens / decode tokens/s per worker
   P:D ratio                  = prefill load : decode load, reduced to small integers
+  P/D GPUs                   = prefill replicas x prefill TP + decode replicas x decode TP
   admission queue limit      = ceil(max queue wait x arrival rate)              (Little's law on the queue)
 
 Disaggregation threshold. A decode worker that also prefills a prompt of L tokens stalls its whole batch for
@@ -170,7 +171,8 @@ class Plan:
     def pd_gpus(self) -> int | None:
         if self.prefill_replicas is None or self.decode_replicas is None:
             return None
-        return (self.prefill_replicas + self.decode_replicas) * self.profile.tensor_parallel_size
+        return (self.prefill_replicas * self.profile.pool_tp("prefill")
+                + self.decode_replicas * self.profile.pool_tp("decode"))
 
     @property
     def little_ok(self) -> bool:

@@ -62,8 +62,8 @@ def test_crd_identity_printer_columns_and_status_subresource():
     version = spec["versions"][0]
     assert version["name"] == "v1alpha1" and version["subresources"] == {"status": {}}
     columns = {c["name"]: c["jsonPath"] for c in version["additionalPrinterColumns"]}
-    assert columns == {"Ready": ".status.ready", "P:D": ".status.ratio", "Endpoint": ".status.endpoint",
-                       "Phase": ".status.phase", "Age": ".metadata.creationTimestamp"}
+    assert columns == {"Ready": ".status.ready", "P:D": ".status.ratio", "GPUs": ".status.gpus",
+                       "Endpoint": ".status.endpoint", "Phase": ".status.phase", "Age": ".metadata.creationTimestamp"}
     conditions = version["schema"]["openAPIV3Schema"]["properties"]["status"]["properties"]["conditions"]
     assert conditions["x-kubernetes-list-type"] == "map"
 

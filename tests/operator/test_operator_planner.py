@@ -58,7 +58,8 @@ def test_scaling_defaults_to_manual_and_planner_limits_follow_the_spec():
     spec, sizes = validate_spec(_spec(**_planner(gpuBudget=6, cooldownSeconds=30)), "smollm2")
     limits = planner_limits(spec)
     assert (limits.min_prefill, limits.max_prefill, limits.min_decode, limits.max_decode) == (1, 4, 1, 8)
-    assert (limits.gpu_budget, limits.gpus_per_replica, limits.hysteresis) == (6, 1, 0.2)
+    assert (limits.gpu_budget, limits.prefill_gpus_per_replica, limits.decode_gpus_per_replica, limits.hysteresis) == (
+        6, 1, 1, 0.2)
     assert (limits.scale_up_cooldown_s, limits.scale_down_cooldown_s) == (30, 30)
     assert planned_sizes(spec, sizes, None) == PoolSizes(1, 3)  # the spec's ratio is the starting point
     assert planned_sizes(spec, sizes, {"planner": {"prefill": 2, "decode": 4}}) == PoolSizes(2, 4)

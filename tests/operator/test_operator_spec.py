@@ -6,7 +6,7 @@ import pytest
 import yaml
 from kube_emulator import EXAMPLE
 
-from tandem.operator.scaling import gpus_per_replica
+from tandem.operator.devices import worker_gpus
 from tandem.operator.sizing import PoolSizes, parse_ratio, split_by_ratio
 from tandem.operator.status import compute_status, router_endpoint
 from tandem.operator.validation import SpecError, validate_spec
@@ -76,7 +76,7 @@ def test_a_pod_field_newer_than_the_operators_schema_is_left_to_the_api_server()
 @pytest.mark.parametrize(("quantity", "gpus"), [("1", 1), ("1.0", 1), ("1e0", 1), ("2000m", 2)])
 def test_gpu_quantities_in_any_spelling_count_whole_gpus(quantity, gpus):
     spec, _ = validate_spec(_spec(prefill={"resources": {"limits": {"nvidia.com/gpu": quantity}}}), "smollm2")
-    assert gpus_per_replica(spec) == gpus
+    assert worker_gpus(spec, "prefill") == gpus
 
 
 def test_valid_example_resolves_sizes():

@@ -152,6 +152,27 @@ def test_patch_is_a_valid_llmdeployment_change():
         plan_patch(plan, "sideways")
 
 
+def test_plan_counts_gpus_as_replicas_times_each_pools_tensor_parallel_size():
+    profile = WorkloadProfile(peak_rps=10, input_tokens=3000, output_tokens=500, slo_itl=0.05, decode_step_s=0.03,
+                              prefill_tok_s=20_000, decode_tok_s=2_500, safety_factor=1.0, tensor_parallel_size=2)
+    same = make_plan(profile)
+    assert (same.prefill_replicas, same.decode_replicas, same.pd_gpus) == (2, 2, 8)
+    assert "(2 + 2) x TP2" in format_plan(same)
+    assert "tensorParallelSize" not in plan_patch(same)["spec"]["decode"]
+
+    mixed = make_plan(profile.model_copy(update={"prefill_tensor_parallel_size": 1, "decode_tensor_parallel_size": 4}))
+    assert (mixed.prefill_replicas, mixed.decode_replicas, mixed.pd_gpus) == (2, 2, 2 * 1 + 2 * 4)
+    table = format_plan(mixed)
+    assert "2 x TP1 + 2 x TP4" in table and "TP2 (prefill TP1, decode TP4)" in table
+    patch = plan_patch(mixed)["spec"]
+    assert (patch["prefill"], patch["decode"]) == ({"replicas": 2, "tensorParallelSize": 1},
+                                                   {"replicas": 2, "tensorParallelSize": 4})
+    assert plan_patch(mixed, "ratio")["spec"]["decode"] == {"replicas": None, "tensorParallelSize": 4}
+    assert LLMDeploymentSpec.model_validate(
+        {"model": {"name": "m", "format": "gguf", "source": {"uri": "smollm2"}}, "image": "tandem:dev",
+         **patch, "ratio": None, "replicas": None}).decode.tensor_parallel_size == 4
+
+
 def test_cli_plan_prints_the_guide_numbers_and_a_patch(guide_curve_file, capsys):
     rc = main(["plan", "--curve", str(guide_curve_file), "--peak-rps", "120", "--slo-ttft", "2", "--slo-itl",
                "0.05", "--tensor-parallel-size", "4", "--safety-factor", "1.3", "--max-queue-wait", "2",

@@ -92,39 +92,61 @@ def test_min_and_max_per_pool():
 
 
 def test_gpu_budget_caps_the_fleet_and_keeps_the_balance():
-    limits = PlannerLimits(gpus_per_replica=4, gpu_budget=64, scale_up_cooldown_s=0, scale_down_cooldown_s=0)
+    limits = PlannerLimits(prefill_gpus_per_replica=4, decode_gpus_per_replica=4, gpu_budget=64,
+                           scale_up_cooldown_s=0, scale_down_cooldown_s=0)
     # 3x as much decode as prefill work, 40 replicas wanted: 16 fit, split about 1:3.
     rec = recommend(window(40.0, mean_output_tokens=600), FleetState(2, 2), limits)
     assert (rec.prefill + rec.decode) * 4 <= 64
     assert (rec.prefill, rec.decode) == (4, 12)
     assert "budget" in rec.reason
     # A fleet already over a lowered budget is trimmed at once, even within a cooldown.
-    tight = PlannerLimits(gpus_per_replica=4, gpu_budget=32, scale_down_cooldown_s=10_000)
+    tight = PlannerLimits(prefill_gpus_per_replica=4, decode_gpus_per_replica=4, gpu_budget=32,
+                          scale_down_cooldown_s=10_000)
     trimmed = recommend(window(40.0, t=1.0), FleetState(10, 10, last_change_s=0.0), tight)
     assert trimmed.prefill + trimmed.decode == 8
+
+
+def test_gpu_budget_counts_each_pools_tensor_parallel_size():
+    """Prefill workers of TP 1 and decode workers of TP 4: the budget holds replicas x TP per pool."""
+    limits = PlannerLimits(prefill_gpus_per_replica=1, decode_gpus_per_replica=4, gpu_budget=40,
+                           scale_up_cooldown_s=0, scale_down_cooldown_s=0)
+    assert limits.gpus(4, 9) == 40
+    # Needs of 10 + 10 replicas hold 10 x 1 + 10 x 4 = 50 GPUs: scaled by 0.8 to 8 + 8, 40 GPUs.
+    rec = recommend(window(40.0), FleetState(2, 2), limits)
+    assert (rec.prefill, rec.decode) == (8, 8) and limits.gpus(rec.prefill, rec.decode) == 40
+    assert "needs scaled by 0.80 to fit the 40-GPU budget" in rec.reason
+    # A fleet over budget is trimmed by GPUs, not replicas: 10 + 10 hold 50 GPUs.
+    trimmed = recommend(window(40.0, t=1.0), FleetState(10, 10, last_change_s=0.0),
+                        PlannerLimits(prefill_gpus_per_replica=1, decode_gpus_per_replica=4, gpu_budget=40,
+                                      scale_down_cooldown_s=10_000))
+    assert (trimmed.prefill, trimmed.decode) == (8, 8) and "to 8+8 replicas (40 GPUs) for the 40-GPU budget" in \
+        trimmed.reason
+    with pytest.raises(ValueError, match=r"the minimum pools \(1 x 1 \+ 3 x 4 GPUs\) exceed the GPU budget of 12"):
+        PlannerLimits(min_prefill=1, min_decode=3, decode_gpus_per_replica=4, gpu_budget=12)
 
 
 @settings(max_examples=300, deadline=None)
 @given(rps=st.floats(0, 500), out_tokens=st.floats(1, 2000), cur_p=st.integers(0, 50), cur_d=st.integers(0, 50),
        min_p=st.integers(0, 4), min_d=st.integers(0, 4), span=st.integers(0, 40), gpr=st.integers(1, 8),
-       budget_extra=st.one_of(st.none(), st.integers(0, 200)), since=st.floats(0, 1000))
-def test_limits_always_hold(rps, out_tokens, cur_p, cur_d, min_p, min_d, span, gpr, budget_extra, since):
-    budget = None if budget_extra is None else (min_p + min_d) * gpr + budget_extra
+       gpr_d=st.integers(1, 8), budget_extra=st.one_of(st.none(), st.integers(0, 200)), since=st.floats(0, 1000))
+def test_limits_always_hold(rps, out_tokens, cur_p, cur_d, min_p, min_d, span, gpr, gpr_d, budget_extra, since):
+    budget = None if budget_extra is None else min_p * gpr + min_d * gpr_d + budget_extra
     limits = PlannerLimits(min_prefill=min_p, max_prefill=min_p + span, min_decode=min_d, max_decode=min_d + span,
-                           gpus_per_replica=gpr, gpu_budget=budget)
+                           prefill_gpus_per_replica=gpr, decode_gpus_per_replica=gpr_d, gpu_budget=budget)
     rec = recommend(window(rps, t=1000.0 + since, mean_output_tokens=out_tokens),
                     FleetState(cur_p, cur_d, last_change_s=1000.0), limits)
     assert min_p <= rec.prefill <= min_p + span
     assert min_d <= rec.decode <= min_d + span
     if budget is not None:
-        assert (rec.prefill + rec.decode) * gpr <= budget
+        assert rec.prefill * gpr + rec.decode * gpr_d <= budget
 
 
 def test_bad_limits_and_windows_are_refused():
     with pytest.raises(ValueError, match="min_prefill <= max_prefill"):
         PlannerLimits(min_prefill=5, max_prefill=2)
     with pytest.raises(ValueError, match="exceed the GPU budget"):
-        PlannerLimits(min_prefill=2, min_decode=2, gpus_per_replica=8, gpu_budget=16)
+        PlannerLimits(min_prefill=2, min_decode=2, prefill_gpus_per_replica=8, decode_gpus_per_replica=8,
+                      gpu_budget=16)
     with pytest.raises(ValueError, match="hysteresis"):
         PlannerLimits(hysteresis=1.5)
     with pytest.raises(ValueError, match="arrival_rps"):

@@ -62,14 +62,15 @@ def diurnal():
     inp, out = parse_distribution("lognormal:2000:0.5", "input"), parse_distribution("lognormal:200:0.5", "output")
     rate = DiurnalRate(peak_rps=40.0, trough=0.25, low_at_s=0.0, period_s=7200.0)
     trace = poisson_trace(rate, 7200.0, inp, out, np.random.default_rng(11))
-    config = SimConfig(model, slo_ttft_s=1.5, slo_itl_s=0.05, gpus_per_replica=4, startup_s=60.0, tick_s=30.0)
+    config = SimConfig(model, slo_ttft_s=1.5, slo_itl_s=0.05, prefill_gpus_per_replica=4, decode_gpus_per_replica=4,
+                       startup_s=60.0, tick_s=30.0)
 
     def sizing(rps):
         return (pool_replicas(rps * inp.mean / model.prefill_tok_s, 1.3),
                 pool_replicas(rps * out.mean / model.decode_tok_s(), 1.3))
 
-    limits = PlannerLimits(gpus_per_replica=4, target_utilization=1 / 1.3, hysteresis=0.15,
-                           scale_up_cooldown_s=60.0, scale_down_cooldown_s=300.0)
+    limits = PlannerLimits(prefill_gpus_per_replica=4, decode_gpus_per_replica=4, target_utilization=1 / 1.3,
+                           hysteresis=0.15, scale_up_cooldown_s=60.0, scale_down_cooldown_s=300.0)
     static = simulate(trace, config, StaticPolicy(*sizing(40.0)))
     planner = simulate(trace, config, PlannerPolicy(limits, sizing(float(rate(0.0)))))
     return trace, static, planner
@@ -92,8 +93,10 @@ def test_planner_saves_gpu_hours_at_comparable_attainment(diurnal):
 def test_planner_respects_a_gpu_budget(diurnal):
     trace, _, _ = diurnal
     model = ServiceModel.from_rates(prefill_tok_s=20_000, decode_tok_s=2_000, slo_itl_s=0.05)
-    config = SimConfig(model, slo_ttft_s=1.5, slo_itl_s=0.05, gpus_per_replica=4, startup_s=60.0, tick_s=30.0)
-    limits = PlannerLimits(gpus_per_replica=4, gpu_budget=24, scale_up_cooldown_s=60.0, scale_down_cooldown_s=300.0)
+    config = SimConfig(model, slo_ttft_s=1.5, slo_itl_s=0.05, prefill_gpus_per_replica=4, decode_gpus_per_replica=4,
+                       startup_s=60.0, tick_s=30.0)
+    limits = PlannerLimits(prefill_gpus_per_replica=4, decode_gpus_per_replica=4, gpu_budget=24,
+                           scale_up_cooldown_s=60.0, scale_down_cooldown_s=300.0)
     result = simulate(trace, config, PlannerPolicy(limits, (1, 1)))
     # Draining workers still hold GPUs until their last request ends, so the live pools stay under budget.
     assert all((p + d) * 4 <= 24 for _, p, d in result.timeline)
