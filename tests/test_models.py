@@ -410,3 +410,24 @@ def test_hf_config_reads_transformers_v4_fields(tmp_path):
         load_hf_config(_write_config(tmp_path / "gpt2", {**BASE_CONFIG, "model_type": "gpt2"}))
     with pytest.raises(ValueError, match="mlp_bias"):
         load_hf_config(_write_config(tmp_path / "mlpb", {**BASE_CONFIG, "model_type": "llama", "mlp_bias": True}))
+
+
+# -- the registry -----------------------------------------------------------------------------------------
+
+
+def test_registry_picks_families_by_architectures_and_refuses_others_in_one_line(tmp_path):
+    from tandem.workers.models import registry
+
+    assert registry.family_for_hf(["MistralForCausalLM"], "mistral").name == "llama"
+    assert registry.family_for_hf(None, "qwen2").name == "qwen2"  # no `architectures`: the model_type
+    assert registry.family_for_gguf("qwen2").name == "qwen2"
+    for family in registry.FAMILIES:
+        assert issubclass(registry.model_class(family.name), torch.nn.Module)
+    with pytest.raises(ValueError) as refused:
+        load_hf_config(_write_config(tmp_path / "gpt2", {**BASE_CONFIG, "architectures": ["GPT2LMHeadModel"],
+                                                         "model_type": "gpt2"}))
+    message = str(refused.value)
+    assert message.startswith("unsupported architecture GPT2LMHeadModel (supported: ") and "\n" not in message
+    assert all(name in message for name in registry.supported_hf())
+    with pytest.raises(ValueError, match=r"unsupported GGUF architecture 'gpt2' \(supported: llama, qwen2"):
+        registry.family_for_gguf("gpt2")

@@ -5,14 +5,13 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterator
+from dataclasses import replace
 
 import torch
 from safetensors import safe_open
 
 from tandem.workers.models.config import ModelConfig
-
-# model_type -> our architecture. Mistral and SmolLM2 are plain Llama to us.
-_ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2"}
+from tandem.workers.models.registry import family_for_hf
 
 
 def _read_json(path: str) -> dict:
@@ -44,9 +43,7 @@ def load_hf_config(model_dir: str) -> ModelConfig:
         raise ValueError(f"{model_dir!r} has no config.json")
     cfg = _read_json(config_path)
     model_type = cfg.get("model_type")
-    if model_type not in _ARCHITECTURES:
-        raise ValueError(f"unsupported model_type {model_type!r} in {config_path} (supported: {sorted(_ARCHITECTURES)})")
-    architecture = _ARCHITECTURES[model_type]
+    family = family_for_hf(cfg.get("architectures"), model_type)
     if cfg.get("mlp_bias"):
         raise ValueError(f"{config_path}: mlp_bias=true is not supported")
     num_heads = cfg["num_attention_heads"]
@@ -60,8 +57,8 @@ def load_hf_config(model_dir: str) -> ModelConfig:
     generation_path = os.path.join(model_dir, "generation_config.json")
     if os.path.isfile(generation_path):
         eos_ids += [i for i in _as_id_list(_read_json(generation_path).get("eos_token_id")) if i not in eos_ids]
-    return ModelConfig(
-        architecture=architecture,
+    config = ModelConfig(
+        architecture=family.name,
         vocab_size=cfg["vocab_size"],
         hidden_size=cfg["hidden_size"],
         intermediate_size=cfg["intermediate_size"],
@@ -75,12 +72,12 @@ def load_hf_config(model_dir: str) -> ModelConfig:
         max_position_embeddings=max_positions,
         rope_scaling=rope_scaling,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        # Qwen2 always has q/k/v biases; Llama configs say so with attention_bias.
-        attention_bias=architecture == "qwen2" or bool(cfg.get("attention_bias", False)),
+        attention_bias=bool(cfg.get("attention_bias", False)),
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=eos_ids,
         name=os.path.basename(os.path.normpath(model_dir)),
     )
+    return replace(config, **family.config)
 
 
 def safetensors_files(model_dir: str) -> list[str]:
