@@ -276,3 +276,15 @@ def tiny_qwen2_dir(tmp_path_factory, hf_smollm2_tokenizer) -> str:
         eos_token_id=2,
     )
     return _write_tiny_checkpoint(tmp_path_factory.mktemp("tiny_qwen2"), config, hf_smollm2_tokenizer, seed=2)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_dir(tmp_path_factory, hf_smollm2_tokenizer) -> str:
+    """Random 2-layer Qwen3 (per-head q/k RMSNorm, head_dim 32 wider than hidden / heads, GQA 4:2, tied)."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Qwen3Config(
+        vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, max_position_embeddings=512, rms_norm_eps=1e-6, initializer_range=0.2,
+        tie_word_embeddings=True, rope_theta=1000000.0, bos_token_id=1, eos_token_id=2,
+    )
+    return _write_tiny_checkpoint(tmp_path_factory.mktemp("tiny_qwen3"), config, hf_smollm2_tokenizer, seed=4)

@@ -217,7 +217,7 @@ def test_smollm2_gguf_greedy_matches_transformers(smollm2, hf_smollm2, paged_gre
     _assert_greedy_matches_hf(smollm2.model, hf_model, plain, 16, paged_greedy, prefill_chunk=5, block_size=8)
 
 
-@pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_qwen2_dir"])
+@pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_qwen2_dir", "tiny_qwen3_dir"])
 def test_tiny_checkpoint_greedy_matches_transformers(fixture, request, paged_greedy):
     path = request.getfixturevalue(fixture)
     assert len(safetensors_files(path)) > 1, "the fixture should be a sharded checkpoint"

@@ -197,15 +197,20 @@ class LlamaAttention(nn.Module):
         cos_sin_cache: torch.Tensor,
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
-        q, k, v = self.qkv_proj.forward(hidden).split(self.shard_sizes, dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k, v = self.project(hidden)
         q, k = self.ops.apply_rotary(positions, q, k, cos_sin_cache)
         self.ops.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
         out = self.ops.paged_attention(q, k_cache, v_cache, meta, self.scale)
         out = self.o_proj.forward(out.reshape(num_tokens, self.q_size))
         return out if self.tp is None else self.tp.all_reduce(out)
+
+
+    def project(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [T, Hq, D], k and v [T, Hkv, D] of the tokens, before the rotary embedding."""
+        num_tokens = hidden.shape[0]
+        q, k, v = self.qkv_proj.forward(hidden).split(self.shard_sizes, dim=-1)
+        return (q.view(num_tokens, self.num_heads, self.head_dim), k.view(num_tokens, self.num_kv_heads, self.head_dim),
+                v.view(num_tokens, self.num_kv_heads, self.head_dim))
 
 
 class LlamaMLP(nn.Module):

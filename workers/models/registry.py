@@ -25,6 +25,7 @@ FAMILIES = (
     Family("llama", "llama:LlamaForCausalLM", ("LlamaForCausalLM", "MistralForCausalLM"), ("llama", "mistral"),
            ("llama",)),
     Family("qwen2", "llama:LlamaForCausalLM", ("Qwen2ForCausalLM",), ("qwen2",), ("qwen2",), {"attention_bias": True}),
+    Family("qwen3", "qwen3:Qwen3ForCausalLM", ("Qwen3ForCausalLM",), ("qwen3",)),
 )
 
 
