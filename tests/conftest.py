@@ -288,3 +288,35 @@ def tiny_qwen3_dir(tmp_path_factory, hf_smollm2_tokenizer) -> str:
         tie_word_embeddings=True, rope_theta=1000000.0, bos_token_id=1, eos_token_id=2,
     )
     return _write_tiny_checkpoint(tmp_path_factory.mktemp("tiny_qwen3"), config, hf_smollm2_tokenizer, seed=4)
+
+
+def _tiny_moe(tmp_path_factory, hf_tokenizer, name: str, config_cls: str, seed: int, **settings) -> str:
+    transformers = pytest.importorskip("transformers")
+    config = getattr(transformers, config_cls)(
+        vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6, initializer_range=0.2,
+        rope_theta=10000.0, bos_token_id=1, eos_token_id=2, num_experts_per_tok=2, **settings,
+    )
+    return _write_tiny_checkpoint(tmp_path_factory.mktemp(name), config, hf_tokenizer, seed=seed)
+
+
+@pytest.fixture(scope="session")
+def tiny_mixtral_dir(tmp_path_factory, hf_smollm2_tokenizer) -> str:
+    """Random 2-layer Mixtral: 4 experts, top-2, softmax over the chosen two."""
+    return _tiny_moe(tmp_path_factory, hf_smollm2_tokenizer, "tiny_mixtral", "MixtralConfig", 5, num_local_experts=4,
+                     tie_word_embeddings=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_moe_dir(tmp_path_factory, hf_smollm2_tokenizer) -> str:
+    """Random 2-layer Qwen2-MoE: 6 experts, top-2 without renormalising, a gated shared expert; layer 1 dense."""
+    return _tiny_moe(tmp_path_factory, hf_smollm2_tokenizer, "tiny_qwen2_moe", "Qwen2MoeConfig", 6, num_experts=6,
+                     moe_intermediate_size=32, shared_expert_intermediate_size=48, norm_topk_prob=False,
+                     mlp_only_layers=[1], tie_word_embeddings=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_moe_dir(tmp_path_factory, hf_smollm2_tokenizer) -> str:
+    """Random 2-layer Qwen3-MoE: 8 experts, top-2 renormalised, per-head q/k RMSNorm, head_dim 32."""
+    return _tiny_moe(tmp_path_factory, hf_smollm2_tokenizer, "tiny_qwen3_moe", "Qwen3MoeConfig", 7, num_experts=8,
+                     moe_intermediate_size=32, norm_topk_prob=True, head_dim=32, tie_word_embeddings=True)

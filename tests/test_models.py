@@ -217,7 +217,8 @@ def test_smollm2_gguf_greedy_matches_transformers(smollm2, hf_smollm2, paged_gre
     _assert_greedy_matches_hf(smollm2.model, hf_model, plain, 16, paged_greedy, prefill_chunk=5, block_size=8)
 
 
-@pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_qwen2_dir", "tiny_qwen3_dir"])
+@pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_qwen2_dir", "tiny_qwen3_dir", "tiny_mixtral_dir",
+                                     "tiny_qwen2_moe_dir", "tiny_qwen3_moe_dir"])
 def test_tiny_checkpoint_greedy_matches_transformers(fixture, request, paged_greedy):
     path = request.getfixturevalue(fixture)
     assert len(safetensors_files(path)) > 1, "the fixture should be a sharded checkpoint"
@@ -227,16 +228,19 @@ def test_tiny_checkpoint_greedy_matches_transformers(fixture, request, paged_gre
     _assert_greedy_matches_hf(ours.model, hf_model, prompt, 20, paged_greedy, prefill_chunk=6)
 
 
-def test_triton_backend_matches_torch_backend(tiny_llama_dir, paged_greedy):
-    """The model on the Triton kernels (Triton's interpreter on a CPU) against the torch reference ops.
+@pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_qwen2_moe_dir"])
+def test_triton_backend_matches_torch_backend(fixture, request, paged_greedy):
+    """The model on the Triton kernels (Triton's interpreter on a CPU) against the torch reference ops; for the
+    MoE model, the fused MoE kernel too.
 
     On a CPU this needs TRITON_INTERPRET=1 from before triton is imported: the whole suite gets it from
     tests/kernels/conftest.py; a run of this file alone skips the test unless it is in the environment."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("no GPU and TRITON_INTERPRET is not set: the Triton kernels cannot run here")
-    reference = load_model(tiny_llama_dir, device=device, dtype="float32")
-    kernels = load_model(tiny_llama_dir, device=device, dtype="float32", backend="triton")
+    path = request.getfixturevalue(fixture)
+    reference = load_model(path, device=device, dtype="float32")
+    kernels = load_model(path, device=device, dtype="float32", backend="triton")
     assert kernels.model.ops.paged_attention.__module__ == "tandem.workers.kernels.paged_attention"
     prompt = [17, 4000, 123, 9, 30000, 77, 5, 8, 9, 10]
     expected, expected_logits = paged_greedy(reference.model, prompt, 6, prefill_chunk=4)

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 @dataclass
 class ModelConfig:
-    architecture: str  # "llama" | "qwen2" (Mistral and SmolLM2 are llama)
+    architecture: str  # a family of tandem.workers.models.registry (Mistral and SmolLM2 are llama)
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -24,3 +24,14 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     name: str = "model"  # the served name by default
+    # Mixture of experts (num_experts 0: a dense model).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True  # the top-k routing weights rescaled to sum to 1
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's always-on expert, gated by a sigmoid (0: none)
+    moe_layers: list[int] | None = None  # the layers whose MLP is the experts (None: all)
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0

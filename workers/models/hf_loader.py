@@ -36,6 +36,26 @@ def _rope_settings(cfg: dict) -> tuple[float, dict | None]:
     return float(theta), scaling
 
 
+def _moe_settings(cfg: dict) -> dict:
+    """The ModelConfig mixture-of-experts fields of a Mixtral or Qwen-MoE config.json (none for a dense model)."""
+    num_experts = cfg.get("num_local_experts") or cfg.get("num_experts") or 0
+    if not num_experts:
+        return {}
+    layers = cfg["num_hidden_layers"]
+    dense = set(cfg.get("mlp_only_layers") or [])
+    step = cfg.get("decoder_sparse_step") or 1
+    moe_layers = [i for i in range(layers) if i not in dense and (i + 1) % step == 0]
+    return dict(
+        num_experts=num_experts,
+        num_experts_per_tok=cfg["num_experts_per_tok"],
+        moe_intermediate_size=cfg.get("moe_intermediate_size") or cfg["intermediate_size"],
+        # Mixtral always renormalises; Qwen-MoE says so with norm_topk_prob (false when absent).
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", "num_local_experts" in cfg)),
+        shared_expert_intermediate_size=cfg.get("shared_expert_intermediate_size") or 0,
+        moe_layers=None if len(moe_layers) == layers else moe_layers,
+    )
+
+
 def load_hf_config(model_dir: str) -> ModelConfig:
     """config.json (+ generation_config.json's eos ids, when present) -> ModelConfig."""
     config_path = os.path.join(model_dir, "config.json")
@@ -49,7 +69,7 @@ def load_hf_config(model_dir: str) -> ModelConfig:
     num_heads = cfg["num_attention_heads"]
     rope_theta, rope_scaling = _rope_settings(cfg)
     max_positions = cfg.get("max_position_embeddings", 4096)
-    window = cfg.get("sliding_window") if model_type == "mistral" or cfg.get("use_sliding_window") else None
+    window = cfg.get("sliding_window") if model_type in ("mistral", "mixtral") or cfg.get("use_sliding_window") else None
     if window:
         # Attention here is always full: cap the context at the window, within which the two agree.
         max_positions = min(max_positions, window)
@@ -76,6 +96,7 @@ def load_hf_config(model_dir: str) -> ModelConfig:
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=eos_ids,
         name=os.path.basename(os.path.normpath(model_dir)),
+        **_moe_settings(cfg),
     )
     return replace(config, **family.config)
 
