@@ -320,3 +320,16 @@ def tiny_qwen3_moe_dir(tmp_path_factory, hf_smollm2_tokenizer) -> str:
     """Random 2-layer Qwen3-MoE: 8 experts, top-2 renormalised, per-head q/k RMSNorm, head_dim 32."""
     return _tiny_moe(tmp_path_factory, hf_smollm2_tokenizer, "tiny_qwen3_moe", "Qwen3MoeConfig", 7, num_experts=8,
                      moe_intermediate_size=32, norm_topk_prob=True, head_dim=32, tie_word_embeddings=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_phi3_dir(tmp_path_factory, hf_smollm2_tokenizer) -> str:
+    """Random 2-layer Phi-3: q/k/v and gate/up stored fused (qkv_proj, gate_up_proj), GQA 4:2."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Phi3Config(
+        vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, original_max_position_embeddings=512, rms_norm_eps=1e-5,
+        initializer_range=0.2, tie_word_embeddings=False, rope_theta=10000.0, bos_token_id=1, eos_token_id=2,
+        pad_token_id=0,
+    )
+    return _write_tiny_checkpoint(tmp_path_factory.mktemp("tiny_phi3"), config, hf_smollm2_tokenizer, seed=8)

@@ -218,7 +218,7 @@ def test_smollm2_gguf_greedy_matches_transformers(smollm2, hf_smollm2, paged_gre
 
 
 @pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_qwen2_dir", "tiny_qwen3_dir", "tiny_mixtral_dir",
-                                     "tiny_qwen2_moe_dir", "tiny_qwen3_moe_dir"])
+                                     "tiny_qwen2_moe_dir", "tiny_qwen3_moe_dir", "tiny_phi3_dir"])
 def test_tiny_checkpoint_greedy_matches_transformers(fixture, request, paged_greedy):
     path = request.getfixturevalue(fixture)
     assert len(safetensors_files(path)) > 1, "the fixture should be a sharded checkpoint"
@@ -435,3 +435,6 @@ def test_registry_picks_families_by_architectures_and_refuses_others_in_one_line
     assert all(name in message for name in registry.supported_hf())
     with pytest.raises(ValueError, match=r"unsupported GGUF architecture 'gpt2' \(supported: llama, qwen2"):
         registry.family_for_gguf("gpt2")
+    with pytest.raises(ValueError, match="partial_rotary_factor 0.75"):
+        load_hf_config(_write_config(tmp_path / "phi4", {**BASE_CONFIG, "architectures": ["Phi3ForCausalLM"],
+                                                         "partial_rotary_factor": 0.75}))

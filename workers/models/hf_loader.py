@@ -68,8 +68,11 @@ def load_hf_config(model_dir: str) -> ModelConfig:
         raise ValueError(f"{config_path}: mlp_bias=true is not supported")
     num_heads = cfg["num_attention_heads"]
     rope_theta, rope_scaling = _rope_settings(cfg)
+    partial = cfg.get("partial_rotary_factor", (cfg.get("rope_parameters") or {}).get("partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        raise ValueError(f"{config_path}: partial rotary embeddings (partial_rotary_factor {partial}) are not supported")
     max_positions = cfg.get("max_position_embeddings", 4096)
-    window = cfg.get("sliding_window") if model_type in ("mistral", "mixtral") or cfg.get("use_sliding_window") else None
+    window = cfg.get("sliding_window") if model_type in ("mistral", "mixtral", "phi3") or cfg.get("use_sliding_window") else None
     if window:
         # Attention here is always full: cap the context at the window, within which the two agree.
         max_positions = min(max_positions, window)

@@ -26,6 +26,7 @@ FAMILIES = (
            ("llama",)),
     Family("qwen2", "llama:LlamaForCausalLM", ("Qwen2ForCausalLM",), ("qwen2",), ("qwen2",), {"attention_bias": True}),
     Family("qwen3", "qwen3:Qwen3ForCausalLM", ("Qwen3ForCausalLM",), ("qwen3",)),
+    Family("phi3", "llama:LlamaForCausalLM", ("Phi3ForCausalLM",), ("phi3",)),  # checkpoints fuse qkv and gate/up
     Family("mixtral", "moe:MoEForCausalLM", ("MixtralForCausalLM",), ("mixtral",)),
     Family("qwen2_moe", "moe:MoEForCausalLM", ("Qwen2MoeForCausalLM",), ("qwen2_moe",), config={"attention_bias": True}),
     Family("qwen3_moe", "moe:Qwen3MoeForCausalLM", ("Qwen3MoeForCausalLM",), ("qwen3_moe",)),
