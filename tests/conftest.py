@@ -333,3 +333,31 @@ def tiny_phi3_dir(tmp_path_factory, hf_smollm2_tokenizer) -> str:
         pad_token_id=0,
     )
     return _write_tiny_checkpoint(tmp_path_factory.mktemp("tiny_phi3"), config, hf_smollm2_tokenizer, seed=8)
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma2_dir(tmp_path_factory, hf_smollm2_tokenizer) -> str:
+    """Random 2-layer Gemma 2: layer 0 slides over 8 positions, layer 1 attends globally; attention scores and
+    logits soft-capped (low caps, so that they bite), query_pre_attn_scalar apart from head_dim, tied."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Gemma2Config(
+        vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=512, rms_norm_eps=1e-6, initializer_range=0.2,
+        sliding_window=8, query_pre_attn_scalar=24, attn_logit_softcapping=5.0, final_logit_softcapping=3.0,
+        rope_theta=10000.0, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )
+    return _write_tiny_checkpoint(tmp_path_factory.mktemp("tiny_gemma2"), config, hf_smollm2_tokenizer, seed=9)
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma3_dir(tmp_path_factory, hf_smollm2_tokenizer) -> str:
+    """Random 3-layer Gemma 3 text: layers 0-1 slide over 8 positions with the local rope base, layer 2 global;
+    per-head q/k norms."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Gemma3TextConfig(
+        vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=512, rms_norm_eps=1e-6, initializer_range=0.2,
+        sliding_window=8, query_pre_attn_scalar=24, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+    )
+    return _write_tiny_checkpoint(tmp_path_factory.mktemp("tiny_gemma3"), config, hf_smollm2_tokenizer, seed=10)

@@ -45,7 +45,7 @@ TEXT = (
 MIXED = [(0, 5, 12), (3, 60, 8), (10, 17, 16), (40, 120, 10), (7, 2, 14), (25, 33, 9), (60, 90, 12),
          (80, 11, 16), (12, 140, 8), (90, 24, 11)]
 MODELS = ["smollm2", "tiny_llama", "tiny_qwen2", "tiny_qwen3", "tiny_mixtral", "tiny_qwen2_moe", "tiny_qwen3_moe",
-          "tiny_phi3"]
+          "tiny_phi3", "tiny_gemma2", "tiny_gemma3"]
 
 
 class ModelUnderTest:

@@ -32,6 +32,15 @@ class ModelConfig:
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE's always-on expert, gated by a sigmoid (0: none)
     moe_layers: list[int] | None = None  # the layers whose MLP is the experts (None: all)
 
+    # Gemma 2 / 3.
+    hidden_act: str = "silu"  # the gated MLP's activation: silu or gelu_pytorch_tanh
+    sliding_window: int | None = None  # positions a sliding-window layer's query sees, its own included
+    sliding_layers: list[int] = field(default_factory=list)  # the layers that attend through that window
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+    query_pre_attn_scalar: float | None = None  # attention scale query_pre_attn_scalar ** -0.5, not head_dim's
+    rope_local_theta: float | None = None  # Gemma 3's sliding layers' rope base (no scaling)
+
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0

@@ -29,6 +29,7 @@ def _rope_settings(cfg: dict) -> tuple[float, dict | None]:
     """(rope_theta, rope_scaling) from either transformers v4 fields (rope_theta + rope_scaling) or v5's
     rope_parameters (which holds rope_theta and the scaling keys together)."""
     params = cfg.get("rope_parameters") or {}
+    params = params.get("full_attention", params)  # Gemma 3 has one set per layer type: the global layers'
     scaling = cfg.get("rope_scaling") or {k: v for k, v in params.items() if k != "rope_theta"} or None
     theta = cfg.get("rope_theta", params.get("rope_theta", 10000.0))
     if scaling is not None and scaling.get("rope_type", scaling.get("type", "default")) in (None, "default"):
@@ -53,6 +54,28 @@ def _moe_settings(cfg: dict) -> dict:
         norm_topk_prob=bool(cfg.get("norm_topk_prob", "num_local_experts" in cfg)),
         shared_expert_intermediate_size=cfg.get("shared_expert_intermediate_size") or 0,
         moe_layers=None if len(moe_layers) == layers else moe_layers,
+    )
+
+
+def _gemma_settings(cfg: dict) -> dict:
+    """Gemma 2 / 3's ModelConfig fields: soft-capping, attention scale, sliding-window layers, local rope base."""
+    if "query_pre_attn_scalar" not in cfg:
+        return {}
+    layers = cfg["num_hidden_layers"]
+    types = cfg.get("layer_types")
+    if types is None:  # configs from before layer_types: Gemma 2 alternates, Gemma 3 has 1 global in `pattern`
+        pattern = cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or 2
+        types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(layers)]
+    params = cfg.get("rope_parameters") or {}
+    local = (params.get("sliding_attention") or {}).get("rope_theta", cfg.get("rope_local_base_freq"))
+    return dict(
+        hidden_act=cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh",
+        sliding_window=cfg.get("sliding_window"),
+        sliding_layers=[i for i, kind in enumerate(types) if kind == "sliding_attention"],
+        attn_logit_softcapping=cfg.get("attn_logit_softcapping"),
+        final_logit_softcapping=cfg.get("final_logit_softcapping"),
+        query_pre_attn_scalar=cfg["query_pre_attn_scalar"],
+        rope_local_theta=None if local is None else float(local),
     )
 
 
@@ -100,6 +123,7 @@ def load_hf_config(model_dir: str) -> ModelConfig:
         eos_token_ids=eos_ids,
         name=os.path.basename(os.path.normpath(model_dir)),
         **_moe_settings(cfg),
+        **_gemma_settings(cfg),
     )
     return replace(config, **family.config)
 

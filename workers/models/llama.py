@@ -200,10 +200,14 @@ class LlamaAttention(nn.Module):
         q, k, v = self.project(hidden)
         q, k = self.ops.apply_rotary(positions, q, k, cos_sin_cache)
         self.ops.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
-        out = self.ops.paged_attention(q, k_cache, v_cache, meta, self.scale)
+        out = self.attend(q, k_cache, v_cache, meta)
         out = self.o_proj.forward(out.reshape(num_tokens, self.q_size))
         return out if self.tp is None else self.tp.all_reduce(out)
 
+
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata):
+        """Causal attention of q [T, Hq, D] over the cached keys and values (this step's written already)."""
+        return self.ops.paged_attention(q, k_cache, v_cache, meta, self.scale)
 
     def project(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q [T, Hq, D], k and v [T, Hkv, D] of the tokens, before the rotary embedding."""

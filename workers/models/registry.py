@@ -27,6 +27,9 @@ FAMILIES = (
     Family("qwen2", "llama:LlamaForCausalLM", ("Qwen2ForCausalLM",), ("qwen2",), ("qwen2",), {"attention_bias": True}),
     Family("qwen3", "qwen3:Qwen3ForCausalLM", ("Qwen3ForCausalLM",), ("qwen3",)),
     Family("phi3", "llama:LlamaForCausalLM", ("Phi3ForCausalLM",), ("phi3",)),  # checkpoints fuse qkv and gate/up
+    Family("gemma2", "gemma:GemmaForCausalLM", ("Gemma2ForCausalLM",), ("gemma2",), config={"tie_word_embeddings": True}),
+    Family("gemma3", "gemma:GemmaForCausalLM", ("Gemma3ForCausalLM",), ("gemma3_text",),
+           config={"tie_word_embeddings": True}),
     Family("mixtral", "moe:MoEForCausalLM", ("MixtralForCausalLM",), ("mixtral",)),
     Family("qwen2_moe", "moe:MoEForCausalLM", ("Qwen2MoeForCausalLM",), ("qwen2_moe",), config={"attention_bias": True}),
     Family("qwen3_moe", "moe:Qwen3MoeForCausalLM", ("Qwen3MoeForCausalLM",), ("qwen3_moe",)),
