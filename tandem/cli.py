@@ -155,16 +155,21 @@ def _worker_config(ns: argparse.Namespace) -> WorkerConfig:
     return model_from_options(WorkerConfig, ns, engine=engine)
 
 
-def _checked(parser: argparse.ArgumentParser, build):
-    """build()'s config; else one line naming every bad option, or the model that is not there, and exit 2: said
-    before anything loads or starts, not in a traceback (or, for `serve`, in a child's log once others started)."""
+def _checked(parser: argparse.ArgumentParser, build, runs_model: bool = False):
+    """build()'s config; else one line naming every bad option, or the model that is not there (or, when this
+    command runs it, of an architecture the engine has no family for), and exit 2: said before anything loads or
+    starts, not in a traceback (or, for `serve`, in a child's log once others started)."""
     from pydantic import ValidationError
 
-    from tandem.model_source import default_served_name
+    from tandem.model_source import default_served_name, resolve_model_source
+    from tandem.workers.models.registry import check_hf_folder
 
     try:
         config = build()
-        default_served_name(config.model if hasattr(config, "model") else config.engine.model)
+        model = config.model if hasattr(config, "model") else config.engine.model
+        default_served_name(model)
+        if runs_model:
+            check_hf_folder(resolve_model_source(model))
     except ValidationError as exc:
         parser.exit(2, f"{parser.prog}: {_options_error(exc)}\n")
     except ValueError as exc:  # the model
@@ -230,7 +235,7 @@ def _main(argv: list[str] | None) -> int:
         from tandem.workers.main import run_worker
 
         worker_parser = sub.choices["worker"]
-        config = _checked(worker_parser, lambda: _worker_config(ns))
+        config = _checked(worker_parser, lambda: _worker_config(ns), runs_model=True)
         _device_present(worker_parser, config.engine.device)
         return run_worker(config, log_level=ns.log_level)
     if ns.command == "serve":
@@ -245,7 +250,7 @@ def _main(argv: list[str] | None) -> int:
         for size in (ns.prefill_tensor_parallel_size, ns.decode_tensor_parallel_size):
             if size is not None and size < 1:
                 serve_parser.error(f"a tensor-parallel size must be >= 1, got {size}")
-        engine = _checked(serve_parser, lambda: model_from_options(EngineConfig, ns))
+        engine = _checked(serve_parser, lambda: model_from_options(EngineConfig, ns), runs_model=True)
         _device_present(serve_parser, engine.device)
         # The router's own options too: checked here, not by the router process once the workers have started.
         _checked(serve_parser, lambda: RouterConfig(model=engine.model, host=ns.host, port=ns.port,

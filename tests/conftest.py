@@ -276,3 +276,88 @@ def tiny_qwen2_dir(tmp_path_factory, hf_smollm2_tokenizer) -> str:
         eos_token_id=2,
     )
     return _write_tiny_checkpoint(tmp_path_factory.mktemp("tiny_qwen2"), config, hf_smollm2_tokenizer, seed=2)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_dir(tmp_path_factory, hf_smollm2_tokenizer) -> str:
+    """Random 2-layer Qwen3 (per-head q/k RMSNorm, head_dim 32 wider than hidden / heads, GQA 4:2, tied)."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Qwen3Config(
+        vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, max_position_embeddings=512, rms_norm_eps=1e-6, initializer_range=0.2,
+        tie_word_embeddings=True, rope_theta=1000000.0, bos_token_id=1, eos_token_id=2,
+    )
+    return _write_tiny_checkpoint(tmp_path_factory.mktemp("tiny_qwen3"), config, hf_smollm2_tokenizer, seed=4)
+
+
+def _tiny_moe(tmp_path_factory, hf_tokenizer, name: str, config_cls: str, seed: int, **settings) -> str:
+    transformers = pytest.importorskip("transformers")
+    config = getattr(transformers, config_cls)(
+        vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6, initializer_range=0.2,
+        rope_theta=10000.0, bos_token_id=1, eos_token_id=2, num_experts_per_tok=2, **settings,
+    )
+    return _write_tiny_checkpoint(tmp_path_factory.mktemp(name), config, hf_tokenizer, seed=seed)
+
+
+@pytest.fixture(scope="session")
+def tiny_mixtral_dir(tmp_path_factory, hf_smollm2_tokenizer) -> str:
+    """Random 2-layer Mixtral: 4 experts, top-2, softmax over the chosen two."""
+    return _tiny_moe(tmp_path_factory, hf_smollm2_tokenizer, "tiny_mixtral", "MixtralConfig", 5, num_local_experts=4,
+                     tie_word_embeddings=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_moe_dir(tmp_path_factory, hf_smollm2_tokenizer) -> str:
+    """Random 2-layer Qwen2-MoE: 6 experts, top-2 without renormalising, a gated shared expert; layer 1 dense."""
+    return _tiny_moe(tmp_path_factory, hf_smollm2_tokenizer, "tiny_qwen2_moe", "Qwen2MoeConfig", 6, num_experts=6,
+                     moe_intermediate_size=32, shared_expert_intermediate_size=48, norm_topk_prob=False,
+                     mlp_only_layers=[1], tie_word_embeddings=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_moe_dir(tmp_path_factory, hf_smollm2_tokenizer) -> str:
+    """Random 2-layer Qwen3-MoE: 8 experts, top-2 renormalised, per-head q/k RMSNorm, head_dim 32."""
+    return _tiny_moe(tmp_path_factory, hf_smollm2_tokenizer, "tiny_qwen3_moe", "Qwen3MoeConfig", 7, num_experts=8,
+                     moe_intermediate_size=32, norm_topk_prob=True, head_dim=32, tie_word_embeddings=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_phi3_dir(tmp_path_factory, hf_smollm2_tokenizer) -> str:
+    """Random 2-layer Phi-3: q/k/v and gate/up stored fused (qkv_proj, gate_up_proj), GQA 4:2."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Phi3Config(
+        vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, original_max_position_embeddings=512, rms_norm_eps=1e-5,
+        initializer_range=0.2, tie_word_embeddings=False, rope_theta=10000.0, bos_token_id=1, eos_token_id=2,
+        pad_token_id=0,
+    )
+    return _write_tiny_checkpoint(tmp_path_factory.mktemp("tiny_phi3"), config, hf_smollm2_tokenizer, seed=8)
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma2_dir(tmp_path_factory, hf_smollm2_tokenizer) -> str:
+    """Random 2-layer Gemma 2: layer 0 slides over 8 positions, layer 1 attends globally; attention scores and
+    logits soft-capped (low caps, so that they bite), query_pre_attn_scalar apart from head_dim, tied."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Gemma2Config(
+        vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=512, rms_norm_eps=1e-6, initializer_range=0.2,
+        sliding_window=8, query_pre_attn_scalar=24, attn_logit_softcapping=5.0, final_logit_softcapping=3.0,
+        rope_theta=10000.0, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )
+    return _write_tiny_checkpoint(tmp_path_factory.mktemp("tiny_gemma2"), config, hf_smollm2_tokenizer, seed=9)
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma3_dir(tmp_path_factory, hf_smollm2_tokenizer) -> str:
+    """Random 3-layer Gemma 3 text: layers 0-1 slide over 8 positions with the local rope base, layer 2 global;
+    per-head q/k norms."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Gemma3TextConfig(
+        vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=512, rms_norm_eps=1e-6, initializer_range=0.2,
+        sliding_window=8, query_pre_attn_scalar=24, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+    )
+    return _write_tiny_checkpoint(tmp_path_factory.mktemp("tiny_gemma3"), config, hf_smollm2_tokenizer, seed=10)

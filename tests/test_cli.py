@@ -110,9 +110,14 @@ def test_bad_options_and_models_are_one_line_before_anything_starts(capsys, tmp_
     taken = socket.socket()
     taken.bind(("127.0.0.1", 0))
     taken.listen(1)
+    foreign = tmp_path / "gpt2"  # a checkpoint of an architecture the engine does not run
+    foreign.mkdir()
+    (foreign / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}')
     cases = {
         ("worker", "--model", "nonexistent"): "tandem worker: model 'nonexistent' is neither 'smollm2'",
         ("worker", "--model", str(tmp_path / "gone.gguf")): f"tandem worker: model '{tmp_path / 'gone.gguf'}': no such",
+        ("worker", "--model", str(foreign)): "tandem worker: unsupported architecture GPT2LMHeadModel (supported: ",
+        ("serve", "--model", str(foreign)): "tandem serve: unsupported architecture GPT2LMHeadModel (supported: ",
         ("router", "--model", "nonexistent", "--decode", "http://127.0.0.1:1"): "tandem router: model 'nonexistent'",
         ("router", "--decode", "http://127.0.0.1:1", "--port", str(taken.getsockname()[1])):
             f"tandem router: port {taken.getsockname()[1]} on 127.0.0.1 is in use",

@@ -3,7 +3,7 @@
 Covers single requests, many concurrent requests of mixed lengths (continuous batching), a
 prompt longer than the step budget (chunked prefill), a shared long prefix (prefix-cache hit),
 a KV cache small enough to force preemption, abort, stop conditions, validation and metrics.
-Models: the real SmolLM2-135M GGUF (float32) and tiny random Llama / Qwen2 checkpoints, on the ops a CPU
+Models: the real SmolLM2-135M GGUF (float32) and tiny random checkpoints of the other families, on the ops a CPU
 worker serves with ("auto": the native paged-attention kernel where it builds; for the SmolLM2 GGUF, decode
 GEMMs from its blocks where the GGUF GEMV runs).
 HF references are computed once per (model, prompt, length) for the whole session.
@@ -44,7 +44,8 @@ TEXT = (
 # (offset, length, max_tokens): slices of TEXT's tokens, so lengths mix short and long.
 MIXED = [(0, 5, 12), (3, 60, 8), (10, 17, 16), (40, 120, 10), (7, 2, 14), (25, 33, 9), (60, 90, 12),
          (80, 11, 16), (12, 140, 8), (90, 24, 11)]
-MODELS = ["smollm2", "tiny_llama", "tiny_qwen2"]
+MODELS = ["smollm2", "tiny_llama", "tiny_qwen2", "tiny_qwen3", "tiny_mixtral", "tiny_qwen2_moe", "tiny_qwen3_moe",
+          "tiny_phi3", "tiny_gemma2", "tiny_gemma3"]
 
 
 class ModelUnderTest:

@@ -735,3 +735,20 @@ def test_a_read_whose_lease_its_own_worker_gave_up_meanwhile_is_not_used(tiny, c
     finally:
         prefill.kv_transfer.close()
         decode.kv_transfer.close()
+
+
+def test_pd_tokens_equal_colocated_for_a_mixture_of_experts_model(tiny_qwen2_moe_dir):
+    """Qwen2-MoE (routed and shared experts, one dense layer): the KV a prefill worker computes decodes elsewhere
+    into the tokens one engine gives."""
+    moe = load_model(tiny_qwen2_moe_dir, dtype="float32")
+    prefill, decode, colocated = engine(moe, "prefill"), engine(moe, "decode"), engine(moe, "both")
+    prefill.kv_transfer = create_kv_transfer("tcp", prefill.runner.kv_cache, "p-moe")
+    decode.kv_transfer = create_kv_transfer("tcp", decode.runner.kv_cache, "d-moe")
+    try:
+        for length in (17, 100):
+            reference, _ = run(colocated, f"moe-c{length}", prompt_of(length, seed=length))
+            tokens, status = disaggregated(prefill, decode, f"moe-pd{length}", prompt_of(length, seed=length))
+            assert status == "pulled" and tokens == reference
+    finally:
+        prefill.kv_transfer.close()
+        decode.kv_transfer.close()

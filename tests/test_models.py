@@ -113,19 +113,25 @@ NUM_LAYERS, NUM_BLOCKS = 3, 40
 LAYER = 1
 
 
-def _dense_reference(query, keys, values, seq_len, scale):
-    """float64 softmax attention of query [Q, Hq, D] at the last Q positions over keys/values [S, Hkv, D]."""
+def _dense_reference(query, keys, values, seq_len, scale, softcap=None, window=None):
+    """float64 softmax attention of query [Q, Hq, D] at the last Q positions over keys/values [S, Hkv, D]; scores
+    soft-capped and keys limited to the last `window` positions when given."""
     query_len = query.shape[0]
     group = HQ // HKV
     k = keys.double().repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, S, D]
     v = values.double().repeat_interleave(group, dim=1).transpose(0, 1)
     scores = query.double().transpose(0, 1) @ k.transpose(1, 2) * scale  # [Hq, Q, S]
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     query_pos = torch.arange(seq_len - query_len, seq_len)[:, None]
-    scores = scores.masked_fill(torch.arange(seq_len)[None, :] > query_pos, float("-inf"))
+    key_pos = torch.arange(seq_len)[None, :]
+    scores = scores.masked_fill(key_pos > query_pos, float("-inf"))
+    if window is not None:
+        scores = scores.masked_fill(key_pos <= query_pos - window, float("-inf"))
     return (scores.softmax(-1) @ v).transpose(0, 1).float()
 
 
-def _run_batch(query_lens, seq_lens, attention_metadata, seed=0):
+def _run_batch(query_lens, seq_lens, attention_metadata, seed=0, **attention_options):
     """Fills random cached prefixes, writes the new tokens' K/V with write_kv_cache, runs paged_attention and
     the dense reference on every sequence."""
     generator = torch.Generator().manual_seed(seed)
@@ -147,10 +153,11 @@ def _run_batch(query_lens, seq_lens, attention_metadata, seed=0):
     new_values = torch.cat([v[s - q :] for v, s, q in zip(full_values, seq_lens, query_lens)])
     attention.write_kv_cache(new_keys, new_values, k_cache, v_cache, meta.slot_mapping)
     query = torch.randn(sum(query_lens), HQ, D, generator=generator)
-    out = attention.paged_attention(query, k_cache, v_cache, meta, scale=D**-0.5)
+    out = attention.paged_attention(query, k_cache, v_cache, meta, D**-0.5, **attention_options)
     expected, start = [], 0
     for keys, values, seq_len, query_len in zip(full_keys, full_values, seq_lens, query_lens):
-        expected.append(_dense_reference(query[start : start + query_len], keys, values, seq_len, D**-0.5))
+        expected.append(_dense_reference(query[start : start + query_len], keys, values, seq_len, D**-0.5,
+                                         **attention_options))
         start += query_len
     return kv_cache, out, torch.cat(expected)
 
@@ -179,6 +186,23 @@ def test_write_kv_cache_touches_only_its_layer_and_slots(attention_metadata):
 def test_paged_attention_matches_dense_reference(attention_metadata, query_lens, seq_lens):
     _, out, expected = _run_batch(query_lens, seq_lens, attention_metadata)
     torch.testing.assert_close(out, expected, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("options", [dict(softcap=0.5), dict(window=5), dict(softcap=2.0, window=3)],
+                         ids=["softcap", "window", "both"])
+def test_soft_capped_and_sliding_window_attention_match_dense_reference(attention_metadata, options):
+    _, out, expected = _run_batch([5, 1, 3, 1, 4], [5, 7, 11, 16, 4], attention_metadata, **options)
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-5)
+
+
+def test_gemma_is_refused_on_the_triton_attention_kernel(tiny_gemma2_dir):
+    from types import SimpleNamespace
+
+    from tandem.workers.models.gemma import GemmaForCausalLM
+
+    with pytest.raises(ValueError, match="gemma2 needs attention soft-capping and sliding-window layers, which the "
+                                         "Triton attention kernel does not compute yet"):
+        GemmaForCausalLM(load_hf_config(tiny_gemma2_dir), SimpleNamespace(backend="triton"))
 
 
 # -- whole models against transformers ---------------------------------------------------------------------
@@ -217,7 +241,9 @@ def test_smollm2_gguf_greedy_matches_transformers(smollm2, hf_smollm2, paged_gre
     _assert_greedy_matches_hf(smollm2.model, hf_model, plain, 16, paged_greedy, prefill_chunk=5, block_size=8)
 
 
-@pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_qwen2_dir"])
+@pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_qwen2_dir", "tiny_qwen3_dir", "tiny_mixtral_dir",
+                                     "tiny_qwen2_moe_dir", "tiny_qwen3_moe_dir", "tiny_phi3_dir", "tiny_gemma2_dir",
+                                     "tiny_gemma3_dir"])
 def test_tiny_checkpoint_greedy_matches_transformers(fixture, request, paged_greedy):
     path = request.getfixturevalue(fixture)
     assert len(safetensors_files(path)) > 1, "the fixture should be a sharded checkpoint"
@@ -227,16 +253,19 @@ def test_tiny_checkpoint_greedy_matches_transformers(fixture, request, paged_gre
     _assert_greedy_matches_hf(ours.model, hf_model, prompt, 20, paged_greedy, prefill_chunk=6)
 
 
-def test_triton_backend_matches_torch_backend(tiny_llama_dir, paged_greedy):
-    """The model on the Triton kernels (Triton's interpreter on a CPU) against the torch reference ops.
+@pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_qwen2_moe_dir"])
+def test_triton_backend_matches_torch_backend(fixture, request, paged_greedy):
+    """The model on the Triton kernels (Triton's interpreter on a CPU) against the torch reference ops; for the
+    MoE model, the fused MoE kernel too.
 
     On a CPU this needs TRITON_INTERPRET=1 from before triton is imported: the whole suite gets it from
     tests/kernels/conftest.py; a run of this file alone skips the test unless it is in the environment."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("no GPU and TRITON_INTERPRET is not set: the Triton kernels cannot run here")
-    reference = load_model(tiny_llama_dir, device=device, dtype="float32")
-    kernels = load_model(tiny_llama_dir, device=device, dtype="float32", backend="triton")
+    path = request.getfixturevalue(fixture)
+    reference = load_model(path, device=device, dtype="float32")
+    kernels = load_model(path, device=device, dtype="float32", backend="triton")
     assert kernels.model.ops.paged_attention.__module__ == "tandem.workers.kernels.paged_attention"
     prompt = [17, 4000, 123, 9, 30000, 77, 5, 8, 9, 10]
     expected, expected_logits = paged_greedy(reference.model, prompt, 6, prefill_chunk=4)
@@ -410,3 +439,27 @@ def test_hf_config_reads_transformers_v4_fields(tmp_path):
         load_hf_config(_write_config(tmp_path / "gpt2", {**BASE_CONFIG, "model_type": "gpt2"}))
     with pytest.raises(ValueError, match="mlp_bias"):
         load_hf_config(_write_config(tmp_path / "mlpb", {**BASE_CONFIG, "model_type": "llama", "mlp_bias": True}))
+
+
+# -- the registry -----------------------------------------------------------------------------------------
+
+
+def test_registry_picks_families_by_architectures_and_refuses_others_in_one_line(tmp_path):
+    from tandem.workers.models import registry
+
+    assert registry.family_for_hf(["MistralForCausalLM"], "mistral").name == "llama"
+    assert registry.family_for_hf(None, "qwen2").name == "qwen2"  # no `architectures`: the model_type
+    assert registry.family_for_gguf("qwen2").name == "qwen2"
+    for family in registry.FAMILIES:
+        assert issubclass(registry.model_class(family.name), torch.nn.Module)
+    with pytest.raises(ValueError) as refused:
+        load_hf_config(_write_config(tmp_path / "gpt2", {**BASE_CONFIG, "architectures": ["GPT2LMHeadModel"],
+                                                         "model_type": "gpt2"}))
+    message = str(refused.value)
+    assert message.startswith("unsupported architecture GPT2LMHeadModel (supported: ") and "\n" not in message
+    assert all(name in message for name in registry.supported_hf())
+    with pytest.raises(ValueError, match=r"unsupported GGUF architecture 'gpt2' \(supported: llama, qwen2"):
+        registry.family_for_gguf("gpt2")
+    with pytest.raises(ValueError, match="partial_rotary_factor 0.75"):
+        load_hf_config(_write_config(tmp_path / "phi4", {**BASE_CONFIG, "architectures": ["Phi3ForCausalLM"],
+                                                         "partial_rotary_factor": 0.75}))

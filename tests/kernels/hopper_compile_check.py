@@ -25,7 +25,7 @@ from triton.runtime.jit import JITFunction
 
 from tandem.workers.layers.metadata import AttentionMetadata
 
-KERNEL_MODULES = ("paged_attention", "cache_write", "rmsnorm", "rope", "activation", "fp8")
+KERNEL_MODULES = ("paged_attention", "cache_write", "rmsnorm", "rope", "activation", "fp8", "fused_moe")
 TOOLS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 
 
@@ -168,6 +168,13 @@ def main() -> None:
     for rows in (1, 64):
         fp8.fp8_weight_gemm(torch.empty(rows, 4096, dtype=bf16), weight, scales, torch.empty(6144, dtype=bf16))
     report("fp8")
+
+    moe = modules["fused_moe"]  # Mixtral-8x7B's expert shapes, a decode batch and a prefill chunk
+    w13, w2 = torch.empty(8, 2 * 14336, 4096, dtype=bf16), torch.empty(8, 4096, 14336, dtype=bf16)
+    for tokens in (4, 512):
+        ids = torch.arange(2 * tokens).remainder(8).view(tokens, 2)
+        moe.fused_moe(torch.empty(tokens, 4096, dtype=bf16), w13, w2, torch.empty(tokens, 2, dtype=bf16), ids)
+    report("fused moe")
 
     # After compile_eager_builds, the eager steps a server forms compile nothing more.
     pa = modules["paged_attention"]

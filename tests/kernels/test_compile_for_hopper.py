@@ -42,12 +42,20 @@ def test_every_kernel_builds(builds):
         "_silu_and_mul_kernel",
         "_quantize_rows_kernel",
         "_fp8_weight_gemm_kernel",
+        "_grouped_gemm_kernel",
     }
 
 
 def test_the_fp8_weight_gemm_uses_tensor_cores_without_spilling(builds):
     gemms = [b for b in builds if b.get("kernel") == "_fp8_weight_gemm_kernel"]
     assert len(gemms) == 2  # one build per row tile: decode-sized (16 rows) and larger (64)
+    for build in gemms:
+        assert build["stack"] == 0 and build["tensor_core_ops"] > 0, build
+
+
+def test_the_fused_moe_gemm_uses_tensor_cores_without_spilling(builds):
+    gemms = [b for b in builds if b.get("kernel") == "_grouped_gemm_kernel"]
+    assert gemms
     for build in gemms:
         assert build["stack"] == 0 and build["tensor_core_ops"] > 0, build
 

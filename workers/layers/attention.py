@@ -233,9 +233,14 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    softcap: float | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of the flattened batch query [T, Hq, D] over each sequence's cached keys (the new
-    tokens' K/V must already be written). Returns [T, Hq, D]."""
+    tokens' K/V must already be written). Returns [T, Hq, D]. `softcap`: scores become softcap * tanh(s / softcap)
+    (Gemma 2); `window`: a query sees only the last `window` positions, its own included (sliding-window layers)."""
+    if softcap is not None or window is not None:
+        return _eager_attention(query, k_cache, v_cache, meta, scale, softcap, window)
     plan = _step_plan(meta, k_cache.shape[1])
     groups = plan.decode_groups
     if len(groups) == 1 and groups[0].token_index is None:
@@ -259,3 +264,31 @@ def attend_prefill_chunks(out: torch.Tensor, query: torch.Tensor, k_cache: torch
                 query[start : start + query_len], k_cache, v_cache, meta.block_tables[b], meta.seq_lens_list[b],
                 scale, masks,
             )
+
+
+def _eager_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                     scale: float, softcap: float | None, window: int | None) -> torch.Tensor:
+    """paged_attention with soft-capped scores and/or a sliding window, one sequence at a time, scores made
+    explicitly (SDPA caps nothing), in transformers' eager order: scale, cap, mask, float32 softmax."""
+    out = torch.empty_like(query)
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = query.shape[1] // num_kv_heads
+    start = 0
+    for b, (query_len, seq_len) in enumerate(zip(meta.query_lens_list, meta.seq_lens_list)):
+        first_key = 0 if window is None else max(0, seq_len - query_len - window + 1)  # older keys are out of reach
+        block_ids = meta.block_tables[b, : -(-seq_len // block_size)].long()
+        keys = _gather(k_cache, block_ids)[first_key:seq_len].transpose(0, 1).repeat_interleave(group, 0)
+        values = _gather(v_cache, block_ids)[first_key:seq_len].transpose(0, 1).repeat_interleave(group, 0)
+        q = query[start : start + query_len].transpose(0, 1)  # [Hq, Q, D]
+        scores = (q @ keys.transpose(1, 2)) * scale
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
+        query_pos = torch.arange(seq_len - query_len, seq_len, device=query.device)[:, None]
+        key_pos = torch.arange(first_key, seq_len, device=query.device)[None, :]
+        hidden = key_pos > query_pos
+        if window is not None:
+            hidden |= key_pos <= query_pos - window
+        probs = torch.softmax(scores.masked_fill(hidden, float("-inf")), dim=-1, dtype=torch.float32).to(q.dtype)
+        out[start : start + query_len] = (probs @ values).transpose(0, 1)
+        start += query_len
+    return out

@@ -6,7 +6,7 @@ from __future__ import annotations
 import importlib
 from types import SimpleNamespace
 
-from tandem.workers.layers import activation, attention, norm, rotary
+from tandem.workers.layers import activation, attention, moe, norm, rotary
 
 BACKENDS = ("torch", "cpu", "triton")
 
@@ -18,12 +18,13 @@ _OPS = {
     "silu_and_mul": (activation, "activation"),
     "write_kv_cache": (attention, "cache_write"),
     "paged_attention": (attention, "paged_attention"),
+    "fused_moe": (moe, "fused_moe"),
 }
 
 
 def get_ops(backend: str = "torch") -> SimpleNamespace:
     """A namespace with rms_norm, fused_add_rms_norm, apply_rotary, silu_and_mul, write_kv_cache,
-    paged_attention and compute_cos_sin_cache (always the torch one: it runs once at load time)."""
+    paged_attention, fused_moe and compute_cos_sin_cache (always the torch one: it runs once at load time)."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown ops backend {backend!r}; expected one of {BACKENDS}")
     ops = {"compute_cos_sin_cache": rotary.compute_cos_sin_cache}

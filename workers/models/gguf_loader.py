@@ -17,8 +17,8 @@ from gguf.quants import dequantize
 
 from tandem.workers.kernels.gguf_linear import BLOCK_TYPES, GGUFBlocks
 from tandem.workers.models.config import ModelConfig
+from tandem.workers.models.registry import family_for_gguf
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
 SUPPORTED_TYPES = frozenset(
     {
         GGMLQuantizationType.F32,
@@ -95,8 +95,7 @@ def _eos_ids(reader: GGUFReader) -> list[int]:
 
 def load_gguf_config(reader: GGUFReader, name: str = "model") -> ModelConfig:
     arch = metadata_value(reader, "general.architecture")
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(f"unsupported GGUF architecture {arch!r} (supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+    family = family_for_gguf(arch)
 
     def required(key: str):
         value = metadata_value(reader, f"{arch}.{key}")
@@ -119,7 +118,7 @@ def load_gguf_config(reader: GGUFReader, name: str = "model") -> ModelConfig:
         raise ValueError(f"GGUF rotates {rotary_dim} of {head_dim} head dims; partial rotary is not supported")
     bos = metadata_value(reader, "tokenizer.ggml.bos_token_id")
     return ModelConfig(
-        architecture=arch,
+        architecture=family.name,
         vocab_size=int(embedding.shape[1]),
         hidden_size=hidden_size,
         intermediate_size=int(required("feed_forward_length")),

@@ -197,15 +197,24 @@ class LlamaAttention(nn.Module):
         cos_sin_cache: torch.Tensor,
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
-        q, k, v = self.qkv_proj.forward(hidden).split(self.shard_sizes, dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k, v = self.project(hidden)
         q, k = self.ops.apply_rotary(positions, q, k, cos_sin_cache)
         self.ops.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
-        out = self.ops.paged_attention(q, k_cache, v_cache, meta, self.scale)
+        out = self.attend(q, k_cache, v_cache, meta)
         out = self.o_proj.forward(out.reshape(num_tokens, self.q_size))
         return out if self.tp is None else self.tp.all_reduce(out)
+
+
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata):
+        """Causal attention of q [T, Hq, D] over the cached keys and values (this step's written already)."""
+        return self.ops.paged_attention(q, k_cache, v_cache, meta, self.scale)
+
+    def project(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [T, Hq, D], k and v [T, Hkv, D] of the tokens, before the rotary embedding."""
+        num_tokens = hidden.shape[0]
+        q, k, v = self.qkv_proj.forward(hidden).split(self.shard_sizes, dim=-1)
+        return (q.view(num_tokens, self.num_heads, self.head_dim), k.view(num_tokens, self.num_kv_heads, self.head_dim),
+                v.view(num_tokens, self.num_kv_heads, self.head_dim))
 
 
 class LlamaMLP(nn.Module):
@@ -224,10 +233,12 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, ops: SimpleNamespace, tp: TPGroup | None = None):
+    attention_cls = LlamaAttention
+
+    def __init__(self, config: ModelConfig, ops: SimpleNamespace, tp: TPGroup | None = None, index: int = 0):
         super().__init__()
-        self.self_attn = LlamaAttention(config, ops, tp)
-        self.mlp = LlamaMLP(config, ops, tp)
+        self.self_attn = self.attention_cls(config, ops, tp)
+        self.mlp = self.build_mlp(config, ops, tp, index)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
 
@@ -242,29 +253,37 @@ class LlamaDecoderLayer(nn.Module):
         hidden, residual = self.post_attention_layernorm.forward(hidden, residual)
         return self.mlp.forward(hidden), residual
 
+    def build_mlp(self, config: ModelConfig, ops: SimpleNamespace, tp: TPGroup | None, index: int) -> nn.Module:
+        """The feed-forward block of layer `index`."""
+        return LlamaMLP(config, ops, tp)
+
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig, ops: SimpleNamespace, tp: TPGroup | None = None):
+    def __init__(self, config: ModelConfig, ops: SimpleNamespace, tp: TPGroup | None = None,
+                 layer_cls: type = LlamaDecoderLayer):
         super().__init__()
         rows = vocab_rows(config, tp)
         self.embed_tokens = nn.Embedding(rows, config.hidden_size, _weight=torch.empty(rows, config.hidden_size))
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, ops, tp) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(layer_cls(config, ops, tp, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
 
 
 class LlamaForCausalLM(nn.Module):
+    """Llama, Mistral, Qwen2; subclasses swap the decoder layer (layer_cls) and the checkpoint names they fuse."""
+
+    layer_cls = LlamaDecoderLayer
+    fused_shards = _FUSED_SHARDS
+
     def __init__(self, config: ModelConfig, ops: SimpleNamespace, tp: TPGroup | None = None):
         """`tp`: this rank's tensor-parallel group: the model holds its shard (query and KV heads, MLP columns,
         vocabulary rows; tandem.workers.tensor_parallel), and its forward pass runs the group's collectives."""
         super().__init__()
-        if config.architecture not in ("llama", "qwen2"):
-            raise ValueError(f"LlamaForCausalLM cannot run architecture {config.architecture!r}")
         if tp is not None:
             check_sizes(tp.size, config.num_heads, config.num_kv_heads, config.intermediate_size)
         self.config = config
         self.ops = ops
         self.tp = tp
-        self.model = LlamaModel(config, ops, tp)
+        self.model = LlamaModel(config, ops, tp, self.layer_cls)
         self.lm_head = (
             None if config.tie_word_embeddings else Linear(config.hidden_size, vocab_rows(config, tp), bias=False)
         )
@@ -376,10 +395,7 @@ class LlamaForCausalLM(nn.Module):
         """Copies HF-named tensors into the (fused) parameters; raises ValueError on unknown names, shape
         mismatches and parameters left unset."""
         params = dict(self.named_parameters())
-        expected = set()
-        for name in params:
-            owner = self._fused_owner(name)
-            expected.update([(name, None)] if owner is None else [(name, i) for i in range(len(owner.shard_sizes))])
+        expected = {(name, shard) for name in params for shard in self._shard_keys(name)}
         loaded = set()
         for hf_name, tensor in weights:
             if hf_name.endswith(_IGNORED_SUFFIXES):
@@ -390,20 +406,28 @@ class LlamaForCausalLM(nn.Module):
             if name not in params:
                 raise ValueError(f"checkpoint tensor {hf_name!r} has no place in this {self.config.architecture} model")
             tensor = self._rank_slice(hf_name, tensor)
-            target = params[name].data
-            if shard is not None:
-                sizes = self._fused_owner(name).shard_sizes
-                target = target.narrow(0, sum(sizes[:shard]), sizes[shard])
+            target = params[name].data if shard is None else self._shard_target(name, shard, params[name].data)
             if tuple(tensor.shape) != tuple(target.shape):
                 raise ValueError(
                     f"checkpoint tensor {hf_name!r} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}"
                 )
             target.copy_(tensor)
-            loaded.add((name, shard))
+            # A checkpoint that stores a fused tensor whole (Phi-3's qkv_proj) loads every shard at once.
+            loaded.update([(name, shard)] if shard is not None else [(name, key) for key in self._shard_keys(name)])
         missing = expected - loaded
         if missing:
             names = sorted(f"{name}[{shard}]" if shard is not None else name for name, shard in missing)
             raise ValueError(f"checkpoint is missing {len(names)} tensors, e.g. {names[:5]}")
+
+    def _shard_keys(self, name: str) -> list:
+        """The checkpoint tensors parameter `name` is loaded from, by shard key ([None]: one tensor, whole)."""
+        owner = self._fused_owner(name)
+        return [None] if owner is None else list(range(len(owner.shard_sizes)))
+
+    def _shard_target(self, name: str, shard, data: torch.Tensor) -> torch.Tensor:
+        """The part of parameter `name` (its data) that shard `shard` of the checkpoint fills."""
+        sizes = self._fused_owner(name).shard_sizes
+        return data.narrow(0, sum(sizes[:shard]), sizes[shard])
 
     def _rank_slice(self, hf_name: str, tensor: torch.Tensor) -> torch.Tensor:
         """This rank's part of a checkpoint tensor (the whole tensor without tensor parallelism): column-parallel
@@ -471,9 +495,8 @@ class LlamaForCausalLM(nn.Module):
             return None
         return self.get_submodule(".".join(parts[:-2]))
 
-    @staticmethod
-    def _map_name(hf_name: str) -> tuple[str, int | None]:
-        for hf_part, (ours, shard) in _FUSED_SHARDS.items():
+    def _map_name(self, hf_name: str) -> tuple[str, int | None]:
+        for hf_part, (ours, shard) in self.fused_shards.items():
             if f".{hf_part}." in hf_name:
                 return hf_name.replace(hf_part, ours), shard
         return hf_name, None

@@ -18,6 +18,7 @@ from tandem.workers.models.config import ModelConfig
 from tandem.workers.models.gguf_loader import iter_gguf_blocks, iter_gguf_tensors, load_gguf_config
 from tandem.workers.models.hf_loader import iter_hf_tensors, load_hf_config
 from tandem.workers.models.llama import MAX_GGUF_BLOCK_ROWS, LlamaForCausalLM
+from tandem.workers.models.registry import model_class
 from tandem.workers.tensor_parallel import TPGroup
 
 log = logging.getLogger(__name__)
@@ -118,7 +119,7 @@ def load_model(
 
     # Parameters are allocated uninitialised, in the target dtype and on the target device, then loaded.
     with torch.device(device), default_dtype(torch_dtype):
-        model = LlamaForCausalLM(config, ops, tp)
+        model = model_class(config.architecture)(config, ops, tp)
     model.load_weights(weights)
     if quantization == "fp8":
         model.quantize_fp8()
