@@ -18,7 +18,8 @@ where each request landed.
   per request: validate, tokenize, sampling parameters, block hashes, sticky placement, format; the gap between
   it and ours colocated is what the rest of our per-request path costs: admission, metrics, failure handling,
   accounting, disconnect handling and the layers between them),
-  sglang-router cache_aware and round_robin (-> b0-b3).
+  sglang-router cache_aware and round_robin (-> b0-b3); for locality only, ours colocated with the baseline
+  routing policies (--routing-policy round_robin, least_loaded).
   latency: concurrency 1, 16, 64, non-streaming (end-to-end) and streaming (TTFT); "added" is the router's
   quantile minus direct's at the same concurrency; req/s is the best throughput over the three concurrencies.
   Cell by cell, every target in turn (direct first), so that a drift of the shared host weighs on all alike.
@@ -84,6 +85,7 @@ FLOOR_ARGS = {FLOOR_NAME: ("http", "none"), FLOOR_CHANNEL_NAME: ("channel", "non
 HTTP_NAME = "ours colocated, HTTP"  # --worker-transport http
 GC_700_NAME = "ours colocated, gc 700"  # --gc-young-threshold 700 (CPython's default)
 VARIANTS = (HTTP_NAME, GC_700_NAME)  # our colocated router with one setting changed: latency cells only
+BASELINE_POLICIES = ("round_robin", "least_loaded")  # --routing-policy baselines: locality cells only
 LONG_STREAM_TOKENS = 64
 WORDS = ("time person year way day thing man world life hand part child eye woman place work week case point "
          "government company number group problem fact river mountain garden window market letter story "
@@ -502,7 +504,11 @@ async def mock_section(args) -> None:
         # eleventh session: what the garbage-collection line compares.
         ours_gc = ServiceProcess([*common, "--gc-young-threshold", "700"], name="router-gc-700").start()
         routers.append(ours_gc)
-        for r in (ours, ours_pd, ours_inline, ours_http, ours_gc):
+        # The same colocated router with the baseline routing policies: what the locality table compares.
+        baselines = {p: ServiceProcess([*common, "--routing-policy", p], name=f"router-{p}").start()
+                     for p in BASELINE_POLICIES}
+        routers += baselines.values()
+        for r in (ours, ours_pd, ours_inline, ours_http, ours_gc, *baselines.values()):
             r.wait_ready(120)
         targets += [Target("ours colocated", ours.url, pid=ours.proc.pid, ours=True),
                     Target("ours disagg (P/D)", ours_pd.url, "p", pid=ours_pd.proc.pid, ours=True),
@@ -578,6 +584,9 @@ async def mock_section(args) -> None:
                 # as ours does; the variants route as ours does
                 continue
             locality[t.name] = await locality_suite(t, work, mocks)
+        for policy, r in baselines.items():
+            name = f"ours, {policy}"
+            locality[name] = await locality_suite(Target(name, r.url, pid=r.proc.pid, ours=True), work, mocks)
         print(f"\nLocality: 32 prefix groups x {per_group[16]} requests at c=16, x {per_group[1]} at c=1; "
               "4 backends (prefill backends for P/D); first 64 tokens shared within a group (checked)")
         print(f"{'target':<26} | c=16 locality  max/mean  load per backend     | c=1 locality  max/mean  load")

@@ -165,29 +165,53 @@ async def serve(router, request: Request, body: CompletionRequest | ChatCompleti
     if len(choices) > queue_size:  # they could never all be queued at once
         raise APIError(400, f"{len(choices)} completions in one request exceed this router's admission queue "
                             f"({queue_size}, --max-queue)", param="n")
-    headers = request.scope["headers"]
-    key = bearer_token(headers)
-    # A key's class is the operator's decision for that tenant: the header is ignored for it (it chooses for the
-    # callers without one).
-    slo_name = router.slo_for_key.get(key or "") or header_value(headers, SLO_HEADER_RAW) or "interactive"
-    if slo_name not in router.admission.slo_classes:
-        raise APIError(400, f"unknown SLO class {slo_name!r}; known: {sorted(router.admission.slo_classes)}",
-                       param=SLO_HEADER)
-    healthy = router.decode.healthy()
-    if not healthy:  # said now, with a status, rather than in an error event after a 200
+    key = bearer_token(request.scope["headers"])
+    slo_name = slo_class_of(router, request, key)
+    if not router.decode.healthy():  # said now, with a status, rather than in an error event after a 200
         router.metrics.by_class(router.metrics.rejections, slo_name, reason="no_workers").inc()
         raise no_workers(router.config.health_interval_s)
     plans = [router.orchestrator.plan(ids) for ids in prompts]  # (block hashes, routing key), shared by samples
+    tickets, paths = admit_choices(router, body, choices, prompts, params, plans, slo_name, key)
+    bill = Bill(router.admission, tickets[choices[0].request_id], choices)
+    streams = staggered(choices, body.n, lambda c, after: dispatch(
+        router, c.request_id, c.prompt_ids, c.params, tickets[c.request_id], slo_name, plans[c.prompt],
+        coalesce=not body.stream, after=after, bill=bill,
+        disagg=paths[c.prompt] if c.sample == 0 else None))  # later samples: computed from the first's cache
+    fmt, deltas = combined(choices, body.n, streams)
+
+    def forget() -> None:
+        # The choices are admitted (queued) from here on. `deltas` gives them back when they run and end, but a
+        # response whose client leaves before its body begins never runs them: forgotten here then, or never.
+        for choice in choices:
+            router.dispatcher.abandon(choice.request_id)
+        bill.settle_unstarted()
+
+    if body.stream:
+        return EventStreamResponse(openai_stream(fmt, deltas, body.usage_in_stream, stream_error_body),
+                                   on_close=forget)
+    return await whole_answer(request, fmt, deltas, forget)
+
+
+def slo_class_of(router, request: Request, key: str | None) -> str:
+    """The request's SLO class: its API key's, else its header's, else interactive. A key's class is the
+    operator's decision for that tenant: the header chooses only for callers without one."""
+    slo_name = router.slo_for_key.get(key or "") or header_value(request.scope["headers"], SLO_HEADER_RAW) \
+        or "interactive"
+    if slo_name not in router.admission.slo_classes:
+        raise APIError(400, f"unknown SLO class {slo_name!r}; known: {sorted(router.admission.slo_classes)}",
+                       param=SLO_HEADER)
+    return slo_name
+
+
+def admit_choices(router, body, choices, prompts: list[list[int]], params: SamplingParams, plans, slo_name: str,
+                  key: str | None) -> tuple[dict, list]:
+    """Each choice's admission ticket (by request id) and each prompt's path (disaggregated or not); a refusal
+    withdraws the tickets already taken and raises (docs/admission.md: what a request is charged)."""
     # Several choices: the first is charged for the whole request (the others nothing), so that the tenant's
     # bucket is checked and taken once, with each prompt counted once as usage counts it.
     whole = sum(map(len, prompts)) + params.max_tokens * len(choices)
-    # The prompt tokens each prompt's first sample will compute (a prompt's later samples prefill from its cache).
-    # Each request is charged its whole uncached prompt, a new prefix that requests admitted just before it are to
-    # compute included. A worker computes such a prefix once for the requests that reach it together, but admission
-    # cannot tell that they will: the valves may place them on other workers, and the earliest-deadline-first queue
-    # may dispatch this one before the one it would be waiting for (a client could send a batch-class request
-    # ahead to have its interactive ones charged nothing). A prompt whose logprobs are asked computes all of it.
-    # The prefix expected cached is the pool's that computes it: its path is chosen first.
+    # The prompt tokens each prompt's first sample will compute (a prompt's later samples prefill from its cache);
+    # the prefix expected cached is the pool's that computes it: its path is chosen first.
     paths, uncached = [], []
     for ids, (hashes, _) in zip(prompts, plans, strict=True):
         colocated = uncached_tokens(router, router.decode, ids, hashes, params)
@@ -209,23 +233,11 @@ async def serve(router, request: Request, body: CompletionRequest | ChatCompleti
         for request_id in tickets:
             router.dispatcher.withdraw(request_id)
         raise
-    bill = Bill(router.admission, tickets[choices[0].request_id], choices)
-    streams = staggered(choices, body.n, lambda c, after: dispatch(
-        router, c.request_id, c.prompt_ids, c.params, tickets[c.request_id], slo_name, plans[c.prompt],
-        coalesce=not body.stream, after=after, bill=bill,
-        disagg=paths[c.prompt] if c.sample == 0 else None))  # later samples: computed from the first's cache
-    fmt, deltas = combined(choices, body.n, streams)
+    return tickets, paths
 
-    def forget() -> None:
-        # The choices are admitted (queued) from here on. `deltas` gives them back when they run and end, but a
-        # response whose client leaves before its body begins never runs them: forgotten here then, or never.
-        for choice in choices:
-            router.dispatcher.abandon(choice.request_id)
-        bill.settle_unstarted()
 
-    if body.stream:
-        return EventStreamResponse(openai_stream(fmt, deltas, body.usage_in_stream, stream_error_body),
-                                   on_close=forget)
+async def whole_answer(request: Request, fmt, deltas, forget) -> Response:
+    """A non-streamed answer: its deltas gathered into one body, or 499 when the client leaves first."""
     complete = False
     try:
         async with CancelOnDisconnect(request.receive):

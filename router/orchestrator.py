@@ -1,11 +1,11 @@
-"""Carries one request through the worker pools (ARCHITECTURE.md §2) and yields its deltas.
+"""Carries one request through the worker pools and yields its deltas (docs/architecture.md).
 
-  long prompt + a healthy prefill pool -> prefill worker by sticky bounded-load consistent hashing
-      (policies/key_table.py) -> first token out at once -> decode worker by power of two choices
+  long prompt + a healthy prefill pool -> a prefill worker -> first token out at once -> a decode worker
       pulls the KV and streams
-  short prompt, or no prefill worker   -> a decode worker alone, placed the same way over the decode pool
-Failures stay inside: a prefill that fails is retried on the next worker clockwise, then served
-colocated; a decode worker that dies mid-stream is replaced, resuming from prompt + tokens sent.
+  short prompt, or no prefill worker   -> a decode worker alone
+The routing policy (router/policies/) chooses each worker. Failures stay inside: a prefill that fails is retried
+on another worker, then served colocated; a decode worker that dies mid-stream is replaced, resuming from
+prompt + tokens sent.
 """
 
 from __future__ import annotations
@@ -13,29 +13,26 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from dataclasses import dataclass, field
 
 from tandem.background import spawn
-from tandem.config import EngineConfig, RouterConfig
+from tandem.config import RouterConfig
 from tandem.errors import APIError, retry_after
 from tandem.hashing import block_hashes
 from tandem.metrics import RouterMetrics
 from tandem.openai_format import Delta
 from tandem.protocol import SamplingParams, join_decode_events
-from tandem.router.policies.key_table import KeyAssignments
-from tandem.router.policies.p2c import PowerOfTwoChoices
+from tandem.router.policies.base import Placement
+from tandem.router.policies.registry import make_policy
 from tandem.router.policies.ring import routing_key
-from tandem.router.pool import Worker, WorkerPool
+from tandem.router.pool import WorkerPool
 from tandem.router.prefix_predictor import PrefixPredictor
 from tandem.router.worker_client import TRANSPORT_ERRORS, UnreadableAnswer, WorkerClient, WorkerStatusError
 
 log = logging.getLogger(__name__)
 
 MAX_ATTEMPTS = 3  # per phase: a request survives two worker failures
-# The sequence valve's floor, unless given: an eighth of a decode worker's max_num_seqs (the engine's default when
-# it reports none).
-SEQUENCE_FLOOR_SHARE = 8
-DEFAULT_MAX_NUM_SEQS = EngineConfig.model_fields["max_num_seqs"].default
 
 
 def no_workers(health_interval_s: float) -> APIError:
@@ -69,6 +66,36 @@ class Trace:
     prefill_charged_seconds: float | None = None  # the worker time charged to its prefill (Worker.prefill_started)
 
 
+@dataclass
+class DecodePhase:
+    """One request's decode phase: what carries over from one decode worker to the next. `generated`: the tokens
+    so far (the prefill's first, or none); `handle`: the prefill's KV handle (None: computed on the decode
+    worker); `prompt_cached`: the prompt tokens the prefill worker found cached, which every delta reports (None:
+    the first decode worker's count, which computes the prompt itself)."""
+
+    rid: str
+    prompt: list[int]
+    params: SamplingParams
+    hashes: list[int]
+    key: int
+    trace: Trace
+    touched: set[tuple[str, str]]  # (worker, request id there): what to abort if the client leaves
+    coalesce: bool
+    generated: list[int] = field(default_factory=list)
+    handle: dict | None = None
+    prompt_cached: int | None = None
+    attempt_id: str = ""  # the request's id on its current decode worker
+    failed: dict[str, int] = field(default_factory=dict)  # url -> its `entered` when it failed this request
+    tries: int = 0
+    failures: int = 0
+    wait_until: float | None = None  # loop time the wait for a decode worker to come back ends
+    migrating: bool = False
+    finished: bool = False
+
+    def __post_init__(self):
+        self.attempt_id = self.attempt_id or self.rid
+
+
 class Orchestrator:
     def __init__(self, config: RouterConfig, prefill: WorkerPool, decode: WorkerPool, http: WorkerClient,
                  metrics: RouterMetrics, hash_seed: int):
@@ -79,8 +106,7 @@ class Orchestrator:
         self.metrics = metrics
         self.hash_seed = hash_seed
         self.predictor = PrefixPredictor(config.block_size)
-        self.p2c = PowerOfTwoChoices()
-        self._key_tables: dict[WorkerPool, KeyAssignments] = {}  # one sticky key table per pool
+        self.policy = make_policy(config, self.predictor, metrics)
         self._layout_warned: set[tuple[str | None, str]] = set()  # (prefill, decode) workers whose layouts differ
 
     def plan(self, prompt: list[int]) -> tuple[list[int], int]:
@@ -121,8 +147,9 @@ class Orchestrator:
                         finished = True
                         return
                     handed_over = False
-                    async for delta in self._decode(rid, prompt, params, [pre["first_token_id"]], pre["kv_handle"],
-                                                    hashes, key, trace, touched, coalesce, first.num_cached_tokens):
+                    phase = DecodePhase(rid, prompt, params, hashes, key, trace, touched, coalesce,
+                                        [pre["first_token_id"]], pre["kv_handle"], first.num_cached_tokens)
+                    async for delta in self._decode(phase):
                         if not handed_over:
                             # A decode worker answered: it has the handle and releases the lease itself, and the
                             # prefill worker is no longer told to abort (that would free blocks being pulled, a pull
@@ -136,7 +163,7 @@ class Orchestrator:
             trace.path = "colocated"
             if not disagg:  # a request that fell back is counted as that, not as colocated too
                 self._route("colocated")
-            async for delta in self._decode(rid, prompt, params, [], None, hashes, key, trace, touched, coalesce):
+            async for delta in self._decode(DecodePhase(rid, prompt, params, hashes, key, trace, touched, coalesce)):
                 yield delta
             finished = True
         finally:
@@ -186,235 +213,160 @@ class Orchestrator:
         raise WorkerFailure("no prefill worker could serve the request")
 
     # -- decode ---------------------------------------------------------------------------
-    async def _decode(self, rid, prompt, params: SamplingParams, generated: list[int], handle: dict | None,
-                      hashes, key, trace: Trace, touched: set[tuple[str, str]], coalesce: bool,
-                      prompt_cached: int | None = None) -> AsyncIterator[Delta]:
-        """The decode phase's deltas, resumed on another worker when one fails. `prompt_cached`: the prompt tokens
-        the prefill worker found cached, which every delta reports (usage's cached_tokens): the count of the
-        worker that first computed the prompt, not of one that computed it again to resume (None: the first
-        decode worker's, which computes it here)."""
-        # url -> its `entered` when it failed this request: one that has left rotation and come back since (a
-        # restarted worker) may be tried again.
-        failed: dict[str, int] = {}
-        attempt_id = rid
-        tries = failures = 0  # calls made, and calls that failed: MAX_ATTEMPTS failures end the request
-        wait_until = None
-        migrating = False
-        while failures < MAX_ATTEMPTS:
-            first_try, tries = not tries, tries + 1
-            url = self._pick_decode(handle, prompt, generated, key, hashes, failed, trace)
-            while url is None:
-                # No decode worker left in rotation (a pool of one restarting, a whole pool frozen for a moment):
-                # the request has its prompt computed, and maybe tokens sent, so it waits a while for one to come
-                # back (one wait per decode phase in all) rather than fail at once. Workers still in rotation that
-                # all failed this request are asked first: one that crashed leaves rotation at this probe (a
-                # failure or two do not eject it), and is waited for; one that answers is alive, and failed the
-                # request itself: it fails now.
-                if self.decode.healthy():
-                    await asyncio.gather(*(self.decode.probe(w, timeout_s=1.0) for w in self.decode.healthy()))
-                now = asyncio.get_running_loop().time()
-                wait_until = wait_until or now + self.config.worker_return_wait_s
-                if self.decode.healthy() or not await self.decode.wait_for_entry(wait_until - now):
-                    log.warning("request %s: no decode worker came back within %g s (--worker-return-wait-s); it "
-                                "ends with no_workers after %d tokens", rid, self.config.worker_return_wait_s,
-                                len(generated))
-                    raise no_workers(self.config.health_interval_s)
-                url = self._pick_decode(handle, prompt, generated, key, hashes, failed, trace)
-            if migrating:  # counted once it goes on: a request that found no worker to go on to was not migrated
-                migrating = False
-                trace.migrations += 1
-                self._route("migrated")
-            touched.add((url, attempt_id))
-            trace.decode_workers.append(url)
-            body = {"request_id": attempt_id, "sampling": params.model_dump(), "kv_handle": handle,
-                    "prompt_token_ids": prompt + generated[:-1] if generated else prompt,
-                    "first_token_id": generated[-1] if generated else None, "coalesce_after_first": coalesce}
-            if generated:  # the first token (or all tokens so far, after a migration) counts as output
-                body["sampling"]["max_tokens"] = params.max_tokens - len(generated) + 1
-                body["sampling"]["prompt_logprobs"] = None  # the client has them from the first attempt
-                if len(generated) > 1:
-                    body["output_tokens_in_prompt"] = len(generated) - 1
-            colocated_weight = 0 if handle is not None or not first_try else \
-                len(prompt) if params.prompt_logprobs is not None else trace.uncached_tokens  # those compute it all
-            worker = self.decode.workers[url]
-            worker.prefill_tokens_in_flight += colocated_weight
-            worker.in_flight += 1
-            loop = asyncio.get_running_loop()
-            prefilling = handle is None  # it prefills here (colocated, or recomputing after a migration)
-            mark = worker.prefill_started(loop.time()) if prefilling else 0.0
-            finished = False
+    async def _decode(self, phase: DecodePhase) -> AsyncIterator[Delta]:
+        """The decode phase's deltas, resumed on another worker when one fails (MAX_ATTEMPTS failures end it)."""
+        while phase.failures < MAX_ATTEMPTS:
+            url = await self._decode_worker(phase)
             try:
-                try:
-                    # The events of one batch (what had arrived together) are relayed as one delta: a router that
-                    # falls behind relays several tokens for the cost of one (the client gets a chunk of several
-                    # tokens, as from an engine step that made several).
-                    async for batch in self.http.event_batches(url, "/internal/decode", body):
-                        delta, error = _batch_delta(url, batch)
-                        if delta is not None and not finished:  # after a finish only the stream's end follows
-                            if prefilling:  # its first delta: the prefill is done
-                                charged, prefilling = worker.prefill_done(loop.time(), mark), False
-                                if first_try:
-                                    trace.prefill_charged_seconds = charged
-                            if colocated_weight:
-                                worker.prefill_tokens_in_flight -= colocated_weight
-                                colocated_weight = 0
-                            generated.extend(delta.new_token_ids)
-                            if prompt_cached is None:  # (a worker counts its cache over prompt + output so far)
-                                prompt_cached = min(delta.num_cached_tokens, len(prompt))
-                            delta.num_cached_tokens = prompt_cached
-                            yield delta
-                            finished = delta.finished
-                        if error is not None:
-                            raise error
-                except WorkerStatusError as exc:
-                    if handle is not None and exc.code == KV_LAYOUT_MISMATCH:
-                        raise _UnusableHandle(exc.message) from None
-                    raise _refusal(url, exc) from None
-                if finished:
-                    self.decode.record_success(url)
-                    return
-                raise WorkerFailure(f"{url} ended the stream early")
+                async with aclosing(self._attempt(phase, url)) as deltas:
+                    async for delta in deltas:
+                        yield delta
+                return
             except _UnusableHandle as exc:
-                # The pools disagree on the KV layout (a dtype or block size set for one pool only): no worker of
-                # this pool can read the handle. The prompt is computed here instead, as after a lost prefill (the
-                # worker that refused the handle released its lease), with no failure counted against the worker
-                # or the request's attempts. Said once per pair of workers: until the pools agree, every split
-                # request pays for its prompt twice.
-                if (trace.prefill_worker, url) not in self._layout_warned:
-                    self._layout_warned.add((trace.prefill_worker, url))
-                    log.warning("decode worker %s cannot read the KV of prefill worker %s (%s): the prompts are "
-                                "computed again on the decode pool; give both pools the same --dtype and "
-                                "--block-size", url, trace.prefill_worker, exc)
-                handle = None
-                self._route("fallback")
+                self._recompute_unusable(phase, url, exc)
             except (*TRANSPORT_ERRORS, WorkerFailure) as exc:
-                if finished:  # only the end of a finished stream was lost: nothing to resume
+                if phase.finished:  # only the end of a finished stream was lost: nothing to resume
                     self.decode.record_success(url)
                     return
-                others = any(w.url != url for w in self.decode.healthy())
-                log.info("decode on %s failed (%r); request %s %s", url, exc, rid,
-                         "goes on another decode worker" if others else
-                         f"waits up to {self.config.worker_return_wait_s:g} s for a decode worker to be back")
-                self.decode.record_failure(url)
-                self._abandon(touched, url, attempt_id)  # a worker that only stopped answering may still be at it
-                failed[url] = self.decode.workers[url].entered if url in self.decode.workers else 0
-                failures += 1
-                if handle is not None and trace.prefill_worker is not None:
-                    # Nobody will use the prefill's blocks now: freed at once, not when the lease runs out (the
-                    # failed worker may never release it). One that was only hung and finishes its read later finds
-                    # the lease gone when it releases it, and does not use what it read (RemoteKV.release).
-                    spawn(self._abort(trace.prefill_worker, rid))
-                handle = None  # the KV now comes from recomputing prompt + tokens so far
-                migrating = True
-                attempt_id = f"{rid}-m{failures}"
-                if not generated:
-                    continue
-                if len(generated) >= params.max_tokens:
+                self._resume_elsewhere(phase, url, exc)
+                if phase.generated and len(phase.generated) >= phase.params.max_tokens:
                     # Every token arrived, only the end that says so did not: said here, as the worker would have.
-                    yield Delta([], "", None, True, "length", prompt_cached or 0)
+                    yield Delta([], "", None, True, "length", phase.prompt_cached or 0)
                     return
-            finally:
-                if prefilling:
-                    worker.prefill_done(loop.time(), mark)
-                worker.prefill_tokens_in_flight -= colocated_weight
-                worker.in_flight -= 1
         raise APIError(503, "the request failed on every decode worker tried", code="decode_failed")
 
-    # -- helpers --------------------------------------------------------------------------
-    def _pick_decode(self, handle: dict | None, prompt: list[int], generated: list[int], key: int, hashes,
-                     failed: dict[str, int], trace: Trace) -> str | None:
+    async def _attempt(self, phase: DecodePhase, url: str) -> AsyncIterator[Delta]:
+        """One decode worker's part: its deltas until the request finishes; raises when the worker fails it."""
+        first_try, phase.tries = not phase.tries, phase.tries + 1
+        if phase.migrating:  # counted once it goes on: a request that found no worker to go on to was not migrated
+            phase.migrating = False
+            phase.trace.migrations += 1
+            self._route("migrated")
+        phase.touched.add((url, phase.attempt_id))
+        phase.trace.decode_workers.append(url)
+        prompt, params, trace = phase.prompt, phase.params, phase.trace
+        colocated_weight = 0 if phase.handle is not None or not first_try else \
+            len(prompt) if params.prompt_logprobs is not None else trace.uncached_tokens  # those compute it all
+        worker = self.decode.workers[url]
+        worker.prefill_tokens_in_flight += colocated_weight
+        worker.in_flight += 1
+        loop = asyncio.get_running_loop()
+        prefilling = phase.handle is None  # it prefills here (colocated, or recomputing after a migration)
+        mark = worker.prefill_started(loop.time()) if prefilling else 0.0
+        try:
+            try:
+                # The events of one batch (what had arrived together) are relayed as one delta: a router that
+                # falls behind relays several tokens for the cost of one (the client gets a chunk of several
+                # tokens, as from an engine step that made several).
+                async for batch in self.http.event_batches(url, "/internal/decode", _decode_body(phase)):
+                    delta, error = _batch_delta(url, batch)
+                    if delta is not None and not phase.finished:  # after a finish only the stream's end follows
+                        if prefilling:  # its first delta: the prefill is done
+                            charged, prefilling = worker.prefill_done(loop.time(), mark), False
+                            if first_try:
+                                trace.prefill_charged_seconds = charged
+                        if colocated_weight:
+                            worker.prefill_tokens_in_flight -= colocated_weight
+                            colocated_weight = 0
+                        phase.generated.extend(delta.new_token_ids)
+                        if phase.prompt_cached is None:  # (a worker counts its cache over prompt + output so far)
+                            phase.prompt_cached = min(delta.num_cached_tokens, len(prompt))
+                        delta.num_cached_tokens = phase.prompt_cached
+                        yield delta
+                        phase.finished = delta.finished
+                    if error is not None:
+                        raise error
+            except WorkerStatusError as exc:
+                if phase.handle is not None and exc.code == KV_LAYOUT_MISMATCH:
+                    raise _UnusableHandle(exc.message) from None
+                raise _refusal(url, exc) from None
+            if phase.finished:
+                self.decode.record_success(url)
+                return
+            raise WorkerFailure(f"{url} ended the stream early")
+        finally:
+            if prefilling:
+                worker.prefill_done(loop.time(), mark)
+            worker.prefill_tokens_in_flight -= colocated_weight
+            worker.in_flight -= 1
+
+    async def _decode_worker(self, phase: DecodePhase) -> str:
+        """The next decode worker for the phase. With none left in rotation (a pool of one restarting, a whole pool
+        frozen for a moment) the request, its prompt computed and maybe tokens sent, waits a while for one to come
+        back (one wait per phase, --worker-return-wait-s) rather than fail at once."""
+        url = self._pick_decode(phase)
+        while url is None:
+            # Workers still in rotation that all failed this request are asked first: one that crashed leaves
+            # rotation at this probe (a failure or two do not eject it), and is waited for; one that answers is
+            # alive, and failed the request itself: it fails now.
+            if self.decode.healthy():
+                await asyncio.gather(*(self.decode.probe(w, timeout_s=1.0) for w in self.decode.healthy()))
+            now = asyncio.get_running_loop().time()
+            phase.wait_until = phase.wait_until or now + self.config.worker_return_wait_s
+            if self.decode.healthy() or not await self.decode.wait_for_entry(phase.wait_until - now):
+                log.warning("request %s: no decode worker came back within %g s (--worker-return-wait-s); it "
+                            "ends with no_workers after %d tokens", phase.rid, self.config.worker_return_wait_s,
+                            len(phase.generated))
+                raise no_workers(self.config.health_interval_s)
+            url = self._pick_decode(phase)
+        return url
+
+    def _recompute_unusable(self, phase: DecodePhase, url: str, exc: _UnusableHandle) -> None:
+        """The pools disagree on the KV layout (a dtype or block size set for one pool only): no worker of this
+        pool can read the handle. The prompt is computed here instead, as after a lost prefill (the worker that
+        refused the handle released its lease), with no failure counted against the worker or the request's
+        attempts. Said once per pair of workers."""
+        pair = (phase.trace.prefill_worker, url)
+        if pair not in self._layout_warned:
+            self._layout_warned.add(pair)
+            log.warning("decode worker %s cannot read the KV of prefill worker %s (%s): the prompts are computed "
+                        "again on the decode pool; give both pools the same --dtype, --block-size and "
+                        "--tensor-parallel-size", url, phase.trace.prefill_worker, exc)
+        phase.handle = None
+        self._route("fallback")
+
+    def _resume_elsewhere(self, phase: DecodePhase, url: str, exc: Exception) -> None:
+        """Books a decode worker's failure and sets the phase to resume on another worker, the KV now computed
+        again from prompt + tokens so far."""
+        others = any(w.url != url for w in self.decode.healthy())
+        log.info("decode on %s failed (%r); request %s %s", url, exc, phase.rid,
+                 "goes on another decode worker" if others else
+                 f"waits up to {self.config.worker_return_wait_s:g} s for a decode worker to be back")
+        self.decode.record_failure(url)
+        self._abandon(phase.touched, url, phase.attempt_id)  # a worker that only stopped answering may still be at it
+        phase.failed[url] = self.decode.workers[url].entered if url in self.decode.workers else 0
+        phase.failures += 1
+        if phase.handle is not None and phase.trace.prefill_worker is not None:
+            # Nobody will use the prefill's blocks now: freed at once, not when the lease runs out (the failed
+            # worker may never release it). One that was only hung and finishes its read later finds the lease
+            # gone when it releases it, and does not use what it read (RemoteKV.release).
+            spawn(self._abort(phase.trace.prefill_worker, phase.rid))
+        phase.handle = None
+        phase.migrating = True
+        phase.attempt_id = f"{phase.rid}-m{phase.failures}"
+
+    # -- placement ------------------------------------------------------------------------
+    def _pick_decode(self, phase: DecodePhase) -> str | None:
         workers = self.decode.workers
-        exclude = {u for u, entered in failed.items() if u not in workers or workers[u].entered == entered}
-        if handle is not None:  # disaggregated: place by free KV blocks and running sequences
-            healthy = self.decode.decode_states(exclude=exclude)
-            return self.p2c.pick(healthy, needed_blocks=-(-len(prompt) // self.config.block_size)) \
-                if any(s.healthy for s in healthy) else None
-        # it prefills here: place by the prompt, like a prefill, and by the sequences it will decode beside
-        return self._place(self.decode, key, hashes, len(prompt) + len(generated), exclude, trace, decodes_here=True)
+        exclude = {u for u, entered in phase.failed.items() if u not in workers or workers[u].entered == entered}
+        if phase.handle is not None:  # disaggregated: the policy's decode choice
+            return self.policy.pick_decode(self.decode, -(-len(phase.prompt) // self.config.block_size), exclude)
+        # it prefills here: placed like a prefill, and by the sequences it will decode beside
+        return self._place(self.decode, phase.key, phase.hashes, len(phase.prompt) + len(phase.generated), exclude,
+                           phase.trace, decodes_here=True)
 
     def _place(self, pool: WorkerPool, key: int, hashes: list[int], prompt_len: int, exclude: set[str],
                trace: Trace, decodes_here: bool = False) -> str | None:
-        """The key's sticky worker (bounded loads on keys, see policies/key_table.py) among the pool's healthy
-        workers less `exclude`, unless an overload valve diverts this one request: the prefill valve (uncached
-        prompt tokens in flight) always, the sequence valve too when the request will also decode there."""
-        ring = pool.ring
-        table = self._key_table(pool)
-        # A key seen before keeps its worker (the usual case) without listing the candidates.
-        preferred = table.kept(key, lambda u: u in ring and u not in exclude)
-        candidates = None
-        if preferred is None:
-            candidates = self._candidates(ring, key, exclude)
-            if not candidates:
-                return None
-            preferred = table.assign(key, candidates)
-        predicted = self.predictor.predicted_hit_tokens(preferred, hashes, prompt_len)
-        weight = max(prompt_len - predicted, 1)
-        url = preferred
-        # The overload valve. The bound is HashRing's (1 + eps) x mean after placement, but a worker only counts as
-        # over it when it already holds more than that before taking this request: one request of slack, which
-        # unit weights get from the bound's ceil(); without it, two requests of one key in flight on four workers
-        # would already split. And a worker holding no more uncached tokens than about one engine step prefills
-        # them all in that step, so moving a request off its cache would buy nothing. A diverted request leaves
-        # its key assigned where it is: overload is transient, the key's cache is not.
-        # The cheap test first: below one engine step of tokens (the usual case) the bound is not needed.
-        preferred_load = pool.workers[preferred].prefill_tokens_in_flight
-        if preferred_load > self.config.overload_min_tokens:
-            loads = pool.prefill_loads()
-            capacity = ring.capacity(loads, self.config.balance_eps, weight)
-            if preferred_load > capacity:
-                if candidates is None:
-                    candidates = self._candidates(ring, key, exclude)
-                url = _first_with_room([preferred, *(u for u in candidates if u != preferred)], loads, weight,
-                                       capacity)
-        if decodes_here and url == preferred:
-            url = self._spread_sequences(pool, key, preferred, exclude)
-        if url != preferred:
-            self.metrics.plain(self.metrics.overload_diversions, role=pool.role).inc()
-        trace.predicted_hit_tokens = self.predictor.predicted_hit_tokens(url, hashes, prompt_len) \
-            if url != preferred else predicted
+        """The policy's worker for computing a prompt, among the pool's healthy workers less `exclude`; the
+        prefix it is predicted to find cached there goes to `trace`."""
+        url = self.policy.place(pool, Placement(key, hashes, prompt_len, exclude, decodes_here))
+        if url is None:
+            return None
+        trace.predicted_hit_tokens = self.predictor.predicted_hit_tokens(url, hashes, prompt_len)
         trace.uncached_tokens = max(prompt_len - trace.predicted_hit_tokens, 1)
         self.predictor.record(url, hashes)
         self.metrics.plain(self.metrics.predicted_prefix_hit).inc(trace.predicted_hit_tokens)
         return url
-
-    def _spread_sequences(self, pool: WorkerPool, key: int, preferred: str, exclude: set[str]) -> str:
-        """The sequence valve, for a request that decodes where it prefills. Its key keeps one worker however
-        many requests share it (many users behind one system prompt, one prompt asked again and again), and
-        the prefill valve does not see them pile up there: a cached prompt costs no prefill, its decoding does.
-        So bounded loads on the sequences each worker holds (running and waiting, as reported, or this router's
-        own in flight if more): a worker holding at least its floor (`sequence_floor`: a batch about as quick
-        to decode as one sequence) and over (1 + decode_balance_eps) x the mean after placement passes the
-        request clockwise from the key to the first worker under that bound. The key stays assigned where it is,
-        and its overflow goes to the same next workers every time, whose caches then hold its prefix too."""
-        home = pool.workers[preferred]
-        held = home.sequences_held
-        if held < self.sequence_floor(home):  # the usual case: no need for the pool's loads
-            return preferred
-        loads = {w.url: w.sequences_held for w in pool.healthy() if w.url not in exclude}
-        bound = (1 + self.config.decode_balance_eps) * (sum(loads.values()) + 1) / len(loads)
-        if held + 1 <= bound:
-            return preferred
-        return _first_with_room([u for u in self._candidates(pool.ring, key, exclude) if u in loads], loads, 1, bound)
-
-    def sequence_floor(self, worker: Worker) -> int:
-        """The sequences a decode worker holds before the sequence valve looks at the pool: --decode-overload-min-seqs
-        if given, else an eighth of the max_num_seqs it reports. A batch that small decodes about as fast as one
-        sequence, and how large that is grows with the batch a worker is set up for (the default 64 gives 8)."""
-        if self.config.decode_overload_min_seqs is not None:
-            return self.config.decode_overload_min_seqs
-        return max(1, (worker.max_num_seqs or DEFAULT_MAX_NUM_SEQS) // SEQUENCE_FLOOR_SHARE)
-
-    @staticmethod
-    def _candidates(ring, key: int, exclude: set[str]) -> list[str]:
-        """The ring's workers less `exclude`, clockwise from `key`."""
-        return [u for u in ring.walk(key) if u not in exclude] if len(ring) else []
-
-    def _key_table(self, pool: WorkerPool) -> KeyAssignments:
-        table = self._key_tables.get(pool)
-        if table is None:
-            table = self._key_tables[pool] = KeyAssignments(self.config.key_eps, self.config.key_ttl_s,
-                                                            self.config.max_routing_keys)
-        return table
 
     def _record_hits(self, trace: Trace, engine_hits: int) -> None:
         trace.engine_hit_tokens = engine_hits
@@ -449,11 +401,19 @@ def _entry(d: dict) -> _Entry:
     return _Entry(d)
 
 
-def _first_with_room(ordered: list[str], loads: dict[str, float], weight: float, bound: float) -> str:
-    """An overload valve's choice: the first of `ordered` whose load plus `weight` stays within `bound`, else the
-    least loaded of them."""
-    return next((u for u in ordered if loads.get(u, 0) + weight <= bound), None) \
-        or min(ordered, key=lambda u: loads.get(u, 0))
+def _decode_body(phase: DecodePhase) -> dict:
+    """The /internal/decode request of the phase's next attempt: after tokens were sent, the first of them (or
+    all so far, after a migration) counts as output."""
+    generated, params = phase.generated, phase.params
+    body = {"request_id": phase.attempt_id, "sampling": params.model_dump(), "kv_handle": phase.handle,
+            "prompt_token_ids": phase.prompt + generated[:-1] if generated else phase.prompt,
+            "first_token_id": generated[-1] if generated else None, "coalesce_after_first": phase.coalesce}
+    if generated:
+        body["sampling"]["max_tokens"] = params.max_tokens - len(generated) + 1
+        body["sampling"]["prompt_logprobs"] = None  # the client has them from the first attempt
+        if len(generated) > 1:
+            body["output_tokens_in_prompt"] = len(generated) - 1
+    return body
 
 
 def decode_delta(chunks: list[dict]) -> Delta:

@@ -117,6 +117,9 @@ class RouterConfig(BaseModel):
                                                  "fewer sequences than this is not overloaded (a batch this small "
                                                  "decodes about as fast as one sequence); default: an eighth of the "
                                                  "max_num_seqs the worker reports (8 for the default 64), else 8")
+    routing_policy: Literal["cache_aware", "round_robin", "least_loaded"] = Field(
+        "cache_aware", description="how workers are chosen: cache_aware (sticky bounded-load consistent hashing of "
+        "prompts, power of two choices for decodes), or the baselines round_robin and least_loaded")
     key_eps: float = Field(0.0, ge=0, description="sticky key table: no worker holds over ceil((1+eps) x mean) "
                            "active routing keys; higher keeps more keys on their ring owner, lower balances better")
     key_ttl_s: float = Field(600.0, gt=0, description="a routing key unused this long leaves the key table")

@@ -298,7 +298,7 @@ def test_one_key_asked_again_and_again_spreads_its_sequences_over_the_pool(route
         url = place(orchestrator, pool, key, decodes_here=True)
         pool.workers[url].in_flight += 1
         placed[url] += 1
-        floor = orchestrator.sequence_floor(pool.workers[clockwise[0]])
+        floor = orchestrator.policy.sequence_floor(pool.workers[clockwise[0]])
         bound = max(floor, (1 + config.decode_balance_eps) * (i + 1) / len(pool.workers))
         assert max(placed.values()) <= math.ceil(bound), (i, placed)
     along = [placed[u] for u in clockwise]
@@ -314,7 +314,7 @@ def test_the_sequence_valve_leaves_small_batches_and_prefills_alone(router):
     key = random_keys(1, 34)[0]
     home = place(orchestrator, pool, key)
     # Below the floor on its worker, every other one idle: small batches stay with their cache.
-    pool.workers[home].in_flight = orchestrator.sequence_floor(pool.workers[home]) - 1
+    pool.workers[home].in_flight = orchestrator.policy.sequence_floor(pool.workers[home]) - 1
     assert place(orchestrator, pool, key, decodes_here=True) == home
     # A prefill leaves its worker as soon as it is done: its decoding is elsewhere, so sequences do not count.
     pool.workers[home].running = 1000
@@ -331,17 +331,18 @@ def test_the_sequence_floor_is_an_eighth_of_the_batch_a_worker_is_set_up_for_unl
     key = random_keys(1, 35)[0]
     home = place(orchestrator, pool, key)
     worker = pool.workers[home]
-    assert orchestrator.sequence_floor(worker) == 8  # reports no max_num_seqs
+    assert orchestrator.policy.sequence_floor(worker) == 8  # reports no max_num_seqs
     worker.max_num_seqs = 256
-    assert orchestrator.sequence_floor(worker) == 32
+    assert orchestrator.policy.sequence_floor(worker) == 32
     worker.in_flight = 31
     assert place(orchestrator, pool, key, decodes_here=True) == home
     worker.in_flight = 32
     assert place(orchestrator, pool, key, decodes_here=True) != home
     worker.max_num_seqs = 64
-    assert orchestrator.sequence_floor(worker) == 8
-    orchestrator.config = orchestrator.config.model_copy(update={"decode_overload_min_seqs": 40})
-    assert orchestrator.sequence_floor(worker) == 40
+    assert orchestrator.policy.sequence_floor(worker) == 8
+    orchestrator.config = orchestrator.policy.config = orchestrator.config.model_copy(
+        update={"decode_overload_min_seqs": 40})
+    assert orchestrator.policy.sequence_floor(worker) == 40
 
 
 def test_an_excluded_worker_is_not_chosen(router):

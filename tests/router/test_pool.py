@@ -188,7 +188,7 @@ async def test_a_worker_gone_with_nothing_in_flight_is_not_warned_of(caplog):
 
 
 async def test_a_probe_reads_the_batch_a_worker_is_set_up_for():
-    """The sequence valve's floor is an eighth of it (router.orchestrator.Orchestrator.sequence_floor)."""
+    """The sequence valve's floor is an eighth of it (router.policies.cache_aware.CacheAware.sequence_floor)."""
     port = free_port()
     runner = await probed_worker(port, ready=True)
     try:
