@@ -1,16 +1,7 @@
 """One pool of workers (prefill or decode) as the router sees it: membership, health, load.
 
-Health is active and passive: a probe loop reads each worker's /internal/load (200 = ready) every
-`interval` seconds, and every failed request counts against its worker; after `eject_after`
-consecutive failures a worker leaves the hash ring until a probe succeeds again, held out for a while first
-when it keeps failing (1 s after its first ejection, doubling with each ejection up to a minute, until it
-serves a request), unless no other worker of the pool is in rotation: one that fails every request but
-passes its probes would otherwise be taken back each round and fail the next requests that its empty share
-of keys draws to it. A worker that does not
-answer its probes at all (`silent_after` in a row: hung, or its host cut off) also has the requests in
-flight on it failed (`on_silent`), so they move on in seconds rather than when a heartbeat or read timeout
-notices (probe_pools says when silence counts as the worker's); one that answers "not ready" (draining) keeps
-them.
+Probes, ejection after failed requests, the hold-out of a worker that keeps failing, and failing the requests of
+a silent worker: docs/design/routing.md ("Worker health").
 """
 
 from __future__ import annotations

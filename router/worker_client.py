@@ -1,11 +1,6 @@
-"""The router's data path to its workers' internal API: on one multiplexed WebSocket per worker
-(router/worker_channel.py) where the worker offers it, else JSON posts and SSE streams over kept-alive HTTP
-connections. Either way a call answers the same dicts and raises the same errors.
-
-aiohttp rather than httpx here because this runs once or twice per request: moving it from httpx to aiohttp
-took the router's CPU per request at c=16 from 3.0 to 1.6 ms in benchmarks/router.py (docs/benchmarks.md; httpx
-streams through anyio layers, scans its connection pool on each request and writes headers and body
-separately). The health probes stay on httpx: they run once a second.
+"""The router's data path to its workers' internal API: one multiplexed WebSocket per worker
+(router/worker_channel.py) where the worker offers it, else JSON posts and SSE streams over kept-alive HTTP.
+Either way a call answers the same dicts and raises the same errors. Why aiohttp: docs/design/routing.md.
 """
 
 from __future__ import annotations

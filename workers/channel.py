@@ -1,21 +1,7 @@
 """The internal API multiplexed on one WebSocket per router: GET /internal/ws.
 
-Over HTTP every prefill and decode is a request of its own: headers to build and parse, a chunked SSE body,
-a connection taken from and returned to a pool. benchmarks/router.py prints what that costs the router per
-request next to this channel, where a router keeps one connection to each worker and each request is a
-message under an id of the router's choosing:
-
-  router -> worker  {"id": n, "path": "/internal/decode", "body": <the POST body>}
-                    {"id": n, "cancel": true}   (the router gave up on request n: it stops here)
-  worker -> router  {"id": n, "event": <one decode event>, "done": true on the last}  (a stream)
-                    {"id": n, "body": <the JSON answer>}                                (a plain answer)
-                    {"id": n, "status": 4xx/5xx, "body": <OpenAI error body>}           (a refusal)
-
-A stream the worker ends with no event marked last ends with {"id": n, "done": true}. The routes, bodies,
-answers and errors are those of the HTTP routes, which stay (curl, tests, older routers). A cancel, or the
-router's connection dropping, stops the requests concerned here, as HTTP requests stop when their client
-leaves: also one that /internal/abort would miss because the engine does not have it yet (a decode still
-waiting for its KV source).
+Each prefill, decode or abort call is a message under an id; the bodies, answers and errors are the HTTP
+routes'. The message format: docs/architecture.md ("The P/D protocol").
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The P/D wire protocol on a worker (ARCHITECTURE.md §3): prefill, decode, KV agent, lease release.
+"""The P/D wire protocol on a worker (docs/architecture.md): prefill, decode, KV agent, lease release.
 
 The router (or a test) drives it: POST /internal/prefill returns the first token and a kv handle;
 POST /internal/decode with that handle pulls the blocks and streams the rest. A decode worker refuses a

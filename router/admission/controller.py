@@ -1,15 +1,7 @@
 """SLO-aware admission: refuse early what cannot be served in time, queue the rest earliest deadline first.
 
-The router calls, per request:
-
-    decision = controller.decide(AdmissionRequest(...))   # Admit (now queued) or Reject(reason, retry_after_s)
-    ticket = controller.pop()            # when the dispatcher may send one: the most urgent admitted request
-    controller.release(ticket.request.request_id)   # once its prefill is done (or failed, or cancelled)
-
-`decide` checks, in this order, and the first failing check names the reason: the caps (input_too_long,
-max_tokens_too_large), the tenant's token bucket (rate_limited), the queue (queue_full), then the predicted time
-to first token against the class's target (slo_unmeetable; dispatch_slots or decode_capacity when the wait for a
-dispatch slot is what binds). The formula and its inputs are in docs/admission.md.
+`decide` admits (queued) or rejects with a reason, `pop` gives the most urgent admitted request, `release` ends
+it. The order of the checks, the formula and its inputs: docs/admission.md.
 """
 
 from __future__ import annotations

@@ -1,48 +1,7 @@
-"""Sticky key -> worker assignments with bounded loads on keys, the balls of Mirrokni, Thorup and Zadimoghaddam.
+"""Sticky key -> worker assignments with bounded loads on keys (Mirrokni, Thorup and Zadimoghaddam's balls).
 
-Why. The router used to bound each worker's *uncached prompt tokens in flight* (`HashRing.lookup` with
-eps = 0.25). On benchmarks/router.py's locality workload (32 prompt-prefix groups, 4 mock backends) that gave
-locality 0.55-0.60 at concurrency 16 (about 4 requests in flight per worker, so ordinary fluctuation crosses a
-1.25 x mean bound all the time and pushes requests off the worker that caches their prefix) and max/mean load
-1.50-1.62 at concurrency 1 (nothing is in flight, so balance is how 32 keys happen to hash onto 4 workers; no
-stateless hash does better with so few keys: median 1.38 over random rings). The paper bounds the load of
-*clients* (keys), each of which sticks to its server. Here every routing key is assigned once and sticks to
-its worker while it stays in use, and the bound applies to how many active keys a worker holds, which does not
-fluctuate with timing. The router's in-flight bound stays, much looser, as an overload valve for hot keys.
-
-Placement. A key seen before whose worker is still a candidate stays there. A new key (or one whose worker
-left the ring or is excluded) walks the ring clockwise from the key and takes the first worker that still
-has room:
-
-    count(worker) + 1 <= ceil((1 + eps) * (active keys on the candidates + 1) / n)
-
-Guarantee: no worker holds more than ceil((1 + eps) x mean) active keys. It holds at every placement; between
-placements only expiry or a worker leaving can lower the mean under a count (those keys stay where they are).
-Some worker always has room, because n workers all at the bound would already hold more than the total. The
-bound is on keys, not requests: a hot key still lands on one worker, which is what the overload valve is for.
-
-Active keys. A key not used for `ttl_s` seconds is forgotten, and the table keeps at most `max_keys` keys
-(least recently used go first), so memory is bounded and the counts follow the keys that carry traffic. A
-forgotten key that returns is placed again from scratch. Each request costs O(1) amortised plus O(n) over the
-candidates (about 1-3 us in CPython with 4 workers).
-
-Choosing eps (the router's default is 0). The bound is relative to *all* active keys, so with eps > 0 the keys
-that carry traffic right now can be unbalanced by up to eps x (all active keys) / n: thousands of one-off
-prompts make the bound loose for the few recurring prefixes, and a burst of new prefixes right after another
-set of prefixes went idle is placed almost by plain hashing. Simulating the benchmark's shape (32 groups, then
-32 new ones; with and without thousands of one-off keys first), max/mean > 1.25 for the second batch in 44-70%
-of random rings with eps = 0.25 and 22-70% with eps = 0.1, never with eps = 0: every placement then goes to a
-worker with the fewest keys, so counts stay within one of each other (until keys expire or a worker leaves) and
-every batch of keys is spread as evenly as the total.
-
-Trade-off. Router replicas share no state. Two replicas build identical rings and map a key identically
-whenever its ring owner has room; a key whose owner is at its key bound goes to the next worker with room,
-and which worker that is depends on the order in which keys arrived at that replica. The tighter the bound,
-the more often that happens: with 4 workers, two replicas that see the same keys in different orders agree on
-roughly half of them at eps = 0, 70% at 0.1 and 80-87% at 0.25 (simulated). A key mapped differently is cached on
-one worker per replica: one extra cold prefill per replica, after which each replica sticks to its choice.
-Also, at eps = 0 an empty worker that joins takes every new key until it holds its share (existing keys stay
-put); if that overloads it, the valve spills. Raise `key_eps` (RouterConfig) to favour replica agreement.
+A routing key is assigned once and sticks to its worker while in use; no worker holds more than
+ceil((1 + eps) x mean) active keys. Why, the guarantee, and how to choose eps: docs/design/routing.md.
 """
 
 from __future__ import annotations

@@ -1,21 +1,7 @@
-"""Power of two choices for decode workers, in the filters -> scorer -> picker shape of llm-d's scheduler.
+"""Power of two choices for decode workers, as filters -> scorer -> picker (llm-d's scheduler shape).
 
-Decode workers report their free KV blocks and running sequences, and the router's copy of those reports is
-always a little stale. Sending every request to the best-looking worker makes all router replicas herd onto
-the same one until the next report; sampling two workers at random and taking the better of the two avoids
-the herd while keeping the maximum load within O(log log n) of the mean instead of O(log n / log log n)
-for one random choice (Mitzenmacher 2001).
-
-Stages, each usable on its own:
-- filters: `healthy` drops workers out of rotation; `with_room` keeps the workers whose free blocks hold
-  the request's KV blocks, unless none does (the request then waits or preempts on some worker rather than
-  being refused).
-- scorer: `decode_score` = free KV blocks / (running sequences + 1): the KV headroom each sequence would
-  have, this request included. It rises with free memory (fewer preemptions) and falls with batch size
-  (inter-token latency grows with the batch). The router should count requests it has dispatched but the
-  worker has not yet reported in `running_seqs`, so that a burst between two reports spreads out.
-- picker: `PowerOfTwoChoices.pick` samples two distinct candidates with the injected `random.Random` and
-  returns the higher-scoring one (fewer running sequences on a tie, then the first sampled).
+`healthy` and `with_room` filter, `decode_score` (free KV blocks per sequence) scores, `PowerOfTwoChoices.pick`
+takes the better of two sampled. Why: docs/design/routing.md.
 """
 
 from __future__ import annotations

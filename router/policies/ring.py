@@ -1,25 +1,7 @@
 """Consistent hashing with bounded loads (Mirrokni, Thorup, Zadimoghaddam 2016) for prefill workers.
 
-Each worker owns `vnodes` points on a 64-bit ring at blake2b("<url>#<i>"), so every router replica builds
-the same ring from the same worker list, in any order, with no shared state. A request's key (the chained
-hash of its first few prompt blocks, see `routing_key`) goes to the first worker clockwise from it, which is
-the worker most likely to hold that prefix in its KV cache. To keep a hot prefix from swamping one worker,
-a worker whose load would exceed
-
-    capacity = ceil((1 + eps) * (total_load + weight) / n)
-
-after taking the request is passed over, and the key moves on clockwise to the next distinct worker. The
-bound counts the request being placed (`weight`), so with unit weights some worker always fits and no
-worker ever holds more than ceil((1 + eps) * mean) requests (the paper's guarantee).
-
-Load is whatever unit the caller measures, consistently: the router uses uncached prompt tokens in flight
-and passes the incoming request's uncached prompt tokens as `weight` (default 1, i.e. counting requests).
-A weighted request can be too big to fit anywhere under the bound (one request larger than the slack
-eps * mean); it then goes to the least-loaded worker, ties broken clockwise from the key, which is the
-placement that raises the maximum load the least.
-
-Adding or removing one of N workers moves only the keys whose owning points change, about 1/N of them.
-Taking an unhealthy worker out of rotation is `remove`; putting it back is `add`.
+A key goes to the first worker clockwise on a ring of virtual nodes that every router replica builds alike; a
+worker over ceil((1 + eps) x mean) load passes it on. The bound and its guarantee: docs/design/routing.md.
 """
 
 from __future__ import annotations

@@ -1,15 +1,7 @@
 """Sequence-level KV block management with prefix caching (vLLM v1's KVCacheManager, small).
 
-A sequence's block table covers its tokens in order, block_size tokens per block. At
-admission the longest run of its leading full blocks already in the cache is shared instead
-of recomputed; after each step the blocks that became full and computed are registered under
-their chained hash (tandem.hashing) so later requests, and this one after a preemption, can
-find them - during prefill and decode alike.
-
-A block is cached only once computed, so requests arriving together behind one new prefix (a
-system prompt many users share) would each compute it. The blocks an admitted sequence is about
-to compute are announced instead (`_computing`), and the scheduler holds back a request whose
-next uncached block is one of them: a step or a few later it finds that block cached.
+Shares a new sequence's cached leading blocks, registers blocks under their chained hash once computed, and
+announces blocks being computed so requests behind one new prefix wait for it: docs/design/engine.md.
 """
 
 from __future__ import annotations

@@ -1,15 +1,7 @@
 """The pool of KV-cache blocks: reference counts, an LRU free list and the hash -> block index.
 
-Modelled on vLLM v1's BlockPool. A block is in exactly one of two states:
-  * in use: ref_count > 0, held by one or more sequences (or, later, by a lease);
-  * free: ref_count == 0, in the free list. A free block that was full when it was freed
-    keeps its hash and stays findable by the prefix cache until it is handed out again.
-The free list is ordered by the time of freeing; `allocate` takes the least recently freed
-block, so cached content survives as long as the pool allows.
-
-These primitives know nothing about sequences: a lease that pins a finished prefill's blocks
-is one more reference, and blocks imported from another worker are allocated, filled, then
-registered with `cache_block`.
+Modelled on vLLM v1's BlockPool; knows nothing about sequences (a lease is one more reference). The states of
+a block: docs/design/engine.md.
 """
 
 from __future__ import annotations

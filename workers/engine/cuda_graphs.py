@@ -1,18 +1,7 @@
 """Decode steps replayed from CUDA graphs, one graph per batch size.
 
-A decode step of a small model is a few hundred short kernel launches, and at small batch the GPU finishes
-each one before Python has issued the next: launch overhead, not HBM, sets the step time. A CUDA graph
-records the launches of one forward pass once and replays them with a single call.
-
-A graph replays fixed kernels on fixed addresses, so every input lives in a static buffer sized for the
-largest captured batch, and a step of B sequences runs the smallest graph of at least B rows: its inputs are
-copied into the buffers' first B rows and the rows past B are padding that writes nothing and reads
-nothing (KV slot -1, which the cache-write kernel skips; context length 0, which the attention kernel
-reads no key for). This needs kernels that take every per-step quantity from device memory rather than
-from the host: the Triton backend's do (tiles and KV splits are found on the device; the split count is
-fixed per graph, chosen for the longest context, and short sequences leave the extra splits empty).
-
-Mixed prefill/decode steps, and decode batches larger than the largest graph, run eagerly.
+A step of B sequences runs the smallest graph of at least B rows, padded; mixed steps and larger batches run
+eagerly. Why and how the padding works: docs/design/engine.md.
 """
 
 from __future__ import annotations

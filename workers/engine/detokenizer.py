@@ -1,15 +1,7 @@
 """Incremental detokenization with stop strings, one instance per request.
 
-Text is produced by decoding a short sliding window of tokens twice - with and without the
-newest ones - and emitting the difference, so tokenizers that merge spaces or bytes across
-token boundaries (SentencePiece's leading space, byte-level BPE) still yield exact text.
-Byte-level BPE can end a token in the middle of a UTF-8 character; the decoded window then
-ends in U+FFFD and nothing is emitted until a later token completes the character.
-
-Stop strings: the text is cut right before the earliest stop string (right after it with
-include_stop_str_in_output). While streaming, the last len(longest stop) - 1 characters are
-held back, because they might be the start of a stop string; so no emitted text is ever
-taken back.
+Text is the difference between two decodes of a sliding window; text that may start a stop string is held
+back, so emitted text is never taken back. Details: docs/design/engine.md.
 """
 
 from __future__ import annotations

@@ -1,17 +1,7 @@
 """Continuous batching: which sequences compute how many tokens in the next forward pass.
 
-Each step has a token budget (max_num_batched_tokens) and a cap on running sequences
-(max_num_seqs). The budget is spent in this order:
-  1. decodes: running sequences with one token left to compute;
-  2. continuing prefills: running sequences whose prompt (or recompute) is still partial,
-     each taking as much of the remaining budget as it needs (chunked prefill);
-  3. admissions from the waiting queue in arrival order, after a prefix-cache lookup so cached
-     blocks cost no budget; once one does not fit, only those behind it that already hold their
-     imported KV blocks may still go (see schedule()). One whose next uncached block another
-     sequence is computing waits for it to be cached, and those behind it may go.
-When a running sequence cannot get a block, the latest-arrived running sequence is preempted
-by recompute: its blocks are freed, its progress reset, and it goes back to the head of the
-waiting queue. No admission happens in a step that preempted.
+Per step: decodes, then continuing prefills (chunked), then admissions within the token budget; preemption by
+recompute when blocks run out. The order and its rules: docs/design/engine.md.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """x W^T on CPU with W read in a GGUF file's own Q4_0 / Q4_1 / Q8_0 blocks (csrc/gguf_linear_cpu.cpp).
 
-For the few rows of a decode step this reads 3.8-7x fewer bytes than the dequantized float32 weight (blocks
-of 32 weights take 34, 20 or 18 bytes against 128), with the same weights to the bit (only the summation
-order differs). The kernel is AVX-512 only and part of the
-native CPU extension (cpu_extension.py); `supported()` says whether this machine has it.
+AVX-512 only, part of the native CPU extension (cpu_extension.py); `supported()` says whether this machine has
+it. Why: docs/design/engine.md.
 """
 
 from __future__ import annotations

@@ -1,22 +1,7 @@
 """Paged attention for a flattened varlen batch of prefill chunks and decodes, in Triton.
 
-One kernel serves every step. A program owns one tile of BLOCK_Q consecutive query tokens of one
-sequence and one KV head, and processes all the query heads that share that KV head together
-(BLOCK_M = BLOCK_Q * heads-per-KV-head rows), so each KV tile is read from memory once per tile
-instead of once per query head. It walks the sequence's keys in TILE_N-token tiles through the
-block table (a tile may span several cache blocks: every key finds its block on its own), masks
-causally (token i of a chunk over a cached prefix of P keys sees keys 0..P+i) and keeps an online
-softmax in float32 in the log2 domain.
-
-Tiles are numbered without host help (so a decode step can be captured in a CUDA graph): sequence
-b's first tile id is query_start_loc[b] // BLOCK_Q + b, an upper bound on the tiles of the
-sequences before it, and a program finds its sequence by binary search; ids past a sequence's last
-tile return at once. The grid is T // BLOCK_Q + num_seqs tiles wide (num_seqs for a decode-only
-batch, where tile b is simply sequence b).
-
-Long contexts at small batch leave most SMs idle, so a split-KV (flash-decoding) variant also
-divides each tile's keys into NUM_SPLITS ranges, writes un-normalised partial results with their
-running max and sum, and a second kernel merges them.
+One kernel for every step, with a split-KV (flash-decoding) variant for long contexts at small batch. The
+tiling and how tiles are numbered without the host: docs/design/engine.md.
 """
 
 from __future__ import annotations

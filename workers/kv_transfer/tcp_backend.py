@@ -1,15 +1,7 @@
 """KV pulls over a plain TCP socket, for hosts without NIXL.
 
-The prefill side runs a small threaded server next to the engine; a pull sends one JSON line
-{"lease_id": ..., "block_ids": [...]} and reads back the raw bytes of those blocks in order, received straight
-into the destination blocks (CPU) or a pinned staging buffer (GPU). Blocks being read are pinned
-by a lease on the prefill side, so the engine cannot overwrite them mid-transfer.
-
-The server answers only what a live lease covers when the worker gives it `authorize` (the lease table's
-check): the lease id, which only the router and the decode worker it sent the handle to know, is what lets a
-peer read another request's KV. What a connection may cost is bounded: one request line of limited length
-and ids, a socket timeout, a cap on connections served at once. A malformed request drops its connection
-with one log line.
+A small threaded server on the prefill side sends the raw bytes of the blocks a live lease holds. The wire
+format and its bounds: docs/pd-and-kv-transfer.md.
 """
 
 from __future__ import annotations
