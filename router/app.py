@@ -31,6 +31,7 @@ from tandem.openai_protocol import (
     check_token_ids,
 )
 from tandem.protocol import SamplingParams
+from tandem.request_id import HEADER as REQUEST_ID_HEADER
 from tandem.router.admission import AdmissionRequest, Reject, RejectReason
 from tandem.router.admission.prediction import colocated_stall_s, prefill_s
 from tandem.router.api_keys import ApiKeyGate, bearer_token, header_value
@@ -114,7 +115,7 @@ def build_app(router) -> FastLane | ApiKeyGate | CORSMiddleware:
         return served
     # Outermost, so that a browser's preflight (an OPTIONS without the API key) is answered before the key gate.
     return CORSMiddleware(served, allow_origins=router.config.allowed_origins, allow_methods=["GET", "POST"],
-                          allow_headers=["*"], expose_headers=["Retry-After"])
+                          allow_headers=["*"], expose_headers=["Retry-After", REQUEST_ID_HEADER])
 
 
 async def tokenize(router, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -394,6 +395,13 @@ async def dispatch(router, rid: str, ids: list[int], params: SamplingParams, tic
                     metrics.by_class(metrics.slo_violations, slo_name, kind=kind).inc()
             if ttft_met and itl_met:
                 metrics.by_class(metrics.goodput, slo_name).inc()
+        if router.config.enable_log_requests:
+            outcome = ("failed" if failed else "refused by a worker" if refused else
+                       f"finished ({finish_reason})" if finished else "abandoned")
+            log.info("%s %s: %d prompt tokens, %d output, class %s, %s path, prefill %s, decode %s, TTFT %s", rid,
+                     outcome, len(ids), produced, slo_name, trace.path or "no", trace.prefill_worker or "-",
+                     ",".join(trace.decode_workers) or "-",
+                     f"{first_at - arrival:.3f} s" if first_at is not None else "-")
 
 
 class Bill:

@@ -17,6 +17,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 from starlette.responses import Response
 
+from tandem import request_id
 from tandem.body_limit import declared_length_error, too_large
 from tandem.errors import APIError, api_error_response, validation_error_response
 from tandem.graceful import shutting_down_response
@@ -41,6 +42,8 @@ class FastLane:
         if route is None:
             return await self.app(scope, receive, send)
         model, handler = route
+        rid = request_id.from_headers(scope["headers"])
+        request_id.use(rid)  # this request's task: its log lines and its calls to workers carry it
         try:
             body = await self._read_body(scope, receive)
             response = await handler(model.model_validate_json(body), Request(scope, receive))
@@ -54,6 +57,7 @@ class FastLane:
             # rather than by wrapping the app in AnswerOnShutdown as the worker does: a wrapped `send` is not
             # uvicorn's own, and head_with_body would fall back to two writes per answer.
             response = shutting_down_response()
+        response.headers[request_id.HEADER] = rid
         await response(scope, receive, send)
 
     async def _read_body(self, scope, receive) -> bytes:

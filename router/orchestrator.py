@@ -23,6 +23,7 @@ from tandem.hashing import block_hashes
 from tandem.metrics import RouterMetrics
 from tandem.openai_format import Delta
 from tandem.protocol import SamplingParams, join_decode_events
+from tandem.request_id import current as client_request_id
 from tandem.router.policies.base import Placement
 from tandem.router.policies.registry import make_policy
 from tandem.router.policies.ring import routing_key
@@ -190,7 +191,8 @@ class Orchestrator:
             mark, done = worker.prefill_started(loop.time()), False
             try:
                 body = await self.http.post_json(url, "/internal/prefill", {
-                    "request_id": rid, "prompt_token_ids": prompt, "sampling": params.model_dump()})
+                    "request_id": rid, "prompt_token_ids": prompt, "sampling": params.model_dump(),
+                    "client_request_id": client_request_id()})
                 first = _first_delta(url, body)
                 trace.prefill_charged_seconds, done = worker.prefill_done(loop.time(), mark), True
                 self.prefill.record_success(url)
@@ -407,7 +409,8 @@ def _decode_body(phase: DecodePhase) -> dict:
     generated, params = phase.generated, phase.params
     body = {"request_id": phase.attempt_id, "sampling": params.model_dump(), "kv_handle": phase.handle,
             "prompt_token_ids": phase.prompt + generated[:-1] if generated else phase.prompt,
-            "first_token_id": generated[-1] if generated else None, "coalesce_after_first": phase.coalesce}
+            "first_token_id": generated[-1] if generated else None, "coalesce_after_first": phase.coalesce,
+            "client_request_id": client_request_id()}
     if generated:
         body["sampling"]["max_tokens"] = params.max_tokens - len(generated) + 1
         body["sampling"]["prompt_logprobs"] = None  # the client has them from the first attempt

@@ -13,6 +13,7 @@ import sys
 from tandem.cli_args import add_model_options, model_from_options
 from tandem.config import EngineConfig, RouterConfig, WorkerConfig
 from tandem.errors import pydantic_message
+from tandem.request_id import configure_logging
 
 # `tandem serve` restarts a worker in place, and it reloads its model meanwhile (longer than the router's default
 # wait on a busy CPU, in a testing helper's runs): its router waits longer for it than a cluster's router, whose
@@ -226,7 +227,7 @@ def _main(argv: list[str] | None) -> int:
         except ValueError as exc:
             plan_parser.error(str(exc))
         ns = parser.parse_args(argv)
-    logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(ns.log_level.upper())
     # httpx says every request it makes at INFO: a router's probes, a worker's calls to peers, serve's readiness
     # polls. That buries what every tandem process has to say.
     logging.getLogger("httpx").setLevel(logging.WARNING)

@@ -82,7 +82,7 @@ def port_in_use(host: str, port: int) -> bool:
 def is_routine(line: str) -> bool:
     """A log line that never explains why a process ended: httpx's INFO line per request made (a worker logs one per
     call to a peer; a crashed one's last dozen lines were all of them), in the format `tandem`'s logging has."""
-    return "INFO httpx: HTTP Request:" in line
+    return "INFO httpx:" in line and " HTTP Request: " in line  # with or without a request ID between
 
 
 class ServiceProcess:

@@ -118,10 +118,15 @@ class TokenLogprob(BaseModel):
     top_logprobs: list[tuple[int, float]] = Field(default_factory=list)
 
 
+CLIENT_REQUEST_ID = Field(None, max_length=128, description="the client's x-request-id (or the router's), for the "
+                                                             "worker's log lines about the request")
+
+
 class PrefillRequest(BaseModel):
     request_id: str
     prompt_token_ids: list[int] = Field(min_length=1)
     sampling: SamplingParams
+    client_request_id: str | None = CLIENT_REQUEST_ID
 
 
 class PrefillResponse(BaseModel):
@@ -144,6 +149,7 @@ class DecodeRequest(BaseModel):
     first_token_id: int | None = None
     kv_handle: KVHandle | None = None
     sampling: SamplingParams
+    client_request_id: str | None = CLIENT_REQUEST_ID
     output_tokens_in_prompt: int = Field(
         0, ge=0, description="resuming a request whose worker failed: how many of the last prompt_token_ids are "
                              "output made before (first_token_id is one more). The worker replays them through its "

@@ -1,6 +1,8 @@
 """The engine's start-up calibration: it fits a step cost model, leaves the engine as it found it, and is measured
 once per machine and configuration."""
 
+import json
+
 import pytest
 
 from tandem.config import EngineConfig
@@ -85,3 +87,27 @@ def test_a_cache_folder_that_cannot_be_written_only_costs_the_measuring(tiny_lla
     blocked.write_text("")
     monkeypatch.setenv(calibration.CACHE_ENV, str(blocked / "cache"))  # under a file: no folder can be made there
     assert calibrate(engine_for(tiny_llama_dir)) is not None
+
+
+def decode_steps(*seconds: float, batch: int = 1) -> list[list[float]]:
+    return [[batch, batch, batch * (33 + i), s] for i, s in enumerate(seconds)]
+
+
+def test_a_busy_host_is_measured_again_and_its_figures_not_kept(tiny_llama_dir, tmp_path, monkeypatch):
+    """Steps slowed by other processes would be a pessimistic prior kept for good (every request refused as
+    unmeetable): measured again, each step's fastest pass kept, and cached only once steady."""
+    monkeypatch.setenv(calibration.CACHE_ENV, str(tmp_path))
+    prefill = [[16, 1, 136, 0.03]]
+    busy, quiet = prefill + decode_steps(0.01, 0.5, 0.6, 0.5), prefill + decode_steps(0.5, 0.011, 0.01, 0.012)
+    assert calibration.spread(busy) > calibration.STEADY_SPREAD >= calibration.spread(quiet)
+    passes = iter([busy, quiet])
+    monkeypatch.setattr(calibration, "measure", lambda engine: next(passes))
+    calibrate(engine_for(tiny_llama_dir))
+    kept = json.loads(next(tmp_path.glob("step-cost-*.json")).read_text())["samples"]
+    assert kept == prefill + decode_steps(0.01, 0.011, 0.01, 0.012)  # step by step, the faster pass
+
+    for path in tmp_path.glob("step-cost-*"):
+        path.unlink()
+    monkeypatch.setattr(calibration, "measure", lambda engine: busy)  # busy every time: used, not kept
+    assert calibrate(engine_for(tiny_llama_dir)) is not None
+    assert not list(tmp_path.glob("step-cost-*.json"))

@@ -43,7 +43,7 @@ def metric(url: str, name: str, labels: str = "") -> float:
 
 def worker(role: str) -> ServiceProcess:
     return ServiceProcess(["worker", "--role", role, "--model", "smollm2", "--kv-transfer", "tcp",
-                           "--num-kv-blocks", "512"], name=f"e2e-{role}")
+                           "--num-kv-blocks", "512", "--enable-log-requests"], name=f"e2e-{role}")
 
 
 def router(prefill: list[ServiceProcess], decode: list[ServiceProcess], *extra: str, env=None) -> ServiceProcess:
@@ -68,7 +68,7 @@ def fleet():
     decode = [worker("decode"), worker("decode")]
     start_all(*prefill, *decode)
     disagg = router(prefill, decode, "--disagg-min-tokens", str(DISAGG_MIN), "--max-body-bytes", str(MAX_BODY),
-                    "--tool-call-parser", "hermes")
+                    "--tool-call-parser", "hermes", "--enable-log-requests")
     colocated = router([], decode, "--disagg-min-tokens", "1000000")
     start_all(disagg, colocated)
     yield {"prefill": prefill, "decode": decode, "disagg": disagg, "colocated": colocated}
@@ -181,6 +181,38 @@ def test_disaggregated_output_equals_colocated(fleet, tokenizer):
         for path in ("disagg", "colocated"):
             choice = sdk(fleet[path]).completions.create(**kwargs, stop=[stop]).choices[0]
             assert (choice.text, choice.stop_reason) == (split[:split.index(stop)], stop), (path, stop)
+
+
+def test_the_request_id_is_echoed_and_carried_into_each_log_line_about_the_request(fleet, tokenizer):
+    """x-request-id: the client's is echoed and written in the router's, the prefill worker's and the decode
+    worker's line about the request; without one (or with one unfit for a log line), one is made."""
+    rid = "trace-e2e.7f3a"
+    prompt = long_text(11)
+    assert len(tokenizer.encode(prompt)) >= DISAGG_MIN  # through both pools
+    body = {"model": "smollm2", "prompt": prompt, "max_tokens": 3, "temperature": 0}
+    for stream in (False, True):
+        answer = httpx.post(fleet["disagg"].url + "/v1/completions", json=dict(body, stream=stream),
+                            headers={"x-request-id": rid}, timeout=60)
+        assert answer.status_code == 200 and answer.headers["x-request-id"] == rid
+    procs = {"router": fleet["disagg"], **{f"prefill {i}": p for i, p in enumerate(fleet["prefill"])},
+             **{f"decode {i}": d for i, d in enumerate(fleet["decode"])}}
+
+    def lines() -> dict[str, list[str]]:
+        return {name: [line for line in p.log_tail(200_000).splitlines() if f"[{rid}]" in line]
+                for name, p in procs.items()}
+
+    assert wait_for(lambda: sum(map(len, lines().values())) >= 6), lines()
+    seen = lines()
+    assert sum("finished (length)" in line for line in seen["router"]) == 2, seen
+    assert sum(" prefill " in line for k, v in seen.items() if k.startswith("prefill") for line in v) == 2, seen
+    assert sum("KV from http" in line for k, v in seen.items() if k.startswith("decode") for line in v) == 2, seen
+    for header in ({}, {"x-request-id": "two words"}, {"x-request-id": "x" * 129}):
+        answer = httpx.post(fleet["disagg"].url + "/v1/completions", json=dict(body, max_tokens=1), headers=header,
+                            timeout=60)
+        assert re.fullmatch("[0-9a-f]{32}", answer.headers["x-request-id"]), answer.headers
+    refused = httpx.post(fleet["disagg"].url + "/v1/completions", json=dict(body, max_tokens=-1),
+                         headers={"x-request-id": rid}, timeout=60)
+    assert refused.status_code == 400 and refused.headers["x-request-id"] == rid
 
 
 def test_prefix_families_stay_on_one_prefill_worker(fleet, tokenizer):

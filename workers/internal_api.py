@@ -33,6 +33,7 @@ from tandem.protocol import (
     TokenLogprob,
     join_decode_events,
 )
+from tandem.request_id import use as use_request_id
 from tandem.sse import DONE, EventStreamResponse, sse_event
 from tandem.workers.async_engine import EngineDeadError
 from tandem.workers.channel import add_channel_route
@@ -148,6 +149,7 @@ async def serve_abort(ctx, body: AbortRequest) -> dict:
 
 async def serve_prefill(ctx, body: PrefillRequest) -> dict:
     """The first token and a handle on the prompt's KV blocks, leased for a decode worker to pull."""
+    use_request_id(body.client_request_id)
     require_role(ctx, "prefill")
     check_token_ids(ctx.tokenizer.vocab_size, body.prompt_token_ids)
     check_length(ctx.max_model_len, len(body.prompt_token_ids), body.sampling, "prompt_token_ids")
@@ -165,6 +167,9 @@ async def serve_prefill(ctx, body: PrefillRequest) -> dict:
         await outputs.aclose()
     if last is None or not last.new_token_ids:
         raise APIError(503, "the prefill was aborted")
+    if ctx.config.enable_log_requests:
+        log.info("prefill %s: %d prompt tokens, %d cached", body.request_id, len(body.prompt_token_ids),
+                 last.num_cached_tokens)
     handle = None
     if last.kv_lease is not None:
         lease = last.kv_lease
@@ -185,6 +190,7 @@ async def serve_decode(ctx, body: DecodeRequest) -> DecodeStream:
     The handle's lease is this request's to release from the moment it arrives: a request refused, or given up
     by its caller (cancelled) before its events begin, frees the prompt's blocks on the prefill worker at once.
     Left to the lease's expiry, they would stay pinned there for its whole TTL, every such request's."""
+    use_request_id(body.client_request_id)
     handle = body.kv_handle
     try:
         require_role(ctx, "decode")
@@ -207,6 +213,9 @@ async def serve_decode(ctx, body: DecodeRequest) -> DecodeStream:
         if handle is not None:
             spawn(release_lease(ctx, handle))
         raise
+    if ctx.config.enable_log_requests:
+        log.info("decode %s: %d prompt tokens, KV %s", body.request_id, len(body.prompt_token_ids),
+                 f"from {handle.source_url}" if kv_source is not None else "computed here")
     options = {"first_token_id": body.first_token_id, "kv_source": kv_source,
                "output_tokens_in_prompt": body.output_tokens_in_prompt}
     outputs = ctx.engine.generate(body.request_id, body.prompt_token_ids, body.sampling, time.monotonic(),

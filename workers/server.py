@@ -13,6 +13,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from tandem import request_id
 from tandem.body_limit import BodySizeLimit
 from tandem.config import WorkerConfig
 from tandem.errors import CLIENT_CLOSED_REQUEST, APIError, add_openai_error_handlers, error_body
@@ -135,6 +136,8 @@ def build_app(ctx: ServingContext) -> FastAPI:
 
 async def respond(ctx: ServingContext, request: Request, body: CompletionRequest | ChatCompletionRequest,
                   prompts: list[list[int]], params: SamplingParams):
+    rid = request_id.from_headers(request.scope["headers"])
+    request_id.use(rid)
     await check_request(body, prompts, params, ctx.max_model_len)
     choices = request_choices(body, prompts, params, ctx.served_name, ctx.tokenizer)
     arrival = time.monotonic()
@@ -142,7 +145,9 @@ async def respond(ctx: ServingContext, request: Request, body: CompletionRequest
         after, ctx.engine.generate(c.request_id, c.prompt_ids, c.params, arrival)))
     fmt, outputs = combined(choices, body.n, streams)
     if body.stream:
-        return EventStreamResponse(openai_stream(fmt, outputs, body.usage_in_stream, stream_error_body))
+        response = EventStreamResponse(openai_stream(fmt, outputs, body.usage_in_stream, stream_error_body))
+        response.headers[request_id.HEADER] = rid
+        return response
     try:
         # Watched from the start: a client that leaves during a long prompt's prefill, before any output, stops it
         # at the next step rather than at the prefill's end (closing the iterator aborts the request).
@@ -155,7 +160,7 @@ async def respond(ctx: ServingContext, request: Request, body: CompletionRequest
         raise APIError(400, str(exc)) from None
     finally:
         await outputs.aclose()
-    return FastJSONResponse(fmt.final())  # plain JSON types: no jsonable_encoder pass
+    return FastJSONResponse(fmt.final(), headers={request_id.HEADER: rid})  # plain JSON types: no jsonable_encoder
 
 
 def stream_error_body(exc: Exception) -> dict | None:
