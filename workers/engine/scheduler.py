@@ -9,6 +9,8 @@ Each step has a token budget (max_num_batched_tokens) and a cap on running seque
      blocks cost no budget; once one does not fit, only those behind it that already hold their
      imported KV blocks may still go (see schedule()). One whose next uncached block another
      sequence is computing waits for it to be cached, and those behind it may go.
+A decode with drafted tokens (speculative decoding: Sequence.spec_token_ids) computes them in the same step,
+within the budget; drafts that do not fit are dropped, and dropped before anyone is preempted for their room.
 When a running sequence cannot get a block, the latest-arrived running sequence is preempted
 by recompute: its blocks are freed, its progress reset, and it goes back to the head of the
 waiting queue. No admission happens in a step that preempted.
@@ -69,8 +71,11 @@ class Scheduler:
                 break
             if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
                 continue
-            num_tokens = min(seq.num_uncomputed_tokens, budget)
+            num_tokens = min(seq.num_uncomputed_tokens + len(seq.spec_token_ids), budget)
             while not self.block_manager.allocate_slots(seq, num_tokens):
+                if num_tokens > seq.num_uncomputed_tokens:  # its drafts go before anyone is preempted
+                    num_tokens = seq.num_uncomputed_tokens
+                    continue
                 victim = max(self.running, key=_arrival_order)
                 budget += scheduled.pop(victim, 0)
                 self._preempt(victim)
@@ -121,6 +126,9 @@ class Scheduler:
                 if not imported:  # its uncached blocks are computed here, from this step on
                     self.block_manager.announce_computing(seq)
 
+        for seq in self.running:  # drafts the budget or the pool left no room for are dropped
+            if seq.spec_token_ids:
+                del seq.spec_token_ids[max(scheduled.get(seq, 0) - seq.num_uncomputed_tokens, 0):]
         out.seqs = list(scheduled)
         out.num_new_tokens = list(scheduled.values())
         return out
