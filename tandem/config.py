@@ -6,10 +6,11 @@ The LLMDeployment CRD (operator issue) is generated from models in this module t
 from __future__ import annotations
 
 import ipaddress
+import json
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
 from tandem.hashing import DEFAULT_BLOCK_SIZE
@@ -33,6 +34,57 @@ def _auto_tool_choice_has_a_parser(config):
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (as in vLLM), e.g. --tool-call-parser "
                          "hermes")
     return config
+
+
+SPECULATIVE_METHODS = ("ngram",)
+
+
+class SpeculativeConfig(BaseModel):
+    """vLLM's --speculative-config, as far as it is implemented here (n-gram prompt lookup)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    method: str = "ngram"
+    num_speculative_tokens: int = Field(..., ge=1, le=32)
+    prompt_lookup_max: int | None = Field(None, ge=1)
+    prompt_lookup_min: int | None = Field(None, ge=1)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _method_known(cls, data):
+        if isinstance(data, dict) and data.get("model") is not None and "method" not in data:
+            raise ValueError("a draft model is not supported yet; use {\"method\": \"ngram\", ...}")
+        if isinstance(data, dict) and data.get("method", "ngram") not in SPECULATIVE_METHODS:
+            raise ValueError(f"unknown method {data['method']!r}; supported: {', '.join(SPECULATIVE_METHODS)}")
+        return data
+
+    @model_validator(mode="after")
+    def _lookup_window(self):
+        # vLLM's rule: either bound defaults to the other, both to 5.
+        self.prompt_lookup_max = self.prompt_lookup_max or self.prompt_lookup_min or 5
+        self.prompt_lookup_min = self.prompt_lookup_min or self.prompt_lookup_max
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError("prompt_lookup_min must be <= prompt_lookup_max")
+        return self
+
+    @classmethod
+    def parse(cls, text: str) -> SpeculativeConfig:
+        """The config of a --speculative-config JSON text; ValueError in one line if it is not one."""
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"not valid JSON ({exc})") from None
+        if not isinstance(data, dict):
+            raise ValueError("must be a JSON object")
+        try:
+            return cls.model_validate(data)
+        except ValidationError as exc:
+            raise ValueError("; ".join(_located(e) for e in exc.errors())) from None
+
+
+def _located(error: dict) -> str:
+    message = error["msg"].removeprefix("Value error, ")
+    return f"{'.'.join(map(str, error['loc']))}: {message}" if error["loc"] else message
 
 
 class EngineConfig(BaseModel):
@@ -81,6 +133,20 @@ class EngineConfig(BaseModel):
         "benchmarks/decode_during_pull.py)")
     tool_call_parser: ToolCallParserOption = None
     enable_auto_tool_choice: EnableAutoToolChoiceOption = False
+    speculative_config: str | None = Field(
+        None, description='speculative decoding, as vLLM\'s JSON: {"method": "ngram", "num_speculative_tokens": 4, '
+        '"prompt_lookup_max": 4} (docs/speculative-decoding.md)')
+
+    @field_validator("speculative_config")
+    @classmethod
+    def _speculative_config_parses(cls, value):
+        if value is not None:
+            SpeculativeConfig.parse(value)
+        return value
+
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        return None if self.speculative_config is None else SpeculativeConfig.parse(self.speculative_config)
 
     @model_validator(mode="after")
     def _auto_tool_choice(self):

@@ -89,6 +89,17 @@ class EngineMetrics:
         self.kv_lease_expirations = Counter("tandem_kv_lease_expirations", "Leases that ran out before release",
                                             ENGINE_LABELS, registry=r).labels(**labels)
         self.gc_pauses = gc_pauses("tandem_gc_pause_seconds", "the worker (event loop and engine thread)", labels, r)
+        # Speculative decoding (vLLM's spec_decode_* counters).
+        self.spec_decode_num_drafts = Counter("tandem_spec_decode_num_drafts", "Drafts verified",
+                                              ENGINE_LABELS, registry=r).labels(**labels)
+        self.spec_decode_num_draft_tokens = Counter("tandem_spec_decode_num_draft_tokens", "Tokens drafted",
+                                                    ENGINE_LABELS, registry=r).labels(**labels)
+        self.spec_decode_num_accepted_tokens = Counter("tandem_spec_decode_num_accepted_tokens",
+                                                       "Drafted tokens accepted", ENGINE_LABELS,
+                                                       registry=r).labels(**labels)
+        self.spec_decode_num_accepted_tokens_per_pos = Counter(
+            "tandem_spec_decode_num_accepted_tokens_per_pos", "Drafted tokens accepted, by position in the draft",
+            (*ENGINE_LABELS, "position"), registry=r)
         self.labels = labels
         r.register(VLLMNames(self))
 
@@ -97,6 +108,9 @@ class EngineMetrics:
 
     def finished(self, reason: str) -> None:
         self.requests_finished.labels(**self.labels, finish_reason=reason).inc()
+
+    def spec_decode_accepted_at(self, position: int):
+        return self.spec_decode_num_accepted_tokens_per_pos.labels(**self.labels, position=str(position))
 
 
 ROUTER_LABELS = ("model", "pool")
@@ -190,7 +204,8 @@ def all_metric_names() -> set[str]:
 class VLLMNames(Collector):
     """A worker's load under vLLM's metric names and label (`vllm:num_requests_waiting{model_name=...}`, ...), read
     from the tandem_ series when /metrics is scraped: what KEDA rules, the Gateway API Inference Extension's endpoint
-    picker and vLLM dashboards already query. Only the load and token counts; the rest keep their tandem_ names."""
+    picker and vLLM dashboards already query. Only the load, token and speculative decoding counts; the rest keep
+    their tandem_ names."""
 
     def __init__(self, metrics: EngineMetrics):
         self.metrics = metrics
@@ -218,6 +233,10 @@ class VLLMNames(Collector):
         yield counter("vllm:generation_tokens", "Tokens generated (tandem_generation_tokens)", m.generation_tokens)
         yield counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache", m.prefix_queried)
         yield counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache", m.prefix_hit)
+        yield counter("vllm:spec_decode_num_drafts", "Drafts verified", m.spec_decode_num_drafts)
+        yield counter("vllm:spec_decode_num_draft_tokens", "Tokens drafted", m.spec_decode_num_draft_tokens)
+        yield counter("vllm:spec_decode_num_accepted_tokens", "Drafted tokens accepted",
+                      m.spec_decode_num_accepted_tokens)
 
 
 def _value(child) -> float:

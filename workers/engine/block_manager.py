@@ -148,6 +148,13 @@ class BlockManager:
         seq.block_table = []
         seq.num_cached_blocks = 0
 
+    def trim(self, seq: Sequence) -> None:
+        """Free the blocks past those `seq`'s known tokens need: the room of drafted tokens it rejected."""
+        keep = self.blocks_for(seq.num_tokens)
+        if len(seq.block_table) > keep:
+            self.pool.free_all(reversed(seq.block_table[keep:]))
+            del seq.block_table[keep:]
+
     def _can_use_cache(self, seq: Sequence) -> bool:
         # Prompt logprobs need the logits of every prompt position not yet recorded: those are computed.
         return self.enable_prefix_caching and (seq.prompt_logprobs is None

@@ -30,6 +30,9 @@ from tandem.workers.engine.model_runner import ModelRunner, kv_cache_blocks
 from tandem.workers.engine.sampler import History, Sampler, TokenLogprobs
 from tandem.workers.engine.scheduler import Scheduler
 from tandem.workers.engine.sequence import Sequence
+from tandem.workers.engine.spec_decode import make_proposer
+from tandem.workers.engine.spec_decode.stats import SpecDecodeStats
+from tandem.workers.engine.spec_decode.verify import draft_limit, num_accepted
 from tandem.workers.kv_transfer import KVTransfer, KVTransferError
 from tandem.workers.layers.ops import resolve_backend
 from tandem.workers.models.loader import LoadedModel, load_model
@@ -133,15 +136,16 @@ class _Request:
         self.kv_status: str | None = None  # reported once, on the first output
         self.prompt_ids: torch.Tensor | None = None  # made once, for a repetition penalty (sampler.History)
 
-    def history(self, device) -> History:
+    def history(self, device, drafts: list[int] | None = None) -> History:
         """What the sampler reads for this request's penalties and min_tokens. The output starts where the
         client's prompt ends: a resumed request's replayed output and a prefill worker's first token count as
-        output here, as they would on one worker alone."""
+        output here, as they would on one worker alone. `drafts`: drafted tokens taken as output already (the
+        history a draft's position is verified with)."""
         seq = self.seq
         start = seq.num_prompt_tokens - seq.output_tokens_in_prompt
         if self.prompt_ids is None and seq.params.repetition_penalty != 1.0:
             self.prompt_ids = torch.tensor(seq.token_ids[:start], dtype=torch.int64, device=device)
-        return History(seq.token_ids, start, self.stop_token_ids, self.prompt_ids)
+        return History(seq.token_ids + drafts if drafts else seq.token_ids, start, self.stop_token_ids, self.prompt_ids)
 
 
 def resolve_device(config: EngineConfig) -> tuple[str, str]:
@@ -204,6 +208,10 @@ class LLMEngine:
         self.grammars = GrammarMatchers(self.tokenizer, loaded.config.vocab_size, self.eos_token_ids)
         self._requests: dict[str, _Request] = {}
         self._abort_outputs: list[RequestOutput] = []
+        speculative = config.speculative
+        self.proposer = None if speculative is None else make_proposer(speculative)
+        self.num_speculative_tokens = 0 if speculative is None else speculative.num_speculative_tokens
+        self.spec_stats = SpecDecodeStats(self.num_speculative_tokens)
         # Cumulative counters (also mirrored into `metrics`).
         self.num_prompt_tokens = 0
         self.num_computed_prompt_tokens = 0
@@ -350,6 +358,8 @@ class LLMEngine:
         self.expire_leases()
         self._import_remote_kv()
         started = time.monotonic()  # the step's own time, from here: a pull waited for above is not the model's
+        if self.proposer is not None:
+            self._propose()
         scheduled = self.scheduler.schedule()
         now = time.monotonic()
         for seq in scheduled.admitted:
@@ -369,7 +379,7 @@ class LLMEngine:
                 start = seq.num_computed_tokens
                 if start < seq.num_prompt_tokens:
                     computed_prompt += min(start + num_new, seq.num_prompt_tokens) - start
-                seq.num_computed_tokens = start + num_new
+                seq.num_computed_tokens = start + num_new - len(seq.spec_token_ids)  # drafts count once accepted
                 # Only now is their K/V in the cache, so only now may other requests find them.
                 self.block_manager.cache_computed_blocks(seq)
             if computed_prompt:
@@ -377,23 +387,7 @@ class LLMEngine:
                 if self.metrics is not None:
                     self.metrics.computed_prompt_tokens.inc(computed_prompt)
             if sample_rows:
-                seqs = [scheduled.seqs[row] for row in sample_rows]
-                histories = None
-                if any(s.params.reads_history for s in seqs):
-                    histories = [self._requests[s.request_id].history(logits.device) if s.params.reads_history
-                                 else None for s in seqs]
-                allowed = None
-                if any(s.params.structured is not None for s in seqs):
-                    matchers = [self._requests[s.request_id].matcher for s in seqs]
-                    allowed = self.grammars.allowed(matchers, logits.device)
-                sampled = self.sampler(logits, [s.params for s in seqs], [s.next_token_generator() for s in seqs],
-                                       histories, allowed)
-                now = time.monotonic()
-                self.num_generation_tokens += len(seqs)
-                if self.metrics is not None:
-                    self.metrics.generation_tokens.inc(len(seqs))
-                for seq, token_id, logprobs in zip(seqs, sampled.token_ids, sampled.logprobs, strict=True):
-                    outputs.append(self._append_token(seq, token_id, logprobs, now))
+                outputs += self._sample_and_append(logits, [scheduled.seqs[row] for row in sample_rows])
             ended = time.monotonic()
             self.step_costs.add(scheduled.total_tokens, len(sample_rows), pairs, ended - started)
             self._time_gap(scheduled.total_tokens, len(sample_rows), pairs, ended)
@@ -403,6 +397,76 @@ class LLMEngine:
 
         self._update_gauges()
         return outputs
+
+    def _propose(self) -> None:
+        """Draft tokens for the running sequences that decode next (speculative decoding); the scheduler fits
+        them into the step or drops them."""
+        seqs, limits = [], []
+        for seq in self.scheduler.running:
+            if seq.num_uncomputed_tokens == 1:
+                limit = draft_limit(seq, self.num_speculative_tokens, self.max_model_len)
+                if limit:
+                    seqs.append(seq)
+                    limits.append(limit)
+        if seqs:
+            for seq, drafts in zip(seqs, self.proposer.propose([s.token_ids for s in seqs], limits), strict=True):
+                seq.spec_token_ids = drafts
+
+    def _sample_and_append(self, logits: torch.Tensor, row_seqs: list[Sequence]) -> list[RequestOutput]:
+        """Sample every logits row (a sequence's last known token, then each of its drafts), keep each
+        sequence's drafts up to the first its own sample disagrees with, and append what it emits."""
+        groups: dict[Sequence, int] = {}  # sequence -> its rows, in row order
+        for seq in row_seqs:
+            groups[seq] = groups.get(seq, 0) + 1
+        offsets = [j for n in groups.values() for j in range(n)]
+        requests = self._requests
+        histories = None
+        if any(s.params.reads_history for s in groups):
+            histories = [requests[s.request_id].history(logits.device, s.spec_token_ids[:j])
+                         if s.params.reads_history else None for s, j in zip(row_seqs, offsets, strict=True)]
+        allowed = None
+        if any(s.params.structured is not None for s in groups):  # (such sequences are never drafted for)
+            allowed = self.grammars.allowed([requests[s.request_id].matcher for s in row_seqs], logits.device)
+        generators = [g for s, n in groups.items() for g in (s.token_generators(n) if n > 1 else
+                                                             [s.next_token_generator()])]
+        sampled = self.sampler(logits, [s.params for s in row_seqs], generators, histories, allowed)
+        now = time.monotonic()
+        outputs, row, emitted = [], 0, 0
+        for seq, n in groups.items():
+            tokens, logprobs = sampled.token_ids[row:row + n], sampled.logprobs[row:row + n]
+            row += n
+            drafts, seq.spec_token_ids = seq.spec_token_ids, []
+            if drafts:
+                accepted = num_accepted(tokens, drafts)
+                seq.num_computed_tokens += accepted  # the accepted drafts' K/V is this step's; the rest is rolled back
+                self.spec_stats.add(len(drafts), accepted)
+                tokens, logprobs = tokens[:accepted + 1], logprobs[:accepted + 1]
+            out = self._append_tokens(seq, tokens, logprobs, now)
+            emitted += len(out.new_token_ids)
+            outputs.append(out)
+            if drafts and not seq.is_finished:
+                self.block_manager.cache_computed_blocks(seq)
+                self.block_manager.trim(seq)
+        self.num_generation_tokens += emitted
+        if self.metrics is not None:
+            self.metrics.generation_tokens.inc(emitted)
+            self.spec_stats.report(self.metrics)
+        return outputs
+
+    def _append_tokens(self, seq: Sequence, token_ids: list[int], logprobs: list[TokenLogprobs | None],
+                       now: float) -> RequestOutput:
+        """_append_token for each of `token_ids` until one ends the request, as one output."""
+        out = self._append_token(seq, token_ids[0], logprobs[0], now)
+        for token_id, entry in zip(token_ids[1:], logprobs[1:], strict=True):
+            if out.finished:
+                break
+            more = self._append_token(seq, token_id, entry, now)
+            out.new_token_ids += more.new_token_ids
+            out.new_text += more.new_text
+            if out.new_logprobs is not None:
+                out.new_logprobs += more.new_logprobs
+            out.finished, out.finish_reason, out.stop_reason = more.finished, more.finish_reason, more.stop_reason
+        return out
 
     def _time_gap(self, tokens: int, sampled: int, pairs: int, ended: float) -> None:
         """Measures the gap since the last step that sampled, as running sequences saw it, against this step's

@@ -4,7 +4,7 @@ The batch is flattened: every scheduled sequence contributes the tokens it compu
 (one for a decode, a chunk for a prefill), with positions, the cache slot each new K/V goes
 to, and the block tables attention reads through (see workers/layers/metadata.py). Logits
 are computed only at the last token of sequences that have no token left to compute after
-this step; a partial prefill chunk samples nothing.
+this step (and at each token drafted for speculative decoding); a partial prefill chunk samples nothing.
 """
 
 from __future__ import annotations
@@ -125,7 +125,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, seqs: Seq[Sequence], num_new_tokens: Seq[int]
                 ) -> tuple[torch.Tensor | None, list[int], dict[int, list[TokenLogprobs]]]:
-        """Run one step. Returns (float32 logits [S, V], the indices into `seqs` of those S rows, and for each row
+        """Run one step. Returns (float32 logits [S, V], the indices into `seqs` of those S rows (a sequence with
+        drafted tokens has one row for its last known token and one per draft, in order), and for each row
         whose request wants prompt logprobs, those of the prompt tokens this step's positions predict, in order)."""
         step, sample_rows, prompt_rows = self.prepare(seqs, num_new_tokens)
         if self.tp is not None:
@@ -209,6 +210,8 @@ class ModelRunner:
                 slots.append(table[start // block_size] * block_size + start % block_size)
             else:
                 input_ids.extend(seq.token_ids[start:end])
+                if end > seq.num_tokens:  # drafted tokens follow the known ones
+                    input_ids.extend(seq.spec_token_ids[:end - seq.num_tokens])
                 positions.extend(range(start, end))
                 pos = start
                 while pos < end:  # one contiguous run of slots per block
@@ -227,9 +230,10 @@ class ModelRunner:
                     prompt_rows.append((row, first))
             query_start_loc.append(query_start_loc[-1] + num_new)
             seq_lens.append(end)
-            if end == seq.num_tokens:
-                logits_indices.append(query_start_loc[-1] - 1)
-                sample_rows.append(row)
+            if end >= seq.num_tokens:  # the last known token's logits, and each draft's
+                num_rows = end - seq.num_tokens + 1
+                logits_indices.extend(range(query_start_loc[-1] - num_rows, query_start_loc[-1]))
+                sample_rows.extend([row] * num_rows)
         step = StepInputs(input_ids, positions, slots, query_start_loc, seq_lens,
                           [seq.block_table for seq in seqs], list(num_new_tokens), logits_indices, prompt_spans)
         return step, sample_rows, prompt_rows

@@ -1,7 +1,8 @@
 """Continuous batching: which sequences compute how many tokens in the next forward pass.
 
-Per step: decodes, then continuing prefills (chunked), then admissions within the token budget; preemption by
-recompute when blocks run out. The order and its rules: docs/design/engine.md.
+Per step: decodes (with their drafted tokens, when speculating), then continuing prefills (chunked), then
+admissions within the token budget; preemption by recompute when blocks run out, drafts dropped first. The order
+and its rules: docs/design/engine.md.
 """
 
 from __future__ import annotations
@@ -59,8 +60,11 @@ class Scheduler:
                 break
             if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
                 continue
-            num_tokens = min(seq.num_uncomputed_tokens, budget)
+            num_tokens = min(seq.num_uncomputed_tokens + len(seq.spec_token_ids), budget)
             while not self.block_manager.allocate_slots(seq, num_tokens):
+                if num_tokens > seq.num_uncomputed_tokens:  # its drafts go before anyone is preempted
+                    num_tokens = seq.num_uncomputed_tokens
+                    continue
                 victim = max(self.running, key=_arrival_order)
                 budget += scheduled.pop(victim, 0)
                 self._preempt(victim)
@@ -111,6 +115,9 @@ class Scheduler:
                 if not imported:  # its uncached blocks are computed here, from this step on
                     self.block_manager.announce_computing(seq)
 
+        for seq in self.running:  # drafts the budget or the pool left no room for are dropped
+            if seq.spec_token_ids:
+                del seq.spec_token_ids[max(scheduled.get(seq, 0) - seq.num_uncomputed_tokens, 0):]
         out.seqs = list(scheduled)
         out.num_new_tokens = list(scheduled.values())
         return out

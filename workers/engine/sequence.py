@@ -35,7 +35,7 @@ class Sequence:
         "finish_reason", "num_computed_tokens", "block_table", "block_hashes", "num_cached_blocks",
         "num_cached_tokens", "arrival_time", "arrival_order", "first_scheduled_time",
         "first_token_time", "last_token_time", "generator", "num_preemptions", "prefill_only", "kv_source",
-        "output_tokens_in_prompt", "prompt_logprobs",
+        "output_tokens_in_prompt", "prompt_logprobs", "spec_token_ids", "spec_generators",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -78,6 +78,10 @@ class Sequence:
         self.generator: torch.Generator | None = None
         if params.seed is not None and not params.greedy:
             self.generator = torch.Generator(device=device)
+        # Speculative decoding: tokens drafted for this step (after token_ids, not part of them until accepted),
+        # and the generators their positions sample with (a seeded request's, one per draft).
+        self.spec_token_ids: list[int] = []
+        self.spec_generators: list[torch.Generator] = []
 
     def next_token_generator(self) -> torch.Generator | None:
         """A seeded request's generator, seeded for the output position it samples next from (seed, position).
@@ -85,9 +89,24 @@ class Sequence:
         worker continuing after a prefill worker's first token, or one resuming a request, samples what one
         worker alone would have (one generator seeded once would start over at the first token's draw)."""
         if self.generator is not None:
-            position = self.output_tokens_in_prompt + self.num_output_tokens
-            self.generator.manual_seed((self.params.seed + (position + 1) * _GOLDEN_GAMMA) & _MASK64)
+            self._seed(self.generator, 0)
         return self.generator
+
+    def token_generators(self, count: int) -> list[torch.Generator | None]:
+        """Generators for the next `count` output positions, each seeded as next_token_generator would seed it
+        once the tokens before were appended: a verified draft samples what a plain decode step would have."""
+        if self.generator is None:
+            return [None] * count
+        while len(self.spec_generators) < count - 1:
+            self.spec_generators.append(torch.Generator(device=self.generator.device))
+        generators = [self.generator, *self.spec_generators[:count - 1]]
+        for offset, generator in enumerate(generators):
+            self._seed(generator, offset)
+        return generators
+
+    def _seed(self, generator: torch.Generator, offset: int) -> None:
+        position = self.output_tokens_in_prompt + self.num_output_tokens + offset
+        generator.manual_seed((self.params.seed + (position + 1) * _GOLDEN_GAMMA) & _MASK64)
 
     @property
     def num_tokens(self) -> int:
@@ -119,6 +138,7 @@ class Sequence:
         self.num_computed_tokens = 0
         self.block_table = []
         self.num_cached_blocks = 0
+        self.spec_token_ids = []
         self.num_preemptions += 1  # (num_cached_tokens stays its first admission's: BlockManager.allocate_slots)
 
     def __repr__(self) -> str:
