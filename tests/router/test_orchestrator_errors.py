@@ -557,3 +557,45 @@ def test_a_waiting_request_probes_the_absent_workers_itself():
         orchestrator, pool, http, lambda probed: (probed, pool.workers["http://a"].silent_probes))
     assert tokens == [7, 8, 9] and http.calls == ["http://a", "http://a"]
     assert len(probed) >= 2 and silent_probes == 0  # probed while down, several times, none of it counted as silence
+
+
+class PrefillScript(ScriptedWorkers):
+    """Prefill workers that fail as scripted ({url: exception}) and answer otherwise."""
+
+    def __init__(self, script: dict[str, list[dict]], prefill_failures: dict[str, BaseException]):
+        super().__init__(script)
+        self.prefill_failures = prefill_failures
+        self.prefill_calls: list[str] = []
+
+    async def post_json(self, worker: str, path: str, payload: dict, timeout_s=None) -> dict:
+        if path == "/internal/prefill":
+            self.prefill_calls.append(worker)
+            if worker in self.prefill_failures:
+                raise self.prefill_failures[worker]
+        return await super().post_json(worker, path, payload, timeout_s)
+
+
+@pytest.mark.parametrize("failure", [WorkerStatusError(503, "engine died"), aiohttp.ClientConnectionError("reset")],
+                         ids=["status-503", "connection-lost"])
+def test_a_prefill_that_fails_on_one_prefill_worker_is_retried_on_another(failure):
+    """The prompt is computed on a second prefill worker; the first is counted as failed (and told to abort, when
+    it only stopped answering), and the request decodes from the second's handle."""
+    http = PrefillScript({"http://d": [GOOD]}, {})
+    orchestrator, prefill, _, metrics = split_orchestrator(http, "test", ("http://d",))
+    prefill.workers["http://p2"] = Worker("http://p2", healthy=True)
+    prefill.ring.add("http://p2")
+    first = orchestrator._place(prefill, orchestrator.plan([1, 2, 3])[1], [], 3, set(), Trace())
+    other = next(u for u in prefill.workers if u != first)
+    http.prefill_failures[first] = failure
+    trace = Trace()
+    deltas = asyncio.run(_collect_traced(orchestrator, trace))
+    assert [d.new_token_ids for d in deltas] == [[6], [7]]  # the second prefill worker's first token, then decode
+    assert http.prefill_calls == [first, other] and trace.prefill_worker == other and trace.path == "disagg"
+    assert prefill.workers[first].failures == 1 and prefill.workers[other].failures == 0
+    assert all(w.in_flight == 0 and w.prefill_tokens_in_flight == 0 for w in prefill.workers.values())
+    assert http.bodies[0]["kv_handle"] == {"lease_id": "lease-1"}
+
+
+async def _collect_traced(orchestrator: Orchestrator, trace: Trace):
+    params = SamplingParams(temperature=0, max_tokens=2)
+    return [d async for d in orchestrator.run("r1", [1, 2, 3], params, trace)]
