@@ -122,6 +122,7 @@ class Router:
         for role in ("prefill", "decode"):
             self.metrics.plain(self.metrics.overload_diversions, role=role)
         self.worker_client = WorkerClient(transport=config.worker_transport)  # the data path; httpx only probes
+        self.worker_client.on_notice = self._worker_notice
         for pool in (self.prefill, self.decode):  # a worker that stops answering probes loses its requests' wait
             pool.on_silent = self.worker_client.drop
         self.orchestrator = Orchestrator(config, self.prefill, self.decode, self.worker_client, self.metrics,
@@ -151,6 +152,13 @@ class Router:
             except Exception:  # discovery hiccups must never stop the loop
                 log.exception("discovery/probe round failed")
             await asyncio.sleep(self.config.health_interval_s)
+
+    def _worker_notice(self, url: str, notice: str) -> None:
+        """A worker's notice on its channel: "draining" takes it out of rotation now, not at the next probe (which
+        then finds its /ready 503 and keeps it out)."""
+        if notice == "draining":
+            for pool in (self.prefill, self.decode):
+                pool.leave_rotation(url, "it is draining")
 
     async def start(self) -> None:
         """Before serving (on the loop that serves): a known pool from the first request, kept known by probes."""

@@ -132,6 +132,13 @@ class WorkerPool:
         self.metrics.plain(self.metrics.worker_healthy, worker=worker.url, role=self.role).set(int(healthy))
         log.info("%s worker %s is %s", self.role, worker.url, "in rotation" if healthy else "out of rotation")
 
+    def leave_rotation(self, url: str, why: str) -> None:
+        """Takes the worker out of rotation until a probe finds it ready again."""
+        worker = self.workers.get(url.rstrip("/"))
+        if worker is not None and worker.healthy:
+            log.info("%s worker %s leaves rotation: %s", self.role, worker.url, why)
+            self._set_healthy(worker, False)
+
     async def wait_for_entry(self, timeout_s: float) -> bool:
         """Wait until a worker enters rotation; False when none did within `timeout_s`.
 

@@ -64,8 +64,10 @@ class Inbox:
 
 
 class WorkerChannel:
-    def __init__(self, ws: aiohttp.ClientWebSocketResponse, read_timeout_s: float):
+    def __init__(self, ws: aiohttp.ClientWebSocketResponse, read_timeout_s: float,
+                 on_notice: Callable[[str], None] | None = None):
         self.ws = ws
+        self.on_notice = on_notice  # called with a notice the worker sends unasked ("draining")
         self.closed = False
         self._aborted = False
         self.read_timeout_s = read_timeout_s
@@ -76,13 +78,14 @@ class WorkerChannel:
         self._reader = loop.create_task(self._read())  # cancels the watchdog when the connection ends
 
     @classmethod
-    async def connect(cls, session: aiohttp.ClientSession, worker_url: str, read_timeout_s: float) -> WorkerChannel:
+    async def connect(cls, session: aiohttp.ClientSession, worker_url: str, read_timeout_s: float,
+                      on_notice: Callable[[str], None] | None = None) -> WorkerChannel:
         """aiohttp.WSServerHandshakeError when the worker has no channel (an older worker)."""
         # Bounded: a hung worker's kernel still accepts the connection, but nothing answers the upgrade, and every
         # request waiting for this connect would wait with it.
         ws = await asyncio.wait_for(session.ws_connect(f"{worker_url}/internal/ws", heartbeat=HEARTBEAT_S,
                                                        max_msg_size=0), HANDSHAKE_TIMEOUT_S)
-        channel = cls(ws, read_timeout_s)
+        channel = cls(ws, read_timeout_s, on_notice)
         cork(ws, busy=lambda: len(channel._inboxes) > 1)
         return channel
 
@@ -122,6 +125,10 @@ class WorkerChannel:
                     answer = orjson.loads(message.data)
                     if not isinstance(answer, dict):
                         break  # not this protocol's: the channel is no use, as for a frame that is not JSON
+                    if answer.get("id") is None and isinstance(answer.get("notice"), str):
+                        if self.on_notice is not None:
+                            self.on_notice(answer["notice"])
+                        continue
                     inbox = self._inboxes.get(answer.get("id"))
                     if inbox is not None:  # else a request its caller gave up on
                         inbox.put(answer)

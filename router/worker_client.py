@@ -9,7 +9,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Literal
 
 import aiohttp
@@ -92,6 +92,7 @@ class WorkerClient:
         self._connecting: dict[str, asyncio.Task] = {}
         self._http_only: dict[str, float] = {}  # worker -> when it answered the upgrade with an HTTP error
         self._http_waits: dict[str, set[asyncio.Task]] = {}  # worker -> tasks waiting on it over HTTP now
+        self.on_notice: Callable[[str, str], None] | None = None  # (worker, notice) a worker sends on its channel
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -195,7 +196,8 @@ class WorkerClient:
 
     async def _connect(self, worker: str) -> WorkerChannel | None:
         try:
-            self._channels[worker] = channel = await WorkerChannel.connect(self.session, worker, self.timeout.sock_read)
+            self._channels[worker] = channel = await WorkerChannel.connect(
+                self.session, worker, self.timeout.sock_read, on_notice=lambda notice: self._notice(worker, notice))
             return channel
         except aiohttp.WSServerHandshakeError as exc:
             if exc.status not in NO_CHANNEL_STATUSES:
@@ -205,6 +207,10 @@ class WorkerClient:
             return None
         finally:
             del self._connecting[worker]
+
+    def _notice(self, worker: str, notice: str) -> None:
+        if self.on_notice is not None:
+            self.on_notice(worker, notice)
 
     async def _post_http(self, url: str, payload: dict, timeout_s: float | None) -> dict:
         timeout = aiohttp.ClientTimeout(total=timeout_s) if timeout_s is not None else None

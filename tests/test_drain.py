@@ -74,3 +74,39 @@ def test_drain_of_something_that_is_not_a_worker_says_so_and_fails(capsys):
     said = capsys.readouterr().out
     assert "did not accept the drain (Server error '500 Internal Server Error'" in said
     assert "mozilla" not in said and "For more information" not in said
+
+
+def test_a_draining_worker_tells_the_routers_on_its_channel_at_once():
+    """A router learns of the drain from the worker's channel, not at its next probe (seconds later): the worker
+    leaves its rotation before another request is placed there."""
+    import asyncio
+
+    from tandem.internal_auth import internal_headers
+    from tandem.metrics import RouterMetrics
+    from tandem.router.pool import Worker, WorkerPool
+    from tandem.router.worker_client import WorkerClient
+
+    with ServiceProcess(["worker", "--model", "smollm2", "--num-kv-blocks", "64"], name="drain-notice") as worker:
+        async def scenario() -> None:
+            pool = WorkerPool("decode", None, RouterMetrics("drain_notice"))
+            pool.workers[worker.url] = Worker(worker.url, healthy=True)
+            pool.ring.add(worker.url)
+            heard = asyncio.Event()
+            client = WorkerClient()
+
+            def notice(url: str, what: str) -> None:
+                assert (url, what) == (worker.url, "draining")
+                pool.leave_rotation(url, "it is draining")
+                heard.set()
+
+            client.on_notice = notice
+            try:
+                await client.post_json(worker.url, "/internal/abort", {"request_id": "none"})  # opens the channel
+                async with httpx.AsyncClient(headers=internal_headers()) as http:
+                    assert (await http.post(worker.url + "/internal/drain")).status_code == 200
+                await asyncio.wait_for(heard.wait(), 10)
+            finally:
+                await client.close()
+                assert not pool.workers[worker.url].healthy and worker.url not in pool.ring
+
+        asyncio.run(scenario())  # no probe runs here: only the notice takes the worker out

@@ -22,14 +22,18 @@ log = logging.getLogger(__name__)
 # path -> (body model, handler); a handler answers a dict, or an async iterator of (event, last) for a stream.
 ChannelRoutes = dict[str, tuple[type[BaseModel], Callable[[BaseModel], Awaitable]]]
 
-def add_channel_route(app: FastAPI, routes: ChannelRoutes) -> set[asyncio.Task]:
+def add_channel_route(app: FastAPI, routes: ChannelRoutes, connections: set[WebSocket] | None = None
+                      ) -> set[asyncio.Task]:
     """Returns the tasks answering a message, over every connection: each leaves the set once its answer is sent
-    (a worker's drain waits for them: workers/main.py)."""
+    (a worker's drain waits for them: workers/main.py). `connections`: kept up to date with the open channels (for
+    notify_all)."""
     answering: set[asyncio.Task] = set()
+    connections = set() if connections is None else connections
 
     @app.websocket("/internal/ws")
     async def channel(ws: WebSocket):
         await ws.accept()
+        connections.add(ws)
         serving: dict[int | str, asyncio.Task] = {}  # message id -> the task answering it
         try:
             while True:
@@ -55,10 +59,18 @@ def add_channel_route(app: FastAPI, routes: ChannelRoutes) -> set[asyncio.Task]:
         except WebSocketDisconnect:
             pass
         finally:
+            connections.discard(ws)
             for task in list(serving.values()):  # the router is gone: nobody reads these answers
                 cancel_once_started(task)
 
     return answering
+
+
+async def notify_all(connections: set[WebSocket], notice: str) -> None:
+    """Tells every router on a channel `notice` at once (a message without an id): "draining" takes this worker
+    out of their rotation before their next probe would."""
+    for ws in list(connections):
+        await send(ws, {"id": None, "notice": notice})
 
 
 def cancel_once_started(task: asyncio.Task) -> None:

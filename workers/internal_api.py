@@ -36,7 +36,7 @@ from tandem.protocol import (
 from tandem.request_id import use as use_request_id
 from tandem.sse import DONE, EventStreamResponse, sse_event
 from tandem.workers.async_engine import EngineDeadError
-from tandem.workers.channel import add_channel_route
+from tandem.workers.channel import add_channel_route, notify_all
 from tandem.workers.engine.llm_engine import RemoteKV, RequestOutput
 from tandem.workers.request_checks import parse_body
 
@@ -102,7 +102,7 @@ def add_internal_routes(app: FastAPI, ctx) -> None:
     async def drain():
         """Scale-down: stop being ready (routers stop dispatching here within one probe interval)
         while requests in flight run to completion. `tandem drain` calls this from the preStop hook."""
-        ctx.draining = True
+        await start_draining(ctx)
         return {"draining": True, "in_flight": ctx.engine.num_in_flight}
 
     @app.post("/internal/abort")
@@ -134,11 +134,18 @@ def add_internal_routes(app: FastAPI, ctx) -> None:
         # a body that began releases the lease itself (decode_events).
         return EventStreamResponse(sse_stream(events), on_close=events.close_unstarted)
 
-    ctx.channel_answering = add_channel_route(app, {
+    ctx.channel_answering = add_channel_route(app, connections=ctx.channel_connections, routes={
         "/internal/prefill": (PrefillRequest, lambda body: serve_prefill(ctx, body)),
         "/internal/decode": (DecodeRequest, lambda body: serve_decode(ctx, body)),
         "/internal/abort": (AbortRequest, lambda body: serve_abort(ctx, body)),
     })
+
+
+async def start_draining(ctx) -> None:
+    """Out of rotation: /ready answers 503 from now on, and the routers on a channel are told at once."""
+    if not ctx.draining:
+        ctx.draining = True
+        await notify_all(ctx.channel_connections, "draining")
 
 
 async def serve_abort(ctx, body: AbortRequest) -> dict:

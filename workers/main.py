@@ -17,6 +17,7 @@ from tandem.metrics import EngineMetrics
 from tandem.workers.async_engine import AsyncEngine
 from tandem.workers.engine.calibration import calibrate
 from tandem.workers.engine.llm_engine import LLMEngine, load_engine_model, resolve_device
+from tandem.workers.internal_api import start_draining
 from tandem.workers.kv_transfer import create_kv_transfer
 from tandem.workers.models.loader import load_engine_config
 from tandem.workers.server import ServingContext, build_app
@@ -47,7 +48,7 @@ class _Server(GracefulServer):
         grace; a router's requests to this worker all travel on its one WebSocket, so they were cut at once. So the
         worker drains first: it leaves rotation (/ready 503, as `tandem drain` makes it) and, within the grace, waits
         for its requests and for the leases decode workers are pulling. What is left then gets uvicorn's shutdown."""
-        self.ctx.draining = True
+        await start_draining(self.ctx)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.config.timeout_graceful_shutdown
         leases = self.ctx.engine.engine.leases  # read from this thread: a length, read whole under the GIL

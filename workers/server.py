@@ -59,6 +59,7 @@ class ServingContext:
         self.registry = metrics.registry
         self.draining = False
         self.channel_answering: set = set()  # the router channel's answers not yet sent (add_channel_route)
+        self.channel_connections: set = set()  # the routers' open channels
         # P/D
         self.layout = layout
         self.kv_transfer = kv_transfer
