@@ -208,3 +208,36 @@ def test_bad_lora_modules_stop_the_start(tiny_llama_dir, adapters):
         make_engine(tiny_llama_dir, {"a3": adapters["a3"]}, max_lora_rank=8)
     with pytest.raises(ValueError, match="needs --enable-lora"):
         EngineConfig(lora_modules=["x=/y"])
+
+
+def test_worker_api_serves_adapters_by_model(tiny_llama_dir, adapters, expected, tmp_path):
+    """A `tandem worker`: adapters chosen by `model`, listed with their parent, loaded and unloaded at run time."""
+    import httpx
+
+    from tandem.launcher import ServiceProcess
+    from tandem.tokenizer import load_tokenizer
+
+    args = ["worker", "--role", "both", "--model", tiny_llama_dir, "--served-model-name", "tiny", "--dtype", "float32",
+            "--num-kv-blocks", "128", "--enable-lora", "--lora-modules", f"a1={adapters['a1']}", "--max-loras", "2"]
+    text = load_tokenizer(tiny_llama_dir).decode
+    with ServiceProcess(args, name="lora-worker") as worker, httpx.Client(base_url=worker.url, timeout=120) as http:
+        def complete(model):
+            return http.post("/v1/completions", json={"model": model, "prompt": PROMPTS[0], "max_tokens": 8,
+                                                      "temperature": 0, "ignore_eos": True})
+
+        cards = http.get("/v1/models").json()["data"]
+        assert [(c["id"], c["parent"]) for c in cards] == [("tiny", None), ("a1", "tiny")]
+        answer = complete("a1").json()
+        assert answer["model"] == "a1" and answer["choices"][0]["text"] == text(expected["a1", 0])
+        assert complete("tiny").json()["choices"][0]["text"] == text(expected[None, 0])
+        missing = complete("a2")
+        assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+        loaded = http.post("/v1/load_lora_adapter", json={"lora_name": "a2", "lora_path": adapters["a2"]})
+        assert loaded.status_code == 200, loaded.text
+        assert complete("a2").json()["choices"][0]["text"] == text(expected["a2", 0])
+        assert http.get("/internal/load").json()["lora_adapters"] == ["a1", "a2"]
+        bad = http.post("/v1/load_lora_adapter", json={"lora_name": "bad", "lora_path": str(tmp_path)})
+        assert bad.status_code == 400 and "adapter_config.json" in bad.json()["error"]["message"]
+        assert http.post("/v1/unload_lora_adapter", json={"lora_name": "a2"}).status_code == 200
+        assert http.post("/v1/unload_lora_adapter", json={"lora_name": "a2"}).status_code == 404
+        assert complete("a2").status_code == 404
