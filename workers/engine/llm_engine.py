@@ -149,15 +149,6 @@ class _Request:
         return History(seq.token_ids + drafts if drafts else seq.token_ids, start, self.stop_token_ids, self.prompt_ids)
 
 
-def lora_kernel(runner: ModelRunner):
-    """The Triton LoRA kernel on a GPU running Triton attention, else None (the torch path)."""
-    if runner.device.type != "cuda" or getattr(runner.model.ops, "backend", None) != "triton":
-        return None
-    from tandem.workers.kernels.lora import lora_sgmv  # imported late: it fixes Triton's mode
-
-    return lora_sgmv
-
-
 def resolve_device(config: EngineConfig) -> tuple[str, str]:
     """(device, attention backend) with "auto" resolved: CUDA and Triton when a GPU is present, else the CPU
     and what resolve_backend picks there."""
@@ -200,7 +191,7 @@ class LLMEngine:
         self.lora: LoRAManager | None = None
         if config.enable_lora:
             self.lora = LoRAManager(loaded.model, config.max_loras, config.max_lora_rank, config.max_cpu_loras,
-                                    self.runner.dtype, self.runner.device, lora_kernel(self.runner))
+                                    self.runner.dtype, self.runner.device)
             for name, path in parse_lora_modules(config.lora_modules).items():
                 self.lora.add(name, path)
             self.runner.lora = self.lora
