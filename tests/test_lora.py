@@ -241,3 +241,33 @@ def test_worker_api_serves_adapters_by_model(tiny_llama_dir, adapters, expected,
         assert http.post("/v1/unload_lora_adapter", json={"lora_name": "a2"}).status_code == 200
         assert http.post("/v1/unload_lora_adapter", json={"lora_name": "a2"}).status_code == 404
         assert complete("a2").status_code == 404
+
+
+def test_pd_with_an_adapter_is_token_exact(tiny_llama_dir, adapters, expected):
+    """Prefill on one engine and decode on another, both applying the adapter: the tokens of peft alone."""
+    from tandem.workers.engine.llm_engine import RemoteKV
+    from tandem.workers.kv_transfer import create_kv_transfer
+
+    prefill = make_engine(tiny_llama_dir, adapters, kv_pull_in_background="on")
+    decode = make_engine(tiny_llama_dir, adapters, kv_pull_in_background="on")
+    prefill.kv_transfer = create_kv_transfer("tcp", prefill.runner.kv_cache, "p-lora")
+    decode.kv_transfer = create_kv_transfer("tcp", decode.runner.kv_cache, "d-lora")
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    try:
+        for name in ["a1", "a3", None]:
+            prefill.add_request(f"p-{name}", PROMPTS[0], params, prefill_only=True, lora=name)
+            outs = [out for _ in range(50) for out in prefill.step()]
+            lease = outs[-1].kv_lease
+            source = RemoteKV(prefill.kv_transfer.agent_info(), lease.block_ids, lease.expires_at)
+            decode.add_request(f"d-{name}", PROMPTS[0], params, first_token_id=outs[-1].new_token_ids[0],
+                               kv_source=source, lora=name)
+            tokens, status = list(outs[-1].new_token_ids), None
+            while decode.has_unfinished_requests():
+                for out in decode.step():
+                    tokens += out.new_token_ids
+                    status = status or out.kv_status
+            prefill.release_lease(lease.lease_id)
+            assert tokens == expected[name, 0] and status == "pulled", name
+    finally:
+        prefill.kv_transfer.close()
+        decode.kv_transfer.close()
