@@ -26,7 +26,6 @@ from tandem.openai_protocol import (
     ChatCompletionRequest,
     ChatPrompt,
     CompletionRequest,
-    check_model,
     check_request,
     check_token_ids,
 )
@@ -36,6 +35,7 @@ from tandem.router.admission import AdmissionRequest, Reject, RejectReason
 from tandem.router.admission.prediction import colocated_stall_s, prefill_s
 from tandem.router.api_keys import ApiKeyGate, bearer_token, header_value
 from tandem.router.fast_lane import FastLane
+from tandem.router.lora_affinity import resolve_lora, served_adapters
 from tandem.router.orchestrator import Trace, no_workers
 from tandem.sse import (
     CancelOnDisconnect,
@@ -76,27 +76,27 @@ def build_app(router) -> FastLane | ApiKeyGate | CORSMiddleware:
     async def metrics():
         return Response(generate_latest(router.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    add_model_routes(app, router.served_name, lambda: router.max_model_len)
+    add_model_routes(app, router.served_name, lambda: router.max_model_len, lambda: served_adapters(router))
     add_tokenize_routes(app, router.served_name, router.tokenizer, lambda: router.max_model_len,
                         lambda text, add_special_tokens: tokenize(router, text, add_special_tokens),
                         lambda body, add_special_tokens: chat_prompt_ids(router, body, add_special_tokens))
 
     async def completions_handler(body: CompletionRequest, request: Request) -> Response:
-        check_model(router.served_name, body.model)
+        lora = resolve_lora(router, body.model)
         vocab = router.tokenizer.vocab_size
         prompts = [await tokenize(router, p) if isinstance(p, str) else check_token_ids(vocab, p) for p in body.prompts()]
         if "max_tokens" not in body.model_fields_set:  # the schema's 16 is a default, not the client's request
             body.max_tokens = None
         params = body.sampling_params(default_max_tokens(router, 16), vocab)
-        return await serve(router, request, body, prompts, params)
+        return await serve(router, request, body, prompts, params, lora)
 
     async def chat_handler(body: ChatCompletionRequest, request: Request) -> Response:
         body.use_tool_call_parser(router.config.tool_call_parser)  # the router forms the answer: it parses the calls
-        check_model(router.served_name, body.model)
+        lora = resolve_lora(router, body.model)
         ids = await chat_prompt_ids(router, body)
         room = max(1, router.max_model_len - len(ids))
         params = body.sampling_params(default_max_tokens(router, room), router.tokenizer.vocab_size)
-        return await serve(router, request, body, [ids], params)
+        return await serve(router, request, body, [ids], params, lora)
 
     # Declared here for /openapi.json (and served by FastAPI only if the fast lane is bypassed).
     @app.post("/v1/completions")
@@ -157,11 +157,11 @@ def default_max_tokens(router, wanted: int) -> int:
 
 
 async def serve(router, request: Request, body: CompletionRequest | ChatCompletionRequest,
-                prompts: list[list[int]], params: SamplingParams):
+                prompts: list[list[int]], params: SamplingParams, lora: str | None = None):
     """Admits every choice of the request (or none: a refused one releases the others), dispatches them and
     answers with their merged stream or body (tandem.openai_choices; one choice, the usual case, is not merged)."""
     await check_request(body, prompts, params, router.max_model_len)
-    choices = request_choices(body, prompts, params, router.served_name, router.tokenizer)
+    choices = request_choices(body, prompts, params, lora or router.served_name, router.tokenizer)
     queue_size = router.admission.queue.max_size
     if len(choices) > queue_size:  # they could never all be queued at once
         raise APIError(400, f"{len(choices)} completions in one request exceed this router's admission queue "
@@ -171,12 +171,12 @@ async def serve(router, request: Request, body: CompletionRequest | ChatCompleti
     if not router.decode.healthy():  # said now, with a status, rather than in an error event after a 200
         router.metrics.by_class(router.metrics.rejections, slo_name, reason="no_workers").inc()
         raise no_workers(router.config.health_interval_s)
-    plans = [router.orchestrator.plan(ids) for ids in prompts]  # (block hashes, routing key), shared by samples
+    plans = [router.orchestrator.plan(ids, lora) for ids in prompts]  # (block hashes, routing key), shared by samples
     tickets, paths = admit_choices(router, body, choices, prompts, params, plans, slo_name, key)
     bill = Bill(router.admission, tickets[choices[0].request_id], choices)
     streams = staggered(choices, body.n, lambda c, after: dispatch(
         router, c.request_id, c.prompt_ids, c.params, tickets[c.request_id], slo_name, plans[c.prompt],
-        coalesce=not body.stream, after=after, bill=bill,
+        coalesce=not body.stream, after=after, bill=bill, lora=lora,
         disagg=paths[c.prompt] if c.sample == 0 else None))  # later samples: computed from the first's cache
     fmt, deltas = combined(choices, body.n, streams)
 
@@ -326,7 +326,7 @@ def admit(router, choice: Choice, uncached: int, own_s: float | None, request: t
 
 async def dispatch(router, rid: str, ids: list[int], params: SamplingParams, ticket, slo_name: str, plan=None,
                    coalesce: bool = False, after: asyncio.Event | None = None, *, bill: Bill,
-                   disagg: bool | None = None):
+                   disagg: bool | None = None, lora: str | None = None):
     """Waits for the request's turn (EDF), runs it through the pools and records its SLO outcome. Inter-token
     latency is per token: a delta of k tokens after a gap g (coalesced, or from a worker that fell behind)
     is observed as g / k, and the request met its inter-token target when the largest of those did
@@ -341,7 +341,7 @@ async def dispatch(router, rid: str, ids: list[int], params: SamplingParams, tic
         raise
     bill.started.add(rid)
     held_from = time.monotonic()
-    trace = Trace()
+    trace = Trace(lora=lora)
     arrival = ticket.arrival_s
     first_at = last_at = None
     worst_itl = 0.0  # the largest per-token gap between two deltas

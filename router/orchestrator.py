@@ -19,11 +19,12 @@ from dataclasses import dataclass, field
 from tandem.background import spawn
 from tandem.config import RouterConfig
 from tandem.errors import APIError, retry_after
-from tandem.hashing import block_hashes
+from tandem.hashing import adapter_seed, block_hashes
 from tandem.metrics import RouterMetrics
 from tandem.openai_format import Delta
 from tandem.protocol import SamplingParams, join_decode_events
 from tandem.request_id import current as client_request_id
+from tandem.router.lora_affinity import lacking_adapter
 from tandem.router.policies.base import Placement
 from tandem.router.policies.registry import make_policy
 from tandem.router.policies.ring import routing_key
@@ -65,6 +66,7 @@ class Trace:
     engine_hit_tokens: int = 0
     uncached_tokens: int = 0
     prefill_charged_seconds: float | None = None  # the worker time charged to its prefill (Worker.prefill_started)
+    lora: str | None = None  # the LoRA adapter it is served with (None: the base model)
 
 
 @dataclass
@@ -110,10 +112,11 @@ class Orchestrator:
         self.policy = make_policy(config, self.predictor, metrics)
         self._layout_warned: set[tuple[str | None, str]] = set()  # (prefill, decode) workers whose layouts differ
 
-    def plan(self, prompt: list[int]) -> tuple[list[int], int]:
-        """(block hashes, routing key) of a prompt."""
-        hashes = block_hashes(prompt, self.config.block_size, self.hash_seed)
-        return hashes, routing_key(prompt, self.config.block_size, self.hash_seed, self.config.routing_blocks, hashes)
+    def plan(self, prompt: list[int], lora: str | None = None) -> tuple[list[int], int]:
+        """(block hashes, routing key) of a prompt, seeded by its LoRA adapter as the workers' prefix caches are."""
+        seed = adapter_seed(self.hash_seed, lora)
+        hashes = block_hashes(prompt, self.config.block_size, seed)
+        return hashes, routing_key(prompt, self.config.block_size, seed, self.config.routing_blocks, hashes)
 
     def disaggregates(self, prompt_len: int, params: SamplingParams) -> bool:
         """Whether a prompt goes to the prefill pool: long enough (--disagg-min-tokens), a prefill worker in rotation,
@@ -192,7 +195,7 @@ class Orchestrator:
             try:
                 body = await self.http.post_json(url, "/internal/prefill", {
                     "request_id": rid, "prompt_token_ids": prompt, "sampling": params.model_dump(),
-                    "client_request_id": client_request_id()})
+                    "client_request_id": client_request_id(), "lora_name": trace.lora})
                 first = _first_delta(url, body)
                 trace.prefill_charged_seconds, done = worker.prefill_done(loop.time(), mark), True
                 self.prefill.record_success(url)
@@ -352,6 +355,7 @@ class Orchestrator:
         workers = self.decode.workers
         exclude = {u for u, entered in phase.failed.items() if u not in workers or workers[u].entered == entered}
         if phase.handle is not None:  # disaggregated: the policy's decode choice
+            exclude |= lacking_adapter(self.decode, phase.trace.lora)
             return self.policy.pick_decode(self.decode, -(-len(phase.prompt) // self.config.block_size), exclude)
         # it prefills here: placed like a prefill, and by the sequences it will decode beside
         return self._place(self.decode, phase.key, phase.hashes, len(phase.prompt) + len(phase.generated), exclude,
@@ -361,6 +365,7 @@ class Orchestrator:
                trace: Trace, decodes_here: bool = False) -> str | None:
         """The policy's worker for computing a prompt, among the pool's healthy workers less `exclude`; the
         prefix it is predicted to find cached there goes to `trace`."""
+        exclude = exclude | lacking_adapter(pool, trace.lora)
         url = self.policy.place(pool, Placement(key, hashes, prompt_len, exclude, decodes_here))
         if url is None:
             return None
@@ -410,7 +415,7 @@ def _decode_body(phase: DecodePhase) -> dict:
     body = {"request_id": phase.attempt_id, "sampling": params.model_dump(), "kv_handle": phase.handle,
             "prompt_token_ids": phase.prompt + generated[:-1] if generated else phase.prompt,
             "first_token_id": generated[-1] if generated else None, "coalesce_after_first": phase.coalesce,
-            "client_request_id": client_request_id()}
+            "client_request_id": client_request_id(), "lora_name": phase.trace.lora}
     if generated:
         body["sampling"]["max_tokens"] = params.max_tokens - len(generated) + 1
         body["sampling"]["prompt_logprobs"] = None  # the client has them from the first attempt

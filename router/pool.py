@@ -42,6 +42,7 @@ class Worker:
     step_cost: StepCost | None = None  # its step cost model, as reported (tandem.step_cost; None: not reported)
     step_tail: float = 1.0  # how much longer than predicted its steps' gaps run at worst (tandem.step_cost.StepTail)
     kv_pull_s: float = 0.0  # its KV pulls' mean time
+    lora_adapters: frozenset[str] = frozenset()  # the LoRA adapters it serves, as reported
     silent_probes: int = 0  # probes in a row that got no answer at all
     silence_reported: bool = False  # on_silent was called for this silence
     misplaced: bool = False  # its role is not its pool's (a decode worker listed as a prefill one)
@@ -205,6 +206,7 @@ class WorkerPool:
                 worker.step_cost = None if cost is None else StepCost.from_dict(cost)
                 worker.step_tail = max(1.0, float(load.get("step_tail") or 1.0))
                 worker.kv_pull_s = max(0.0, float(load.get("kv_pull_s") or 0.0))
+                worker.lora_adapters = frozenset(load.get("lora_adapters") or ())
                 ok = self._serves_this_pool(worker, load.get("role"))
             ready = ok and (await self.http.get(f"{worker.url}/ready", timeout=timeout_s)).status_code == 200
         except httpx.TransportError:  # no answer: refused, reset, or nothing within the timeout

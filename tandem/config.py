@@ -136,6 +136,14 @@ class EngineConfig(BaseModel):
     speculative_config: str | None = Field(
         None, description='speculative decoding, as vLLM\'s JSON: {"method": "ngram", "num_speculative_tokens": 4, '
         '"prompt_lookup_max": 4} (docs/speculative-decoding.md)')
+    # Multi-LoRA (docs/lora.md), vLLM's flags and defaults.
+    enable_lora: bool = Field(False, description="serve LoRA adapters on the base model (chosen by `model`)")
+    lora_modules: list[str] = Field(default_factory=list, description="adapters loaded at start, NAME=PATH each "
+                                    "(a PEFT folder)")
+    max_lora_rank: int = Field(16, ge=1, description="the largest adapter rank served")
+    max_loras: int = Field(1, ge=1, description="adapters resident on the device, usable in one step")
+    max_cpu_loras: int | None = Field(None, ge=1, description="adapters cached in host memory (LRU); default "
+                                      "max_loras")
 
     @field_validator("speculative_config")
     @classmethod
@@ -151,6 +159,14 @@ class EngineConfig(BaseModel):
     @model_validator(mode="after")
     def _auto_tool_choice(self):
         return _auto_tool_choice_has_a_parser(self)
+
+    @model_validator(mode="after")
+    def _lora_fits(self):
+        if self.lora_modules and not self.enable_lora:
+            raise ValueError("--lora-modules needs --enable-lora")
+        if self.enable_lora and self.tensor_parallel_size > 1:
+            raise ValueError("LoRA with --tensor-parallel-size > 1 is not supported yet")
+        return self
 
 
 API_KEY_ENV = "TANDEM_API_KEY"  # the router's key kept off its command line (and out of `ps`), as VLLM_API_KEY

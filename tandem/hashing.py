@@ -20,6 +20,15 @@ def model_seed(model_name: str) -> int:
     return int.from_bytes(digest, "little")
 
 
+def adapter_seed(seed: int, adapter: str | None) -> int:
+    """The block-0 parent of a LoRA adapter's requests: adapters never share cache keys with each other or the
+    base model (None: the base model's seed itself)."""
+    if adapter is None:
+        return seed
+    digest = hashlib.blake2b(seed.to_bytes(8, "little") + b"lora:" + adapter.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
+
+
 def hash_block(parent: int, token_ids: Sequence[int]) -> int:
     """Hash of one full block, chained on its parent's hash."""
     payload = parent.to_bytes(8, "little") + struct.pack(f"<{len(token_ids)}i", *token_ids)

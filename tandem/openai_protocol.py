@@ -592,6 +592,8 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=now)
     owned_by: str = "tandem"
     max_model_len: int | None = None
+    root: str | None = None
+    parent: str | None = None  # a LoRA adapter's base model (vLLM's)
 
 
 class ModelList(BaseModel):

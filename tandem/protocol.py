@@ -110,6 +110,7 @@ class KVHandle(BaseModel):
     num_tokens: int
     layout: LayoutFingerprint
     expires_at: float = Field(description="unix time after which the blocks may be gone")
+    lora_name: str | None = Field(None, description="the LoRA adapter the KV was computed with (None: the base model)")
 
 
 class TokenLogprob(BaseModel):
@@ -127,6 +128,7 @@ class PrefillRequest(BaseModel):
     prompt_token_ids: list[int] = Field(min_length=1)
     sampling: SamplingParams
     client_request_id: str | None = CLIENT_REQUEST_ID
+    lora_name: str | None = Field(None, description="the LoRA adapter to serve it with (None: the base model)")
 
 
 class PrefillResponse(BaseModel):
@@ -150,6 +152,7 @@ class DecodeRequest(BaseModel):
     kv_handle: KVHandle | None = None
     sampling: SamplingParams
     client_request_id: str | None = CLIENT_REQUEST_ID
+    lora_name: str | None = Field(None, description="the LoRA adapter to serve it with (None: the base model)")
     output_tokens_in_prompt: int = Field(
         0, ge=0, description="resuming a request whose worker failed: how many of the last prompt_token_ids are "
                              "output made before (first_token_id is one more). The worker replays them through its "

@@ -38,6 +38,7 @@ from tandem.sse import DONE, EventStreamResponse, sse_event
 from tandem.workers.async_engine import EngineDeadError
 from tandem.workers.channel import add_channel_route, notify_all
 from tandem.workers.engine.llm_engine import RemoteKV, RequestOutput
+from tandem.workers.lora_routes import resolve_lora
 from tandem.workers.request_checks import parse_body
 
 log = logging.getLogger(__name__)
@@ -96,7 +97,7 @@ def add_internal_routes(app: FastAPI, ctx) -> None:
                 "max_num_batched_tokens": engine.config.max_num_batched_tokens,
                 "context_tokens": engine.num_running_context_tokens,
                 "step_cost": None if cost is None else cost.to_dict(), "step_tail": engine.step_tail.factor,
-                "kv_pull_s": engine.mean_pull_s}
+                "kv_pull_s": engine.mean_pull_s, "lora_adapters": [] if engine.lora is None else engine.lora.names}
 
     @app.post("/internal/drain")
     async def drain():
@@ -162,8 +163,9 @@ async def serve_prefill(ctx, body: PrefillRequest) -> dict:
     check_length(ctx.max_model_len, len(body.prompt_token_ids), body.sampling, "prompt_token_ids")
     if ctx.kv_transfer is None:
         raise APIError(503, "this worker has no KV transfer backend; it cannot serve prefills")
+    lora = resolve_lora(ctx, body.lora_name)
     outputs = ctx.engine.generate(body.request_id, body.prompt_token_ids, body.sampling, time.monotonic(),
-                                  prefill_only=True)
+                                  prefill_only=True, lora=lora)
     last: RequestOutput | None = None
     try:
         async for out in outputs:
@@ -182,7 +184,7 @@ async def serve_prefill(ctx, body: PrefillRequest) -> dict:
         lease = last.kv_lease
         handle = KVHandle(source_url=ctx.advertise_url, agent_name=ctx.kv_transfer.agent_name,
                           lease_id=lease.lease_id, block_ids=lease.block_ids, num_tokens=lease.num_tokens,
-                          layout=ctx.layout, expires_at=lease.expires_at)
+                          layout=ctx.layout, expires_at=lease.expires_at, lora_name=lora)
     return PrefillResponse(
         request_id=body.request_id, first_token_id=last.new_token_ids[0], first_token_text=last.new_text,
         first_token_logprob=logprob_entry(last.new_logprobs[0]) if last.new_logprobs else None,
@@ -201,6 +203,7 @@ async def serve_decode(ctx, body: DecodeRequest) -> DecodeStream:
     handle = body.kv_handle
     try:
         require_role(ctx, "decode")
+        lora = resolve_lora(ctx, body.lora_name)
         check_token_ids(ctx.tokenizer.vocab_size, body.prompt_token_ids)
         check_length(ctx.max_model_len, len(body.prompt_token_ids), body.sampling, "prompt_token_ids")
         kv_source, fallback = None, None
@@ -224,7 +227,7 @@ async def serve_decode(ctx, body: DecodeRequest) -> DecodeStream:
         log.info("decode %s: %d prompt tokens, KV %s", body.request_id, len(body.prompt_token_ids),
                  f"from {handle.source_url}" if kv_source is not None else "computed here")
     options = {"first_token_id": body.first_token_id, "kv_source": kv_source,
-               "output_tokens_in_prompt": body.output_tokens_in_prompt}
+               "output_tokens_in_prompt": body.output_tokens_in_prompt, "lora": lora}
     outputs = ctx.engine.generate(body.request_id, body.prompt_token_ids, body.sampling, time.monotonic(),
                                   **options)
     return DecodeStream(decode_events(ctx, outputs, handle, fallback, body.coalesce_after_first), ctx, handle)
@@ -276,6 +279,9 @@ def check_handle(ctx, body: DecodeRequest, handle: KVHandle) -> None:
     if mismatches:
         raise APIError(400, "incompatible KV layout: " + "; ".join(mismatches), param="kv_handle.layout",
                        code="kv_layout_mismatch")
+    if handle.lora_name != body.lora_name:
+        raise APIError(400, f"the kv_handle's KV was computed with LoRA adapter {handle.lora_name!r}, the request "
+                            f"asks for {body.lora_name!r}", param="kv_handle.lora_name", code="kv_layout_mismatch")
     if body.first_token_id is None:
         raise APIError(400, "a kv_handle needs the first_token_id the prefill sampled", param="first_token_id")
     if handle.num_tokens != len(body.prompt_token_ids):

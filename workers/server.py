@@ -25,7 +25,6 @@ from tandem.openai_choices import combined, held_until, request_choices, stagger
 from tandem.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
-    check_model,
     check_request,
     check_token_ids,
 )
@@ -41,6 +40,7 @@ from tandem.tokenizer import Tokenizer
 from tandem.workers.async_engine import AsyncEngine, EngineDeadError
 from tandem.workers.internal_api import AgentDirectory, add_internal_routes
 from tandem.workers.kv_transfer import KVTransfer
+from tandem.workers.lora_routes import add_lora_routes, resolve_lora, served_adapters
 from tandem.workers.request_checks import parse_body
 
 
@@ -106,7 +106,8 @@ def build_app(ctx: ServingContext) -> FastAPI:
     async def metrics():
         return Response(generate_latest(ctx.registry), media_type=CONTENT_TYPE_LATEST)
 
-    add_model_routes(app, ctx.served_name, lambda: ctx.max_model_len)
+    add_model_routes(app, ctx.served_name, lambda: ctx.max_model_len, lambda: served_adapters(ctx))
+    add_lora_routes(app, ctx)
 
     async def encode(text: str, add_special_tokens: bool) -> list[int]:
         return ctx.tokenizer.encode(text, add_special_tokens)
@@ -116,34 +117,34 @@ def build_app(ctx: ServingContext) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request):
         body: CompletionRequest = await parse_body(request, CompletionRequest)
-        check_model(ctx.served_name, body.model)
+        lora = resolve_lora(ctx, body.model)
         prompts = [ctx.tokenizer.encode(p) if isinstance(p, str) else check_token_ids(ctx.tokenizer.vocab_size, p)
                    for p in body.prompts()]
         params = body.sampling_params(16, ctx.tokenizer.vocab_size)
-        return await respond(ctx, request, body, prompts, params)
+        return await respond(ctx, request, body, prompts, params, lora)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         body: ChatCompletionRequest = await parse_body(request, ChatCompletionRequest)
         body.use_tool_call_parser(ctx.config.engine.tool_call_parser)
-        check_model(ctx.served_name, body.model)
+        lora = resolve_lora(ctx, body.model)
         prompt_ids = ctx.tokenizer.encode(body.prompt_text(ctx.tokenizer), add_special_tokens=False)
         params = body.sampling_params(max(1, ctx.max_model_len - len(prompt_ids)), ctx.tokenizer.vocab_size)
-        return await respond(ctx, request, body, [prompt_ids], params)
+        return await respond(ctx, request, body, [prompt_ids], params, lora)
 
     add_internal_routes(app, ctx)
     return app
 
 
 async def respond(ctx: ServingContext, request: Request, body: CompletionRequest | ChatCompletionRequest,
-                  prompts: list[list[int]], params: SamplingParams):
+                  prompts: list[list[int]], params: SamplingParams, lora: str | None = None):
     rid = request_id.from_headers(request.scope["headers"])
     request_id.use(rid)
     await check_request(body, prompts, params, ctx.max_model_len)
-    choices = request_choices(body, prompts, params, ctx.served_name, ctx.tokenizer)
+    choices = request_choices(body, prompts, params, lora or ctx.served_name, ctx.tokenizer)
     arrival = time.monotonic()
     streams = staggered(choices, body.n, lambda c, after: held_until(
-        after, ctx.engine.generate(c.request_id, c.prompt_ids, c.params, arrival)))
+        after, ctx.engine.generate(c.request_id, c.prompt_ids, c.params, arrival, lora=lora)))
     fmt, outputs = combined(choices, body.n, streams)
     if body.stream:
         response = EventStreamResponse(openai_stream(fmt, outputs, body.usage_in_stream, stream_error_body))

@@ -163,5 +163,6 @@ class BlockManager:
     def _extend_hashes(self, seq: Sequence) -> None:
         known = seq.block_hashes
         if len(known) < seq.num_tokens // self.block_size:
-            known.extend(block_hashes(seq.token_ids, self.block_size, self.hash_seed,
+            seed = self.hash_seed if seq.hash_seed is None else seq.hash_seed  # a LoRA adapter's own
+            known.extend(block_hashes(seq.token_ids, self.block_size, seed,
                                       start=len(known), parent=known[-1] if known else None))

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from tandem.config import EngineConfig
-from tandem.hashing import model_seed
+from tandem.hashing import adapter_seed, model_seed
 from tandem.metrics import EngineMetrics
 from tandem.protocol import LayoutFingerprint, SamplingParams
 from tandem.step_cost import StepCostFit, StepTail, attention_pairs
@@ -35,6 +35,7 @@ from tandem.workers.engine.spec_decode.stats import SpecDecodeStats
 from tandem.workers.engine.spec_decode.verify import draft_limit, num_accepted
 from tandem.workers.kv_transfer import KVTransfer, KVTransferError
 from tandem.workers.layers.ops import resolve_backend
+from tandem.workers.lora.manager import LoRAManager, parse_lora_modules
 from tandem.workers.models.loader import LoadedModel, load_model
 from tandem.workers.tensor_parallel import TPGroup, device_for
 
@@ -187,6 +188,14 @@ class LLMEngine:
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, self.hash_seed,
                                           config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.lora: LoRAManager | None = None
+        if config.enable_lora:
+            self.lora = LoRAManager(loaded.model, config.max_loras, config.max_lora_rank, config.max_cpu_loras,
+                                    self.runner.dtype, self.runner.device)
+            for name, path in parse_lora_modules(config.lora_modules).items():
+                self.lora.add(name, path)
+            self.runner.lora = self.lora
+            self.scheduler.max_loras = config.max_loras
         self.leases = LeaseTable(self.block_manager.pool, config.kv_lease_ttl_s)
         # Set by the worker when it serves P/D (prefill workers publish it, decode workers pull with it).
         self.kv_transfer: KVTransfer | None = None
@@ -255,7 +264,7 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams,
                     arrival_time: float | None = None, *, prefill_only: bool = False,
                     first_token_id: int | None = None, kv_source: RemoteKV | None = None,
-                    output_tokens_in_prompt: int = 0) -> None:
+                    output_tokens_in_prompt: int = 0, lora: str | None = None) -> None:
         """Queue a request.
 
         P/D: `prefill_only` stops after the first token and leases the prompt's blocks (the
@@ -264,6 +273,7 @@ class LLMEngine:
         worker instead of computed (falling back to computing it if the pull fails).
         `output_tokens_in_prompt` (a request resumed after its worker failed): the last that many
         prompt tokens are output the client already has (text or not: see _replay_output).
+        `lora`: the adapter to serve it with (None: the base model).
         """
         # An aborted request's last output is only given out at the next step: until then its id is still taken,
         # or a caller matching outputs by id would end the new request with it.
@@ -296,6 +306,8 @@ class LLMEngine:
         if params.prompt_logprobs is not None and (first_token_id is not None or prefill_only):
             raise ValueError(f"request {request_id!r}: prompt logprobs come from a worker that computes the whole "
                              f"prompt and its first token, not from a prefill/decode split")
+        if lora is not None and (self.lora is None or lora not in self.lora.paths):
+            raise ValueError(f"request {request_id!r}: no LoRA adapter named {lora!r} is loaded")
         matcher = None
         if params.structured is not None:
             output_so_far = [] if first_token_id is None else [
@@ -311,6 +323,8 @@ class LLMEngine:
         stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
             stop_ids |= self.eos_token_ids
+        if lora is not None:
+            seq.lora, seq.hash_seed = lora, adapter_seed(self.hash_seed, self.lora.cache_key(lora))
         seq.prefill_only = prefill_only
         seq.output_tokens_in_prompt = output_tokens_in_prompt
         if first_token_id is not None:
@@ -501,6 +515,22 @@ class LLMEngine:
                     result.finish_reason, result.stop_reason = out.finish_reason, out.stop_reason
                     pending.discard(out.request_id)
         return list(results.values())
+
+    # ----------------------------------------------------------------- LoRA
+
+    def add_lora(self, name: str, path: str) -> None:
+        """Serve the PEFT adapter at `path` as `name` (ValueError naming why not)."""
+        if self.lora is None:
+            raise ValueError("LoRA is not enabled on this worker (--enable-lora)")
+        self.lora.add(name, path)
+
+    def remove_lora(self, name: str) -> None:
+        """Stop serving `name`: KeyError if unknown, ValueError while requests use it."""
+        if self.lora is None or name not in self.lora.paths:
+            raise KeyError(name)
+        if any(r.seq.lora == name for r in self._requests.values()):
+            raise ValueError(f"the LoRA adapter {name!r} has requests in flight")
+        self.lora.remove(name)
 
     # ----------------------------------------------------------------- P/D
 

@@ -13,7 +13,7 @@ import logging
 import time
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -72,6 +72,7 @@ class StepInputs:
     query_lens: list[int]
     logits_indices: list[int]  # flattened tokens whose logits are sampled from
     prompt_spans: list[tuple[int, int]]  # (first flattened token, count) whose logits give prompt logprobs
+    lora_slots: list[int] = field(default_factory=list)  # per sequence its adapter's device slot, -1: none
 
 
 class ModelRunner:
@@ -113,8 +114,9 @@ class ModelRunner:
             except Exception as exc:  # noqa: BLE001 - costs each build's compile on its first step, not the worker
                 log.warning("compiling the attention kernel's eager builds at start failed; they compile on first "
                             "use: %r", exc)
+        self.lora = None  # the engine's LoRAManager when it serves adapters (tandem.workers.lora)
         self.decode_graphs: DecodeGraphs | None = None
-        if on_triton_gpu and not config.enforce_eager:
+        if on_triton_gpu and not config.enforce_eager and not config.enable_lora:
             try:
                 self.decode_graphs = DecodeGraphs(self.model, self.kv_cache, self.block_size,
                                                   max_model_len or mc.max_position_embeddings,
@@ -150,6 +152,8 @@ class ModelRunner:
         slice of rows at a time: a whole chunk's logits would be [chunk, vocab] float32, gigabytes for a large
         vocabulary, beside a KV cache sized without them. Returns the logits sampled from (None when none is)."""
         input_ids, positions, meta = self.tensors(step)
+        if self.lora is not None:
+            self.lora.set_step(step.lora_slots, step.query_lens)
         if self.decode_graphs is not None and self.decode_graphs.can_run(meta):
             hidden = self.decode_graphs.run(input_ids, positions, meta)
         else:
@@ -236,4 +240,7 @@ class ModelRunner:
                 sample_rows.extend([row] * num_rows)
         step = StepInputs(input_ids, positions, slots, query_start_loc, seq_lens,
                           [seq.block_table for seq in seqs], list(num_new_tokens), logits_indices, prompt_spans)
+        if self.lora is not None:
+            placed = self.lora.activate({seq.lora for seq in seqs if seq.lora is not None})
+            step.lora_slots = [-1 if seq.lora is None else placed[seq.lora] for seq in seqs]
         return step, sample_rows, prompt_rows

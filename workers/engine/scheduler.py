@@ -39,6 +39,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.max_loras: int | None = None  # distinct adapters the running sequences may use (None: no LoRA)
 
     @property
     def num_unfinished(self) -> int:
@@ -85,6 +86,7 @@ class Scheduler:
             # for good by pulled ones arriving behind it.)
             blocked = False
             queue = self.waiting if self.running else sorted(self.waiting, key=lambda s: not s.block_table)
+            adapters = {s.lora for s in self.running if s.lora is not None}
             for seq in list(queue):
                 if budget == 0 or len(self.running) >= self.max_num_seqs:
                     break
@@ -92,6 +94,8 @@ class Scheduler:
                     continue
                 if blocked and not seq.block_table:
                     continue
+                if seq.lora is not None and seq.lora not in adapters and len(adapters) >= (self.max_loras or 0):
+                    continue  # its adapter would not fit in the device slots beside the running ones
                 imported = bool(seq.block_table)
                 if imported:
                     # Its prompt's KV was imported: the prefix lookup is done, only the rest needs room.
@@ -109,6 +113,8 @@ class Scheduler:
                 self.waiting.remove(seq)
                 seq.status = SequenceStatus.RUNNING
                 self.running.append(seq)
+                if seq.lora is not None:
+                    adapters.add(seq.lora)
                 scheduled[seq] = num_tokens
                 budget -= num_tokens
                 out.admitted.append(seq)

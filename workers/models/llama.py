@@ -131,6 +131,7 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.packed = PackedWeight()
         self.gguf_blocks: GGUFBlocks | None = None  # the same weight as the file's quantized blocks, on CPU
+        self.lora = None  # the adapters' low-rank update (tandem.workers.lora.layer.LoRALinear), when serving LoRA
 
     @property
     def is_fp8(self) -> bool:
@@ -138,8 +139,10 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.is_fp8:
-            return fp8_linear(x, self.weight, self.weight_scale, self.bias)
-        return linear(x, self.weight, self.bias, self.packed, self.gguf_blocks)
+            y = fp8_linear(x, self.weight, self.weight_scale, self.bias)
+        else:
+            y = linear(x, self.weight, self.bias, self.packed, self.gguf_blocks)
+        return y if self.lora is None else self.lora.apply(x, y)
 
     @torch.no_grad()
     def quantize_fp8(self) -> None:
