@@ -26,7 +26,7 @@ TINY_VOCAB = 49152  # SmolLM2's tokenizer, so the tiny models are servable end t
 def process_logs_under_pytest_tmp(tmp_path_factory):
     """The logs of the processes tests start go under pytest's temporary directory, which keeps the last three
     runs' and removes older ones, instead of piling up in /tmp: a process that stops cleanly removes its log, but
-    one a test kills keeps it. tandem.launcher.ServiceProcess puts them where `tempfile` says; a `tandem serve`
+    one a test kills keeps it. tandem.runtimes.launcher.ServiceProcess puts them where `tempfile` says; a `tandem serve`
     under test, where its TMPDIR says."""
     import tempfile
 

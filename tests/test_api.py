@@ -13,7 +13,7 @@ import openai
 import pytest
 from openai.lib.streaming.chat import ChatCompletionStreamState
 
-from tandem.launcher import ServiceProcess
+from tandem.runtimes.launcher import ServiceProcess
 from tandem.tokenizer import load_tokenizer
 
 MAX_BODY = 64 * 1024

@@ -5,9 +5,9 @@ import socket
 import subprocess
 import sys
 
-from tandem.cli_args import add_model_options, model_from_options
+from tandem.cli.args import add_model_options, model_from_options
 from tandem.config import EngineConfig, WorkerConfig
-from tandem.launcher import free_port
+from tandem.runtimes.launcher import free_port
 
 
 def _parse(argv):
@@ -146,7 +146,7 @@ def test_bad_options_and_models_are_one_line_before_anything_starts(capsys, tmp_
 
 
 def test_a_process_a_signal_ended_is_said_so():
-    from tandem.local_stack import how_it_ended
+    from tandem.runtimes.local_stack import how_it_ended
 
     assert how_it_ended(-9) == "was killed by SIGKILL" and how_it_ended(1) == "exited with 1"
 
@@ -163,7 +163,7 @@ def test_device_cuda_without_cuda_is_one_line_before_anything_starts(monkeypatch
         raise AssertionError("started with a device that is not there")
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr("tandem.local_stack.run_local_stack", started)
+    monkeypatch.setattr("tandem.runtimes.local_stack.run_local_stack", started)
     monkeypatch.setattr("tandem.workers.main.run_worker", started)
     for command in ("serve", "worker"):
         with pytest.raises(SystemExit) as exited:

@@ -9,7 +9,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import httpx
 import openai
 
-from tandem.launcher import ServiceProcess
+from tandem.runtimes.launcher import ServiceProcess
 
 
 def test_drain_stops_readiness_and_waits_for_requests_in_flight():
@@ -62,7 +62,7 @@ def _answering(status: int):
 def test_drain_of_something_that_is_not_a_worker_says_so_and_fails(capsys):
     """Found by a newcomer's walkthrough: `tandem drain --url <the router>` printed httpx's text and its MDN link,
     and exited 0 as if it had drained."""
-    from tandem.drain import drain
+    from tandem.runtimes.drain import drain
 
     with _answering(404) as url:
         assert drain(url, timeout_s=1) == 1

@@ -1,12 +1,12 @@
-"""The collector in serving processes (tandem.heap): start-up heap frozen, thresholds, pauses observed."""
+"""The collector in serving processes (tandem.server.heap): start-up heap frozen, thresholds, pauses observed."""
 
 import gc
 import re
 
 from prometheus_client import generate_latest
 
-from tandem.heap import pause_recorder, settle_heap
 from tandem.metrics import EngineMetrics, RouterMetrics
+from tandem.server.heap import pause_recorder, settle_heap
 
 
 def pause_counts(metrics, name: str) -> dict[str, float]:

@@ -1,4 +1,4 @@
-"""The workers' internal endpoints refuse callers without the deployment's shared secret (tandem.internal_auth)."""
+"""The workers' internal endpoints refuse callers without the deployment's shared secret (tandem.server.internal_auth)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from fastapi import FastAPI, WebSocket
 from fastapi.testclient import TestClient
 from starlette.websockets import WebSocketDisconnect
 
-from tandem.drain import drain
-from tandem.internal_auth import INTERNAL_TOKEN_ENV, INTERNAL_TOKEN_HEADER, InternalAuth
+from tandem.runtimes.drain import drain
+from tandem.server.internal_auth import INTERNAL_TOKEN_ENV, INTERNAL_TOKEN_HEADER, InternalAuth
 
 
 def app_with(token: str | None) -> FastAPI:

@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from tandem.launcher import free_port
+from tandem.runtimes.launcher import free_port
 from tandem.workers.kv_transfer import KVTransferError, create_kv_transfer, nixl_available
 from tandem.workers.kv_transfer.base import coalesce
 from tandem.workers.kv_transfer.nixl_backend import split_even

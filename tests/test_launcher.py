@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import socket
 
-from tandem.launcher import _ephemeral_ports, free_port
+from tandem.runtimes.launcher import _ephemeral_ports, free_port
 
 
 def test_free_ports_are_bindable_distinct_and_below_the_ephemeral_range():
@@ -24,7 +24,7 @@ def test_a_port_in_use_is_not_handed_out(monkeypatch):
         busy_port = busy.getsockname()[1]
         busy.listen()
         # Every draw hits the busy port: free_port must skip it and fall back on the kernel's choice.
-        monkeypatch.setattr("tandem.launcher._ephemeral_ports", lambda: (busy_port + 1, 60999))
+        monkeypatch.setattr("tandem.runtimes.launcher._ephemeral_ports", lambda: (busy_port + 1, 60999))
         monkeypatch.setattr("random.SystemRandom.randint", lambda self, a, b: busy_port)
         assert free_port() != busy_port
 
@@ -51,7 +51,7 @@ class FakeProcess:
 
 
 def test_a_crash_looping_process_is_retried_with_a_doubling_delay_and_the_others_go_on():
-    from tandem.local_stack import MAX_BACKOFF_S, Supervisor
+    from tandem.runtimes.local_stack import MAX_BACKOFF_S, Supervisor
 
     flaky, steady = FakeProcess("decode-1", dead=True), FakeProcess("router", dead=False)
     supervisor = Supervisor([flaky, steady], now=0.0)
@@ -69,7 +69,7 @@ def test_a_crash_looping_process_is_retried_with_a_doubling_delay_and_the_others
 
 
 def test_a_process_that_ran_a_while_before_exiting_is_restarted_at_once():
-    from tandem.local_stack import RESTART_GRACE_S, Supervisor
+    from tandem.runtimes.local_stack import RESTART_GRACE_S, Supervisor
 
     worker = FakeProcess("prefill-0", dead=True)
     supervisor = Supervisor([worker], now=0.0)
@@ -81,7 +81,7 @@ def test_a_process_that_ran_a_while_before_exiting_is_restarted_at_once():
 def test_one_crash_is_not_called_a_loop_and_the_restarted_process_is_said_to_be_back(capsys):
     """Found by a newcomer's walkthrough: one `kill -KILL` of a worker was said as "keeps exiting", and nothing said
     when it served again."""
-    from tandem.local_stack import Supervisor
+    from tandem.runtimes.local_stack import Supervisor
 
     worker = FakeProcess("decode-1", dead=True)
     supervisor = Supervisor([worker], now=0.0)
@@ -107,7 +107,7 @@ def test_a_port_whose_last_connection_is_in_time_wait_is_free_for_the_router():
     not call it taken. A port something listens on is taken."""
     import socket
 
-    from tandem.launcher import port_in_use
+    from tandem.runtimes.launcher import port_in_use
 
     server = socket.socket()
     server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -140,7 +140,7 @@ class StoppingProcess:
 
 
 def test_the_router_stops_first_with_time_to_finish_and_ctrl_c_again_kills_everything():
-    from tandem.local_stack import ROUTER_GRACE_S, stop_all
+    from tandem.runtimes.local_stack import ROUTER_GRACE_S, stop_all
 
     calls: list = []
     stop_all(StoppingProcess("router", calls), [StoppingProcess("prefill-0", calls), StoppingProcess("decode-1", calls)])
@@ -151,7 +151,7 @@ def test_the_router_stops_first_with_time_to_finish_and_ctrl_c_again_kills_every
 
 
 def test_a_cleanly_stopped_process_leaves_no_log_and_one_that_was_killed_keeps_it():
-    from tandem.launcher import ServiceProcess
+    from tandem.runtimes.launcher import ServiceProcess
 
     router = ServiceProcess(["router", "--model", "smollm2", "--decode", "http://127.0.0.1:9"], name="log-test")
     router.start().wait_ready(path="/health")
@@ -167,7 +167,7 @@ def test_a_cleanly_stopped_process_leaves_no_log_and_one_that_was_killed_keeps_i
 def test_a_log_tail_begins_at_a_whole_line():
     """What `tandem serve` prints of a process that exited: the end of its log from a line's start, not from the
     middle of one."""
-    from tandem.launcher import ServiceProcess
+    from tandem.runtimes.launcher import ServiceProcess
 
     process = ServiceProcess(["worker"], port=1, name="tail-test")
     try:
@@ -189,7 +189,7 @@ def test_a_log_tail_begins_at_a_whole_line():
 
 def test_a_log_tail_leaves_out_routine_lines():
     """A crashed worker's tail was a dozen httpx "HTTP Request:" lines, its reason scrolled out of the window."""
-    from tandem.launcher import ServiceProcess
+    from tandem.runtimes.launcher import ServiceProcess
 
     process = ServiceProcess(["worker"], port=1, name="routine-tail-test")
     try:
@@ -207,7 +207,7 @@ def test_a_log_tail_leaves_out_routine_lines():
 
 def test_a_process_that_never_started_leaves_no_log():
     """A start that failed (or was interrupted) before the router's left its empty log behind in /tmp."""
-    from tandem.launcher import ServiceProcess
+    from tandem.runtimes.launcher import ServiceProcess
 
     process = ServiceProcess(["router"], port=1, name="never-started")
     assert os.path.exists(process.log.name)
@@ -216,12 +216,12 @@ def test_a_process_that_never_started_leaves_no_log():
 
 def test_serve_on_a_port_in_use_creates_no_process_and_no_log(monkeypatch, capsys):
     from tandem.config import EngineConfig
-    from tandem.local_stack import run_local_stack
+    from tandem.runtimes.local_stack import run_local_stack
 
     def no_process(*args, **kwargs):
         raise AssertionError("a process (and its log file) was made for a stack that cannot start")
 
-    monkeypatch.setattr("tandem.local_stack.ServiceProcess", no_process)
+    monkeypatch.setattr("tandem.runtimes.local_stack.ServiceProcess", no_process)
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
@@ -233,7 +233,7 @@ def test_serve_on_a_port_in_use_creates_no_process_and_no_log(monkeypatch, capsy
 
 
 def test_a_slow_start_is_put_down_to_compiling_only_while_a_worker_compiles():
-    from tandem.local_stack import slow_start_notice
+    from tandem.runtimes.local_stack import slow_start_notice
     from tandem.workers.kernels.cpu_extension import COMPILING
 
     workers = [FakeProcess("prefill-0", dead=False), FakeProcess("decode-1", dead=False)]

@@ -5,8 +5,8 @@ import asyncio
 import pytest
 
 from tandem.errors import APIError
-from tandem.openai_choices import MAX_CHOICES, ChoicesFormatter, combined, expand, merge, sample_seed
-from tandem.openai_format import ChatFormatter, CompletionFormatter, Delta
+from tandem.openai.choices import MAX_CHOICES, ChoicesFormatter, combined, expand, merge, sample_seed
+from tandem.openai.formatting import ChatFormatter, CompletionFormatter, Delta
 from tandem.protocol import INT64_MAX, INT64_MIN, SamplingParams
 
 

@@ -6,7 +6,7 @@ import pytest
 from pydantic import ValidationError
 
 from tandem.errors import APIError, error_body
-from tandem.openai_protocol import ChatCompletionRequest, CompletionRequest, check_length, check_request
+from tandem.openai.protocol import ChatCompletionRequest, CompletionRequest, check_length, check_request
 from tandem.protocol import SamplingParams
 
 VOCAB = 1000

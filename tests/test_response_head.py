@@ -1,4 +1,4 @@
-"""A response's head leaves with the first part of its body (tandem.response_head), driven through uvicorn's own
+"""A response's head leaves with the first part of its body (tandem.server.response_head), driven through uvicorn's own
 HTTP protocol (httptools) over a transport that records each write: the connection is the boundary faked here."""
 
 import asyncio
@@ -8,7 +8,7 @@ from starlette.responses import JSONResponse, StreamingResponse
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn.server import ServerState
 
-from tandem.response_head import head_with_body
+from tandem.server.response_head import head_with_body
 
 REQUEST = b"GET / HTTP/1.1\r\nHost: t\r\n\r\n"
 

@@ -29,7 +29,7 @@ from test_api import (
     wait_for,
 )
 
-from tandem.launcher import ServiceProcess
+from tandem.runtimes.launcher import ServiceProcess
 from tandem.tokenizer import load_tokenizer
 
 DISAGG_MIN = 64

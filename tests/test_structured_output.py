@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from tandem.errors import APIError
-from tandem.openai_protocol import ChatCompletionRequest, CompletionRequest
+from tandem.openai.protocol import ChatCompletionRequest, CompletionRequest
+from tandem.openai.structured_output import admits_no_value, check, grammar_text
 from tandem.protocol import SamplingParams, StructuredOutput
-from tandem.structured_output import admits_no_value, check, grammar_text
 from tandem.tokenizer import load_tokenizer
 from tandem.workers.engine.grammar import GrammarMatchers
 from tandem.workers.engine.sampler import History, Sampler

@@ -12,8 +12,8 @@ import torch
 import torch.distributed as dist
 
 from tandem.config import EngineConfig
-from tandem.launcher import free_port
 from tandem.protocol import SamplingParams
+from tandem.runtimes.launcher import free_port
 from tandem.workers.engine.llm_engine import LLMEngine, load_engine_model
 from tandem.workers.tensor_parallel import HeadShard, check_sizes, init_process_group, split, start_followers
 
@@ -134,7 +134,7 @@ def test_a_worker_whose_follower_dies_exits_whole(tiny_llama_kv4_dir):
 
     import httpx
 
-    from tandem.launcher import ServiceProcess
+    from tandem.runtimes.launcher import ServiceProcess
 
     worker = ServiceProcess(["worker", "--role", "both", "--model", tiny_llama_kv4_dir, "--tensor-parallel-size", "2",
                              "--num-kv-blocks", "64", "--attention-backend", "torch"], name="tp-worker")

@@ -1,4 +1,4 @@
-"""Function calling (tandem.tool_calls): which tool_choice is served how, and how the output becomes tool calls in
+"""Function calling (tandem.openai.tool_calls): which tool_choice is served how, and how the output becomes tool calls in
 the answer, streamed or not. The end to end checks with the model are in test_api.py and test_router_e2e.py."""
 
 import json
@@ -8,9 +8,9 @@ from openai.lib.streaming.chat import ChatCompletionStreamState
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from tandem.errors import APIError
-from tandem.openai_format import ChatFormatter, Delta
-from tandem.openai_protocol import NamedToolChoice, Tool
-from tandem.tool_calls import NO_PARAMETERS, ParsedToolCalls, ToolCallMode, resolve
+from tandem.openai.formatting import ChatFormatter, Delta
+from tandem.openai.protocol import NamedToolChoice, Tool
+from tandem.openai.tool_calls import NO_PARAMETERS, ParsedToolCalls, ToolCallMode, resolve
 
 F = Tool.model_validate({"type": "function", "function": {"name": "f", "parameters": {
     "type": "object", "properties": {"x": {"type": "integer"}}}}})
@@ -98,7 +98,7 @@ def test_required_lifts_the_tools_defs_to_the_root_where_their_references_point(
 
 
 def test_a_conversations_call_arguments_must_be_a_json_object():
-    from tandem.openai_protocol import ChatCompletionRequest
+    from tandem.openai.protocol import ChatCompletionRequest
 
     def rendered_calls(arguments: str):
         body = ChatCompletionRequest.model_validate({"messages": [
@@ -115,21 +115,21 @@ def test_a_conversations_call_arguments_must_be_a_json_object():
 
 
 def test_a_tools_schema_that_does_not_compile_is_blamed_on_the_tools():
-    from tandem.openai_protocol import ChatCompletionRequest
+    from tandem.openai.protocol import ChatCompletionRequest
 
     body = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}], "tools": [
         {"type": "function", "function": {"name": "f", "parameters": {"type": "foo"}}}], "tool_choice": "required"})
     assert body.structured_param == "tools"
 
 
-# -- tool_choice "auto", served by the server's --tool-call-parser (tandem.tool_parsers) ------------------------
+# -- tool_choice "auto", served by the server's --tool-call-parser (tandem.openai.tool_parsers) ------------------------
 
 OUTPUT = ('Let me check.\n<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>\n'
           '<tool_call>\n[{"name": "g", "arguments": {}}]\n</tool_call>')
 
 
 def test_auto_is_served_by_the_servers_parser_and_refused_naming_the_option_without_one():
-    from tandem.openai_protocol import ChatCompletionRequest
+    from tandem.openai.protocol import ChatCompletionRequest
 
     served = (ParsedToolCalls("hermes"), None)
     assert resolve([F], None, None, "hermes") == resolve([F], "auto", True, "hermes") == served

@@ -1,9 +1,9 @@
-"""tool_choice "auto"'s parser of Hermes-format calls (tandem.tool_parsers): what it reads out of an output, whole, and
+"""tool_choice "auto"'s parser of Hermes-format calls (tandem.openai.tool_parsers): what it reads out of an output, whole, and
 that fed the same output in pieces, split anywhere, it says the same, never sending a tag's beginning as content."""
 
 import pytest
 
-from tandem.tool_parsers import HermesToolParser, Parsed, parse
+from tandem.openai.tool_parsers import HermesToolParser, Parsed, parse
 
 WEATHER = '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}'
 TIME = '{"name": "get_time", "arguments": {}}'

@@ -12,10 +12,10 @@ import pytest
 from aiohttp import web
 from test_api import metric, wait_for
 
-from tandem.launcher import ServiceProcess, free_port
 from tandem.router import worker_client
 from tandem.router.worker_channel import CorkedTransport
 from tandem.router.worker_client import TRANSPORT_ERRORS, WorkerClient, WorkerStatusError
+from tandem.runtimes.launcher import ServiceProcess, free_port
 
 PROMPTS = [[504, 3575, 282, 4649, 314], [504, 3575, 282], [1274, 260, 2134, 28, 339, 5765]]
 

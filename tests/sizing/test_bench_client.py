@@ -111,7 +111,7 @@ def test_a_sweep_against_no_server_stops_before_it_starts(tmp_path, capsys):
     """Found by a newcomer's walkthrough: the whole sweep ran, every request failed, and results were written."""
     from tandem.bench.command import run_bench_command
     from tandem.bench.config import BenchConfig
-    from tandem.launcher import free_port
+    from tandem.runtimes.launcher import free_port
 
     url = f"http://127.0.0.1:{free_port()}"
     for model in (None, "smollm2"):

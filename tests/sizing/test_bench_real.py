@@ -8,7 +8,7 @@ import json
 import pytest
 
 from tandem.cli import main
-from tandem.launcher import ServiceProcess
+from tandem.runtimes.launcher import ServiceProcess
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from tandem.cli import main
-from tandem.config import LLMDeploymentSpec
+from tandem.operator.crd import LLMDeploymentSpec
 from tandem.planning.curves import CurvePoint, find_c_max
 from tandem.planning.profile import WorkloadProfile
 from tandem.planning.report import format_plan, plan_patch

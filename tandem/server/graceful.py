@@ -15,7 +15,7 @@ import uvicorn
 from starlette.responses import JSONResponse
 
 from tandem.errors import retry_after
-from tandem.sse import SHUTTING_DOWN
+from tandem.server.sse import SHUTTING_DOWN
 
 CANCELLED_REQUESTS_GRACE_S = 2.0  # for the cancelled requests to write their ending
 

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tandem.openai_protocol import new_id
+from tandem.openai.protocol import new_id
+from tandem.openai.tool_calls import ParsedToolCalls, ToolCallMode, tool_call
+from tandem.openai.tool_parsers import HermesToolParser
 from tandem.tokenizer import Tokenizer
-from tandem.tool_calls import ParsedToolCalls, ToolCallMode, tool_call
-from tandem.tool_parsers import HermesToolParser
 
 
 @dataclass
@@ -39,7 +39,7 @@ class Formatter:
     def __init__(self, request_id: str, model: str, created: int, tokenizer: Tokenizer, num_prompt_tokens: int,
                  index: int = 0):
         self.request_id = request_id
-        self.index = index  # the choice this formatter writes (tandem.openai_choices runs several side by side)
+        self.index = index  # the choice this formatter writes (tandem.openai.choices runs several side by side)
         self.model = model
         self.created = created
         self.tokenizer = tokenizer
@@ -180,7 +180,7 @@ class CompletionFormatter(Formatter):
 class ChatFormatter(Formatter):
     object_name = "chat.completion"
     chunk_object_name = "chat.completion.chunk"
-    # Set when the output is tool calls (tandem.tool_calls): one named call's arguments stream as they come; the
+    # Set when the output is tool calls (tandem.openai.tool_calls): one named call's arguments stream as they come; the
     # calls of a "required" output are whole only at its end, so they are sent then; "auto"'s parser sends content
     # and each call as it reads them.
     tool_mode: ToolCallMode | ParsedToolCalls | None = None

@@ -13,12 +13,11 @@ import signal
 import sys
 import time
 
-from tandem.cli_args import options_to_args
+from tandem.cli.args import options_to_args
 from tandem.config import API_KEY_ENV, EngineConfig, RouterConfig
-from tandem.internal_auth import INTERNAL_TOKEN_ENV
-from tandem.launcher import ServiceProcess, port_in_use
 from tandem.model_source import default_served_name
-from tandem.workers.kernels.cpu_extension import COMPILING
+from tandem.runtimes.launcher import ServiceProcess, port_in_use
+from tandem.server.internal_auth import INTERNAL_TOKEN_ENV
 
 RESTART_GRACE_S = 30.0  # a process that exits again this soon after its start is crash-looping
 MAX_BACKOFF_S = 30.0
@@ -105,6 +104,9 @@ def slow_start_notice(workers: list[ServiceProcess], everything: list[ServicePro
     """What `tandem serve` says when the stack takes long to start (once, at 15 s): why, as the workers' logs tell
     it so far. The compile line stays in a log's tail after the build: at 15 s, a build just done still explains
     the wait."""
+    # The workers' own line, imported here: the core imports no component at module level.
+    from tandem.workers.kernels.cpu_extension import COMPILING
+
     logs = ", ".join(p.log.name for p in everything)
     if any(COMPILING in w.log_tail() for w in workers):
         return f"  still starting: the workers are {COMPILING}; logs: {logs}"
@@ -141,7 +143,7 @@ def run_local_stack(engine: EngineConfig, *, prefill: int, decode: int, colocate
               "port, e.g. --port 9000 (with make: make serve ARGS=\"--port 9000\")", file=sys.stderr)
         return 2
     roles = ["both"] * decode if colocated else ["prefill"] * prefill + ["decode"] * decode
-    # The internal endpoints' shared secret (tandem.internal_auth), one per stack unless the caller set one.
+    # The internal endpoints' shared secret (tandem.server.internal_auth), one per stack unless the caller set one.
     internal = {INTERNAL_TOKEN_ENV: os.environ.get(INTERNAL_TOKEN_ENV) or secrets.token_urlsafe(32)}
     sizes = tensor_parallel or {}
     workers = [ServiceProcess(["worker", "--role", role, *options_to_args(engine.model_copy(update={

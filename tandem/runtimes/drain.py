@@ -11,7 +11,7 @@ import time
 
 import httpx
 
-from tandem.internal_auth import internal_headers
+from tandem.server.internal_auth import internal_headers
 
 
 def without_boilerplate(exc: httpx.HTTPError) -> str:

@@ -18,8 +18,8 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from tandem.errors import APIError
-from tandem.openai_format import ChatFormatter, CompletionFormatter, Formatter
-from tandem.openai_protocol import ChatCompletionRequest, CompletionRequest, new_id, now
+from tandem.openai.formatting import ChatFormatter, CompletionFormatter, Formatter
+from tandem.openai.protocol import ChatCompletionRequest, CompletionRequest, new_id, now
 from tandem.protocol import SamplingParams
 from tandem.tokenizer import Tokenizer
 
@@ -111,7 +111,7 @@ class ChoiceDelta:
 
 
 class ChoicesFormatter:
-    """The formatters of several choices behind one Formatter's interface (tandem.sse.openai_stream and the
+    """The formatters of several choices behind one Formatter's interface (tandem.server.sse.openai_stream and the
     non-streaming paths use it unchanged); items are ChoiceDeltas."""
 
     def __init__(self, formatters: list[Formatter], n: int):

@@ -13,7 +13,7 @@ from starlette.responses import StreamingResponse
 from tandem.errors import error_body
 
 if TYPE_CHECKING:
-    from tandem.openai_format import Formatter
+    from tandem.openai.formatting import Formatter
 
 DONE = "data: [DONE]\n\n"
 # What a request still running when its server stops (past the graceful shutdown's wait) is told, instead of a

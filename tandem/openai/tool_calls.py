@@ -10,10 +10,10 @@
   "auto" (the default when tools are given)       text or calls, as the model chooses: the output is free (or
                                                  held to the request's own structured output), and the server's
                                                  --tool-call-parser reads the calls out of it in the model's own
-                                                 format (tandem.tool_parsers). Without one it is refused, saying
+                                                 format (tandem.openai.tool_parsers). Without one it is refused, saying
                                                  what to use instead, as vLLM refuses it.
 
-Both constrained forms go through structured outputs (tandem.structured_output), so they hold on every path a
+Both constrained forms go through structured outputs (tandem.openai.structured_output), so they hold on every path a
 structured output does (P/D, resumed decodes). The answer's message then has `tool_calls` and no content. Its
 finish_reason is "tool_calls" for the calls of a "required" output and the output's own for a named call ("stop",
 or "length" when max_tokens cut it), as OpenAI and vLLM say them. A required output cut short is no JSON array: it
@@ -28,11 +28,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from tandem.errors import APIError
-from tandem.structured_output import admits_no_value
-from tandem.tool_parsers import TOOL_CALL_PARSERS, HermesToolParser
+from tandem.openai.structured_output import admits_no_value
+from tandem.openai.tool_parsers import TOOL_CALL_PARSERS, HermesToolParser
 
-if TYPE_CHECKING:  # the request models are tandem.openai_protocol's, which imports this module
-    from tandem.openai_protocol import Tool, ToolCall, ToolChoice
+if TYPE_CHECKING:  # the request models are tandem.openai.protocol's, which imports this module
+    from tandem.openai.protocol import Tool, ToolCall, ToolChoice
 
 NO_PARAMETERS = {"type": "object", "properties": {}}
 
@@ -45,7 +45,7 @@ class ToolCallMode:
 
     def calls(self, text: str, new_id) -> list[dict] | None:
         """The output as OpenAI tool_calls; None when it is not a whole call list (cut by max_tokens). `new_id`
-        (tandem.openai_protocol's) is passed in: that module imports this one."""
+        (tandem.openai.protocol's) is passed in: that module imports this one."""
         if self.name is not None:
             return [tool_call(new_id, self.name, text)]
         try:

@@ -16,6 +16,9 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator,
 from pydantic.json_schema import SkipJsonSchema
 
 from tandem.errors import APIError
+from tandem.openai.structured_output import ANY_JSON_OBJECT, MAX_SPEC_CHARS, choice_spec, json_schema_spec
+from tandem.openai.structured_output import check as check_structured
+from tandem.openai.tool_calls import ParsedToolCalls, ToolCallMode, resolve, template_tool_calls
 from tandem.protocol import (
     INT64_MAX,
     INT64_MIN,
@@ -25,9 +28,6 @@ from tandem.protocol import (
     StructuredOutput,
     TokenId,
 )
-from tandem.structured_output import ANY_JSON_OBJECT, MAX_SPEC_CHARS, choice_spec, json_schema_spec
-from tandem.structured_output import check as check_structured
-from tandem.tool_calls import ParsedToolCalls, ToolCallMode, resolve, template_tool_calls
 
 MAX_N = 128  # completions per prompt: OpenAI's bound on n
 MAX_LOGIT_BIAS = 300  # biased tokens per request: each costs the worker work at every step
@@ -176,9 +176,9 @@ class _CommonParams(_Request):
         return "structured_outputs" if self.structured_outputs is not None else None
 
     def structured_output(self) -> StructuredOutput | None:
-        """The constraint the request puts on its whole output (tandem.structured_output): a 400 naming the
+        """The constraint the request puts on its whole output (tandem.openai.structured_output): a 400 naming the
         parameter when it is malformed or too large. Whether its schema, regex or grammar compiles is for
-        tandem.structured_output.check, off the event loop."""
+        tandem.openai.structured_output.check, off the event loop."""
         fmt, vllm = self.response_format, self.structured_outputs
         if fmt is not None and fmt.type != "text":
             if vllm is not None:
@@ -317,7 +317,7 @@ class CompletionRequest(_CommonParams):
         return self.echo and self.max_tokens == 0
 
 
-# -- function calling's request models (tandem.tool_calls serves them) ----------------------------------------
+# -- function calling's request models (tandem.openai.tool_calls serves them) ----------------------------------------
 
 
 class FunctionDefinition(_Request):
@@ -392,7 +392,7 @@ class ChatPrompt(_Request):
                                                             "with it: an assistant answer begun by the client (ext.)")
     chat_template_kwargs: dict | None = Field(None, description="more variables for the chat template, e.g. "
                                                                 "enable_thinking (ext.)")
-    tools: list[Tool] | None = None  # shown to the chat template; chat completions call them (tandem.tool_calls)
+    tools: list[Tool] | None = None  # shown to the chat template; chat completions call them (tandem.openai.tool_calls)
 
     def template_messages(self) -> list[dict]:
         messages = []

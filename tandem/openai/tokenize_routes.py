@@ -15,7 +15,7 @@ from pydantic import Discriminator, Field, Tag
 from pydantic.json_schema import SkipJsonSchema
 
 import tandem
-from tandem.openai_protocol import ChatPrompt, _Request, check_model, check_token_ids, refusal
+from tandem.openai.protocol import ChatPrompt, _Request, check_model, check_token_ids, refusal
 from tandem.protocol import TokenId
 from tandem.tokenizer import Tokenizer
 

@@ -15,7 +15,7 @@ block that does not parse (not JSON, no string "name", "arguments" not a JSON ob
 vLLM then answers the whole output as content; here that holds for the first block, and a later one turns
 content from where it starts, after the calls made before it: a stream cannot take back the calls it has sent,
 and the whole answer says what the stream said. Arguments must be an object because this server refuses a
-conversation whose calls' arguments are not (tandem.tool_calls.template_tool_calls).
+conversation whose calls' arguments are not (tandem.openai.tool_calls.template_tool_calls).
 
 The parser is fed the output piece by piece and says, each time, what is decided: content up to a `<` that may
 begin a tag is sent at once (a partial `<tool_` is held until the next piece tells), and each call when its

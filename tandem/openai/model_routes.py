@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 from fastapi import FastAPI
 
-from tandem.openai_protocol import ModelCard, ModelList, check_model
+from tandem.openai.protocol import ModelCard, ModelList, check_model
 
 
 def add_model_routes(app: FastAPI, served_name: str, max_model_len: Callable[[], int]) -> None:
