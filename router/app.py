@@ -18,16 +18,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.middleware.cors import CORSMiddleware
 
 from tandem.errors import CLIENT_CLOSED_REQUEST, APIError, add_openai_error_handlers, error_body, retry_after
+from tandem.openai.chat import ChatCompletionRequest, ChatPrompt
 from tandem.openai.choices import Choice, combined, request_choices, staggered
 from tandem.openai.model_routes import add_model_routes
-from tandem.openai.protocol import (
-    ChatCompletionRequest,
-    ChatPrompt,
-    CompletionRequest,
-    check_model,
-    check_request,
-    check_token_ids,
-)
+from tandem.openai.protocol import CompletionRequest, check_model, check_request, check_token_ids
 from tandem.openai.tokenize_routes import add_tokenize_routes
 from tandem.protocol import SamplingParams
 from tandem.router.admission import AdmissionRequest, Reject, RejectReason

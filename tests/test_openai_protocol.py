@@ -6,7 +6,8 @@ import pytest
 from pydantic import ValidationError
 
 from tandem.errors import APIError, error_body
-from tandem.openai.protocol import ChatCompletionRequest, CompletionRequest, check_length, check_request
+from tandem.openai.chat import ChatCompletionRequest
+from tandem.openai.protocol import CompletionRequest, check_length, check_request
 from tandem.protocol import SamplingParams
 
 VOCAB = 1000

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from tandem.errors import APIError
-from tandem.openai.protocol import ChatCompletionRequest, CompletionRequest
+from tandem.openai.chat import ChatCompletionRequest
+from tandem.openai.protocol import CompletionRequest
 from tandem.openai.structured_output import admits_no_value, check, grammar_text
 from tandem.protocol import SamplingParams, StructuredOutput
 from tandem.tokenizer import load_tokenizer

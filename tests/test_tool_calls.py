@@ -8,8 +8,8 @@ from openai.lib.streaming.chat import ChatCompletionStreamState
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from tandem.errors import APIError
+from tandem.openai.chat import NamedToolChoice, Tool
 from tandem.openai.formatting import ChatFormatter, Delta
-from tandem.openai.protocol import NamedToolChoice, Tool
 from tandem.openai.tool_calls import NO_PARAMETERS, ParsedToolCalls, ToolCallMode, resolve
 
 F = Tool.model_validate({"type": "function", "function": {"name": "f", "parameters": {
@@ -98,7 +98,7 @@ def test_required_lifts_the_tools_defs_to_the_root_where_their_references_point(
 
 
 def test_a_conversations_call_arguments_must_be_a_json_object():
-    from tandem.openai.protocol import ChatCompletionRequest
+    from tandem.openai.chat import ChatCompletionRequest
 
     def rendered_calls(arguments: str):
         body = ChatCompletionRequest.model_validate({"messages": [
@@ -115,7 +115,7 @@ def test_a_conversations_call_arguments_must_be_a_json_object():
 
 
 def test_a_tools_schema_that_does_not_compile_is_blamed_on_the_tools():
-    from tandem.openai.protocol import ChatCompletionRequest
+    from tandem.openai.chat import ChatCompletionRequest
 
     body = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}], "tools": [
         {"type": "function", "function": {"name": "f", "parameters": {"type": "foo"}}}], "tool_choice": "required"})
@@ -129,7 +129,7 @@ OUTPUT = ('Let me check.\n<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</t
 
 
 def test_auto_is_served_by_the_servers_parser_and_refused_naming_the_option_without_one():
-    from tandem.openai.protocol import ChatCompletionRequest
+    from tandem.openai.chat import ChatCompletionRequest
 
     served = (ParsedToolCalls("hermes"), None)
     assert resolve([F], None, None, "hermes") == resolve([F], "auto", True, "hermes") == served

@@ -16,15 +16,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from tandem.config import WorkerConfig
 from tandem.errors import CLIENT_CLOSED_REQUEST, APIError, add_openai_error_handlers, error_body
 from tandem.metrics import EngineMetrics
+from tandem.openai.chat import ChatCompletionRequest
 from tandem.openai.choices import combined, held_until, request_choices, staggered
 from tandem.openai.model_routes import add_model_routes
-from tandem.openai.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    check_model,
-    check_request,
-    check_token_ids,
-)
+from tandem.openai.protocol import CompletionRequest, check_model, check_request, check_token_ids
 from tandem.openai.tokenize_routes import add_tokenize_routes
 from tandem.protocol import LayoutFingerprint, SamplingParams
 from tandem.server.body_limit import BodySizeLimit

@@ -18,8 +18,9 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from tandem.errors import APIError
+from tandem.openai.chat import ChatCompletionRequest
 from tandem.openai.formatting import ChatFormatter, CompletionFormatter, Formatter
-from tandem.openai.protocol import ChatCompletionRequest, CompletionRequest, new_id, now
+from tandem.openai.protocol import CompletionRequest, new_id, now
 from tandem.protocol import SamplingParams
 from tandem.tokenizer import Tokenizer
 

@@ -15,7 +15,9 @@ from pydantic import Discriminator, Field, Tag
 from pydantic.json_schema import SkipJsonSchema
 
 import tandem
-from tandem.openai.protocol import ChatPrompt, _Request, check_model, check_token_ids, refusal
+from tandem.openai.chat import ChatPrompt
+from tandem.openai.params import RequestModel, refusal
+from tandem.openai.protocol import check_model, check_token_ids
 from tandem.protocol import TokenId
 from tandem.tokenizer import Tokenizer
 
@@ -25,7 +27,7 @@ Encode = Callable[[str, bool], Awaitable[list[int]]]
 EncodeChat = Callable[[ChatPrompt, bool], Awaitable[list[int]]]
 
 
-class TokenizeCompletionRequest(_Request):
+class TokenizeCompletionRequest(RequestModel):
     model: str | None = None
     prompt: str
     add_special_tokens: bool = Field(True, description="add the model's special tokens (a BOS), as a completion "
@@ -48,7 +50,7 @@ _TokenizeRequest = Annotated[TokenizeChatRequest, Tag(_CHAT)] | Annotated[Tokeni
 _chat_or_completion = Discriminator(lambda body: _CHAT if isinstance(body, dict) and "messages" in body else _COMPLETION)
 
 
-class DetokenizeRequest(_Request):
+class DetokenizeRequest(RequestModel):
     model: str | None = None
     tokens: list[TokenId]
 

@@ -31,8 +31,8 @@ from tandem.errors import APIError
 from tandem.openai.structured_output import admits_no_value
 from tandem.openai.tool_parsers import TOOL_CALL_PARSERS, HermesToolParser
 
-if TYPE_CHECKING:  # the request models are tandem.openai.protocol's, which imports this module
-    from tandem.openai.protocol import Tool, ToolCall, ToolChoice
+if TYPE_CHECKING:  # the request models are tandem.openai.chat's, which imports this module
+    from tandem.openai.chat import Tool, ToolCall, ToolChoice
 
 NO_PARAMETERS = {"type": "object", "properties": {}}
 
@@ -45,7 +45,7 @@ class ToolCallMode:
 
     def calls(self, text: str, new_id) -> list[dict] | None:
         """The output as OpenAI tool_calls; None when it is not a whole call list (cut by max_tokens). `new_id`
-        (tandem.openai.protocol's) is passed in: that module imports this one."""
+        (tandem.openai.protocol's) is passed in: that module imports this one, through tandem.openai.chat."""
         if self.name is not None:
             return [tool_call(new_id, self.name, text)]
         try:
