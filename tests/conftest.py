@@ -180,7 +180,7 @@ def smollm2(smollm2_gguf_path, cpu_kernels):
     """Our LoadedModel for the SmolLM2 GGUF, float32 on CPU, as a CPU worker serves it ("auto"): attention
     through the native kernel where it builds, and the GEMMs of small decode batches from the file's Q4_1 /
     Q8_0 blocks where the GGUF GEMV runs (the torch reference path and the float weights are covered on the tiny
-    models, the kernels against references in tests/kernels)."""
+    models, the kernels against references in tests/workers/kernels)."""
     from tandem.workers.layers.ops import resolve_backend
     from tandem.workers.models.loader import load_model
 

@@ -2,7 +2,7 @@
 
 uvicorn writes an ASGI response's status line and headers as soon as `http.response.start` is sent, and its body
 with the next message: two writes, so two TCP segments (TCP_NODELAY) and, on a client waiting for its answer, two
-wake-ups where one would do (tests/test_response_head.py counts the writes).
+wake-ups where one would do (tests/server/test_response_head.py counts the writes).
 
 `head_with_body(send)` holds the head until the first body message has been sent, and writes both at once; when no
 body message follows in the same pass of the event loop (a stream whose first event is still being computed), the

@@ -259,7 +259,7 @@ def test_triton_backend_matches_torch_backend(fixture, request, paged_greedy):
     MoE model, the fused MoE kernel too.
 
     On a CPU this needs TRITON_INTERPRET=1 from before triton is imported: the whole suite gets it from
-    tests/kernels/conftest.py; a run of this file alone skips the test unless it is in the environment."""
+    tests/workers/kernels/conftest.py; a run of this file alone skips the test unless it is in the environment."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("no GPU and TRITON_INTERPRET is not set: the Triton kernels cannot run here")

@@ -14,7 +14,7 @@ import time
 import httpx
 import openai
 import pytest
-from test_api import (
+from api_checks import (
     ASK,
     BAD_INPUTS,
     MAX_BODY,

@@ -121,7 +121,7 @@ def test_choose_num_splits(monkeypatch):
 
 
 def test_compile_eager_builds_launches_each_tile_kind_and_split_count(device):
-    """What ModelRunner runs at start on a GPU (tests/kernels/test_compile_for_hopper.py checks that it leaves
+    """What ModelRunner runs at start on a GPU (tests/workers/kernels/test_compile_for_hopper.py checks that it leaves
     nothing for eager steps to compile): decode and prefill tiles x split counts 1, 2, 4, 8, 16, 32."""
     kv_cache = torch.randn(3, 2, 2, 16, 2, 64, device=device)
     before = kv_cache.clone()

@@ -258,7 +258,7 @@ def test_constructor_validates_limits():
 
 def test_while_others_run_a_request_holding_its_blocks_does_not_pass_one_ahead_of_it():
     """Requests whose KV was imported (blocks held while waiting) go first only when nothing runs (the livelock
-    tests/test_engine_pd.py shows); while others run, order is kept, so that one given way (preempted) or simply
+    tests/workers/test_engine_pd.py shows); while others run, order is kept, so that one given way (preempted) or simply
     earlier is not passed for good by pulled requests arriving behind it (found by a review helper)."""
     sched = make(num_blocks=64, max_num_seqs=2, budget=64)
     running = add(sched, "running", 4, max_tokens=50)

@@ -12,7 +12,7 @@ prompt starts with the first prompt's leading blocks (a prefix-cache hit).
 - @gpu (skipped without CUDA): the same scenario in this process with compiled kernels, on a larger model
   (head dim 128) in float32; and bf16 logits at the last prompt position against HF's bf16 logits.
 
-    PYTHONSAFEPATH=1 .venv/bin/pytest -q tests/test_engine_triton.py
+    PYTHONSAFEPATH=1 .venv/bin/pytest -q tests/workers/test_engine_triton.py
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The CUDA-graph runner's contract that holds on any machine: batch sizes and what it refuses. (Its padding
-is exercised through the whole engine in tests/test_engine_triton.py, uncaptured in the Triton interpreter,
+is exercised through the whole engine in tests/workers/test_engine_triton.py, uncaptured in the Triton interpreter,
 and captured on a GPU.)"""
 
 from __future__ import annotations

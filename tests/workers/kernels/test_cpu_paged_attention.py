@@ -26,7 +26,7 @@ TOLERANCE = {
 }
 
 
-pytestmark = pytest.mark.usefixtures("cpu_extension_built")  # tests/kernels/conftest.py
+pytestmark = pytest.mark.usefixtures("cpu_extension_built")  # tests/workers/kernels/conftest.py
 
 
 @pytest.fixture

@@ -22,7 +22,7 @@ if not HAS_CUDA and os.environ.get("TRITON_INTERPRET") != "1":
     _early = sorted(name for name in sys.modules if name.startswith("tandem.workers.kernels."))
     if _early:
         raise pytest.UsageError(
-            f"{_early} were imported before tests/kernels/conftest.py could set TRITON_INTERPRET=1, so they "
+            f"{_early} were imported before tests/workers/kernels/conftest.py could set TRITON_INTERPRET=1, so they "
             "were compiled for a GPU this machine lacks; run with TRITON_INTERPRET=1 in the environment"
         )
     os.environ["TRITON_INTERPRET"] = "1"

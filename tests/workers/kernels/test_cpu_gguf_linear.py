@@ -21,7 +21,7 @@ from tandem.workers.kernels.gguf_linear import GGUFBlocks
 
 
 @pytest.fixture(scope="module", autouse=True)
-def kernel_built(cpu_extension_built):  # tests/kernels/conftest.py: the extension must build here
+def kernel_built(cpu_extension_built):  # tests/workers/kernels/conftest.py: the extension must build here
     if not gguf_linear.supported():
         pytest.skip("this CPU lacks AVX-512: the GGUF GEMV is not built (workers use the float weights)")
 

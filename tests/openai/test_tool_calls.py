@@ -1,5 +1,5 @@
 """Function calling (tandem.openai.tool_calls): which tool_choice is served how, and how the output becomes tool calls in
-the answer, streamed or not. The end to end checks with the model are in test_api.py and test_router_e2e.py."""
+the answer, streamed or not. The end to end checks with the model are in tests/workers/test_api.py and tests/router/test_router_e2e.py."""
 
 import json
 

@@ -10,7 +10,7 @@ import httpx
 import orjson
 import pytest
 from aiohttp import web
-from test_api import metric, wait_for
+from api_checks import metric, wait_for
 
 from tandem.router import worker_client
 from tandem.router.worker_channel import CorkedTransport
