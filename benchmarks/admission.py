@@ -34,7 +34,7 @@ import time
 import aiohttp
 import numpy as np
 
-from tandem.launcher import ServiceProcess
+from tandem.runtimes.launcher import ServiceProcess
 
 PROMPT_TOKENS, OUTPUT_TOKENS = 128, 64
 PREDICTED = re.compile(r"predicted time to first token ([\d.]+) s")

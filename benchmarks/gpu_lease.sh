@@ -7,9 +7,9 @@
 # Stages, each under its own time limit so that one that hangs or fails leaves the others' figures:
 #   env      nvidia-smi, versions
 #   kernels  benchmarks/kernels_gpu.py   (copy bandwidth, decode and prefill attention alone)
-#   tests    tests/kernels (all of it: on a GPU the kernels run compiled, bf16 @gpu tests included), the
+#   tests    tests/workers/kernels (all of it: on a GPU the kernels run compiled, bf16 @gpu tests included), the
 #            @gpu engine tests (greedy tokens vs HF, bf16 logits vs HF, decode through CUDA graphs) and the FP8
-#            GEMM paths against their references (tests/test_fp8.py)
+#            GEMM paths against their references (tests/workers/test_fp8.py)
 #   engine   benchmarks/engine_gpu.py    (batch-1 roofline fraction, throughput vs HF generate)
 #   quant    benchmarks/quant_gpu.py     (FP8 weights against BF16: batch-1 decode, 64 and 256 concurrent)
 #   stepcost benchmarks/step_cost.py     (the calibrated step cost model against measured steps)
@@ -71,16 +71,16 @@ for name in ${STAGES:-kernels tests engine quant stepcost fp8gemm}; do
     case $name in
     kernels) stage kernels "${KERNELS_LIMIT:-90}" "$PY" benchmarks/kernels_gpu.py ;;
     tests)
-        # The build must be over: tests/kernels/test_cpu_build_lock.py plants a stale lock that a build still
+        # The build must be over: tests/workers/kernels/test_cpu_build_lock.py plants a stale lock that a build still
         # running beside it would remove (its first run on an H200 failed so).
         wait "$cpu_build"
         # TEST_PATHS="..." runs those instead (a rerun of the ones that failed).
         stage tests "${TESTS_LIMIT:-170}" "$PY" -m pytest -q -p no:cacheprovider "${parallel[@]}" -o addopts="" \
-        --timeout 160 -rfE ${TEST_PATHS:-tests/kernels tests/test_cuda_graphs.py \
-        "tests/test_engine_triton.py::test_triton_engine_greedy_matches_hf_and_torch_backend[cuda]" \
-        tests/test_engine_triton.py::test_bf16_logits_stay_close_to_hf \
-        tests/test_fp8.py::test_the_gpu_paths_match_their_references \
-        tests/test_calibration.py::test_calibration_on_a_gpu_engine_with_its_graphs} ;;
+        --timeout 160 -rfE ${TEST_PATHS:-tests/workers/kernels tests/workers/test_cuda_graphs.py \
+        "tests/workers/test_engine_triton.py::test_triton_engine_greedy_matches_hf_and_torch_backend[cuda]" \
+        tests/workers/test_engine_triton.py::test_bf16_logits_stay_close_to_hf \
+        tests/workers/test_fp8.py::test_the_gpu_paths_match_their_references \
+        tests/workers/test_calibration.py::test_calibration_on_a_gpu_engine_with_its_graphs} ;;
     engine) stage engine "${ENGINE_LIMIT:-300}" "$PY" benchmarks/engine_gpu.py --skip-kernels ${ENGINE_ARGS:-} ;;
     quant) stage quant "${QUANT_LIMIT:-300}" "$PY" benchmarks/quant_gpu.py ;;
     stepcost) stage stepcost "${STEPCOST_LIMIT:-120}" "$PY" benchmarks/step_cost.py ;;

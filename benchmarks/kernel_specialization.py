@@ -28,7 +28,7 @@ def main() -> None:
     from triton.runtime import driver
     from triton.runtime.jit import JITFunction
 
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "kernels"))
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "workers", "kernels"))
     from hopper_compile_check import _cuobjdump, _Hopper
 
     from tandem.workers.kernels import paged_attention as pa

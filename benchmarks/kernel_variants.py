@@ -37,7 +37,7 @@ def main() -> None:
     from triton.runtime import driver
     from triton.runtime.jit import JITFunction
 
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "kernels"))
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "workers", "kernels"))
     # The compile test's stand-in sm_90 driver, its server-like eager steps and its GPU-like launch.
     from hopper_compile_check import _Hopper, launch_as_on_a_gpu, random_eager_step
 

@@ -20,9 +20,9 @@ import time
 
 import httpx
 
-from tandem.internal_auth import internal_headers
-from tandem.launcher import ServiceProcess
-from tandem.sse import parse_sse_line
+from tandem.runtimes.launcher import ServiceProcess
+from tandem.server.internal_auth import internal_headers
+from tandem.server.sse import parse_sse_line
 
 SAMPLING = {"temperature": 0, "max_tokens": 2, "ignore_eos": True}
 

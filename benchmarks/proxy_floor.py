@@ -18,7 +18,7 @@ required work costs in Python.
 The gap between a floor and our router on the same transport is what our own per-request work costs (at high
 concurrency mostly as the queueing its CPU adds); the gap between a floor and sglang-router is the stack's. A
 floor is not quite the least: it writes an answer's head and body in two writes where our router joins them
-(tandem.response_head), and collects garbage at CPython's default threshold, so the gap is a lower bound.
+(tandem.server.response_head), and collects garbage at CPython's default threshold, so the gap is a lower bound.
 
     PYTHONSAFEPATH=1 .venv/bin/python benchmarks/proxy_floor.py --port 9100 [--transport channel \
         [--work essential]] --backend URL [--backend URL ...]
@@ -36,13 +36,13 @@ import uvicorn
 
 from tandem.config import RouterConfig
 from tandem.hashing import block_hashes, model_seed
-from tandem.openai_format import CompletionFormatter
-from tandem.openai_protocol import CompletionRequest, new_id, now
+from tandem.openai.formatting import CompletionFormatter
+from tandem.openai.protocol import CompletionRequest, new_id, now
 from tandem.router.orchestrator import decode_delta
 from tandem.router.policies.key_table import KeyAssignments
 from tandem.router.policies.ring import HashRing, routing_key
 from tandem.router.worker_client import WorkerClient
-from tandem.sse import DONE, sse_event
+from tandem.server.sse import DONE, sse_event
 from tandem.tokenizer import load_tokenizer
 
 

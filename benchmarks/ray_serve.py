@@ -1,10 +1,10 @@
-"""What Ray Serve adds in front of the router (tandem.ray_serve): latency through Serve's HTTP proxy to the router
+"""What Ray Serve adds in front of the router (tandem.runtimes.ray_serve): latency through Serve's HTTP proxy to the router
 ingress, against the same router as its own process (`tandem router`) and against a backend reached directly, in
 one run.
 
 Backends are benchmarks/mock_worker.py processes (b0-b3, zero think time, as in benchmarks/router.py). The
 router process is told their URLs; the Serve application is the registry and the router ingress alone
-(tandem.ray_serve.router_app, no worker deployments), and the mocks' URLs are registered in its registry as worker
+(tandem.runtimes.ray_serve.router_app, no worker deployments), and the mocks' URLs are registered in its registry as worker
 replicas register theirs. Cells as in benchmarks/router.py's latency suite: concurrency 1, 16, 64, non-streaming
 end-to-end and streaming time to first token, 4-token completions, every target in turn per cell; "added" is a
 target's quantile minus direct's. No target: a figure for users choosing the runtime. Prints, never asserts.
@@ -27,8 +27,8 @@ import ray
 from ray import serve
 
 from tandem.config import RouterConfig
-from tandem.launcher import ServiceProcess, free_port
-from tandem.ray_serve import HEALTH_CHECK_PERIOD_S, WorkerRegistry, router_app
+from tandem.runtimes.launcher import ServiceProcess, free_port
+from tandem.runtimes.ray_serve import HEALTH_CHECK_PERIOD_S, WorkerRegistry, router_app
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from router import CONCURRENCY, MODEL, Mock, Target, latency_suite, print_latency_table, wait_serving  # noqa: E402

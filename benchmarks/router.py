@@ -68,7 +68,7 @@ from dataclasses import dataclass, field
 import aiohttp
 import numpy as np
 
-from tandem.launcher import ServiceProcess, free_port
+from tandem.runtimes.launcher import ServiceProcess, free_port
 
 MODEL = "smollm2"
 MOCK_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mock_worker.py")

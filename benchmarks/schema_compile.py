@@ -1,7 +1,7 @@
 """What a JSON schema's patternProperties cost to compile, the figures behind structured_output's
 MAX_PATTERN_PROPERTIES.
 
-llguidance compiles a schema (LLMatcher.validate_grammar, what tandem.structured_output.grammar_text calls) on the
+llguidance compiles a schema (LLMatcher.validate_grammar, what tandem.openai.structured_output.grammar_text calls) on the
 one grammar thread a process has: a slow one holds every other structured request back. Times, in this process:
   one object with N patternProperties (`^a{i}[a-z]*$`, disjoint), N in --counts (past the cap: llguidance itself);
   --objects objects of 2 patternProperties each (under the cap per object, many in all);
@@ -21,8 +21,8 @@ import time
 
 import llguidance
 
+from tandem.openai.structured_output import _JSON_LAYOUT, MAX_PATTERN_PROPERTIES, grammar_text
 from tandem.protocol import StructuredOutput
-from tandem.structured_output import _JSON_LAYOUT, MAX_PATTERN_PROPERTIES, grammar_text
 
 
 def patterns(count: int, tag: str = "") -> dict:

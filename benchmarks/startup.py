@@ -24,8 +24,8 @@ from importlib.metadata import version
 import gguf
 
 from tandem.gguf_file import open_gguf
-from tandem.launcher import ServiceProcess
 from tandem.model_source import resolve_model_source
+from tandem.runtimes.launcher import ServiceProcess
 from tandem.tokenizer import load_tokenizer
 from tandem.workers.models.loader import load_model
 

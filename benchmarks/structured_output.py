@@ -25,8 +25,8 @@ import time
 import torch
 
 from tandem.config import EngineConfig
+from tandem.openai.structured_output import json_schema_spec
 from tandem.protocol import SamplingParams
-from tandem.structured_output import json_schema_spec
 from tandem.workers.engine.grammar import GrammarMatchers
 from tandem.workers.engine.llm_engine import LLMEngine
 

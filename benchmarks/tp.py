@@ -31,9 +31,9 @@ import torch
 import torch.distributed as dist
 
 from tandem.config import EngineConfig
-from tandem.launcher import free_port
 from tandem.planning.tp_comm import GPUS, MODELS, decode_step_comm
 from tandem.protocol import SamplingParams
+from tandem.runtimes.launcher import free_port
 from tandem.workers.engine.llm_engine import LLMEngine, load_engine_model
 from tandem.workers.tensor_parallel import TPGroup, init_process_group, start_followers
 

@@ -18,7 +18,7 @@ import aiohttp
 import httpx
 import pytest
 
-from tandem.launcher import ServiceProcess
+from tandem.runtimes.launcher import ServiceProcess
 
 TTFT_MARGIN_S = ITL_MARGIN_S = 0.5
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tandem.launcher import ServiceProcess, free_port
+from tandem.runtimes.launcher import ServiceProcess, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 DASHBOARDS = sorted((ROOT / "charts" / "tandem" / "dashboards").glob("*.json"))

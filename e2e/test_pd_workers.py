@@ -13,9 +13,9 @@ import time
 import httpx
 import pytest
 
-from tandem.internal_auth import internal_headers
-from tandem.launcher import ServiceProcess
-from tandem.sse import parse_sse_line
+from tandem.runtimes.launcher import ServiceProcess
+from tandem.server.internal_auth import internal_headers
+from tandem.server.sse import parse_sse_line
 from tandem.workers.kv_transfer import nixl_available
 
 BACKENDS = ["tcp", pytest.param("nixl", marks=pytest.mark.skipif(not nixl_available(), reason="nixl missing"))]

@@ -1,4 +1,4 @@
-"""Tandem on Ray Serve (tandem.ray_serve): a real local Ray cluster, the application's router, registry and SmolLM2
+"""Tandem on Ray Serve (tandem.runtimes.ray_serve): a real local Ray cluster, the application's router, registry and SmolLM2
 prefill and decode workers, reached through Serve's HTTP proxy with the OpenAI SDK."""
 
 from __future__ import annotations
@@ -20,8 +20,14 @@ import yaml
 from ray import serve
 from test_pd_workers import metric  # e2e's own scrape of a process's /metrics
 
-from tandem.launcher import free_port
-from tandem.ray_serve import REGISTRATION_TTL_S, RegistryDiscovery, TandemRayArgs, WorkerRegistry, build
+from tandem.runtimes.launcher import free_port
+from tandem.runtimes.ray_serve import (
+    REGISTRATION_TTL_S,
+    RegistryDiscovery,
+    TandemRayArgs,
+    WorkerRegistry,
+    build,
+)
 
 APP = "tandem"
 PROMPT = "Here is a list of the planets of the solar system, from the closest to the sun to the farthest: " * 3
@@ -156,7 +162,7 @@ def test_the_engines_tool_call_parser_reaches_the_router(serve_url):
 
 
 def _pid_listening_on(url: str) -> int:
-    """The worker process started with `--port <its port>` (tandem.launcher passes it on the command line)."""
+    """The worker process started with `--port <its port>` (tandem.runtimes.launcher passes it on the command line)."""
     port = url.rsplit(":", 1)[1]
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:

@@ -11,11 +11,12 @@ import posixpath
 from dataclasses import dataclass
 from typing import Any
 
-from tandem.config import DeploymentEngineSpec, EngineConfig, LLMDeploymentSpec, PodSettings, PoolSpec
-from tandem.internal_auth import INTERNAL_TOKEN_ENV
+from tandem.config import EngineConfig
 from tandem.operator import devices, names
+from tandem.operator.crd import DeploymentEngineSpec, LLMDeploymentSpec, PodSettings, PoolSpec
 from tandem.operator.names import HTTP_PORT
 from tandem.operator.sizing import PoolSizes
+from tandem.server.internal_auth import INTERNAL_TOKEN_ENV
 
 MODEL_MOUNT = "/models"
 CONFIG_MOUNT = "/etc/tandem/config"

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from kubernetes.utils.quantity import parse_quantity
 
-from tandem.config import LLMDeploymentSpec, ResourceRequirements
+from tandem.operator.crd import LLMDeploymentSpec, ResourceRequirements
 from tandem.operator.names import POOLS
 
 GPU_RESOURCE = "nvidia.com/gpu"

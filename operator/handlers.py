@@ -8,8 +8,8 @@ from typing import Any
 import kopf
 import kubernetes.client
 
-from tandem.config import CRD_GROUP, CRD_PLURAL, CRD_VERSION
 from tandem.operator import names
+from tandem.operator.crd import CRD_GROUP, CRD_PLURAL, CRD_VERSION
 from tandem.operator.kube import ForeignObjectError, Kube, KubeError, Outcome
 from tandem.operator.planner import Planner
 from tandem.operator.reconcile import RefusedSpec, StatusKeeper, reconcile

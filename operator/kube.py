@@ -15,8 +15,8 @@ from typing import Any, Literal
 import kubernetes.client
 import kubernetes.config
 
-from tandem.config import CRD_PLURAL
 from tandem.operator.builders import short_hash
+from tandem.operator.crd import CRD_PLURAL
 from tandem.operator.names import API_VERSION, HASH_ANNOTATION, KIND, MANAGER, OWNER_LABEL
 
 PLURALS = {

@@ -15,8 +15,8 @@ import kopf
 import kubernetes.client
 import kubernetes.config
 
-from tandem.config import CRD_GROUP
 from tandem.operator import names
+from tandem.operator.crd import CRD_GROUP
 from tandem.operator.handlers import WATCHED, build_registry
 from tandem.operator.kube import Kube, load_api_client
 from tandem.operator.metrics_source import ScrapedMetrics

@@ -18,8 +18,8 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from tandem.config import LLMDeploymentSpec
 from tandem.operator import names
+from tandem.operator.crd import LLMDeploymentSpec
 from tandem.operator.kube import Kube
 from tandem.planning.policy import MetricsWindow
 

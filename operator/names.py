@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tandem.config import CRD_GROUP, CRD_KIND, CRD_VERSION
+from tandem.operator.crd import CRD_GROUP, CRD_KIND, CRD_VERSION
 
 API_VERSION = f"{CRD_GROUP}/{CRD_VERSION}"
 KIND = CRD_KIND
@@ -29,7 +29,7 @@ def config_map_name(name: str) -> str:
 
 
 def internal_secret_name(name: str) -> str:
-    """The Secret holding the deployment's internal-endpoint token (tandem.internal_auth)."""
+    """The Secret holding the deployment's internal-endpoint token (tandem.server.internal_auth)."""
     return f"{name}-internal"
 
 

@@ -16,8 +16,8 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from tandem.config import LLMDeploymentSpec, ScalingSpec
 from tandem.operator import names
+from tandem.operator.crd import LLMDeploymentSpec, ScalingSpec
 from tandem.operator.kube import Kube, Outcome
 from tandem.operator.reconcile import StatusKeeper, reconcile
 from tandem.operator.scaling import planned_sizes, planner_limits, planner_mode

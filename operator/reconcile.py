@@ -77,7 +77,7 @@ def _internal_secret(owner: Owner) -> dict:
 
 
 def current_internal_secret(kube: Kube, owner: Owner) -> dict | None:
-    """The deployment's internal-endpoint token Secret (tandem.internal_auth), None while there is none. An orphan
+    """The deployment's internal-endpoint token Secret (tandem.server.internal_auth), None while there is none. An orphan
     of this deployment (its LLMDeployment deleted with --cascade=orphan and made again) is its own, to be adopted as
     it is, token included, so that no pod restarts for it. A Secret of that name that is not this deployment's is
     refused as any other foreign object is."""

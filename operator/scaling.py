@@ -11,8 +11,8 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from tandem.config import LLMDeploymentSpec
 from tandem.operator import devices
+from tandem.operator.crd import LLMDeploymentSpec
 from tandem.operator.sizing import PoolSizes
 from tandem.planning.policy import PlannerLimits
 

@@ -6,7 +6,7 @@ import math
 import re
 from dataclasses import dataclass
 
-from tandem.config import RATIO_PATTERN, LLMDeploymentSpec
+from tandem.operator.crd import RATIO_PATTERN, LLMDeploymentSpec
 
 
 @dataclass(frozen=True)

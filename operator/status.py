@@ -6,8 +6,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from tandem.config import LLMDeploymentSpec, LLMDeploymentStatus
 from tandem.operator import devices, names
+from tandem.operator.crd import LLMDeploymentSpec, LLMDeploymentStatus
 from tandem.operator.scaling import planned_sizes, planner_mode
 from tandem.operator.sizing import PoolSizes
 from tandem.operator.validation import SpecError, validate_spec

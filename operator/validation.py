@@ -11,8 +11,8 @@ from typing import Any
 import kubernetes_validate
 from pydantic import ValidationError
 
-from tandem.config import LLMDeploymentSpec, PodSettings
 from tandem.operator.builders import pod_env
+from tandem.operator.crd import LLMDeploymentSpec, PodSettings
 from tandem.operator.devices import GPU_RESOURCE, pool_gpus, pool_tp
 from tandem.operator.names import COMPONENTS, MAX_NAME_LENGTH, POOLS
 from tandem.operator.scaling import scaling_reasons

@@ -17,33 +17,28 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.middleware.cors import CORSMiddleware
 
-from tandem.body_limit import BodySizeLimit
 from tandem.errors import CLIENT_CLOSED_REQUEST, APIError, add_openai_error_handlers, error_body, retry_after
-from tandem.json_response import FastJSONResponse
-from tandem.model_routes import add_model_routes
-from tandem.openai_choices import Choice, combined, request_choices, staggered
-from tandem.openai_protocol import (
-    ChatCompletionRequest,
-    ChatPrompt,
-    CompletionRequest,
-    check_request,
-    check_token_ids,
-)
+from tandem.openai.chat import ChatCompletionRequest, ChatPrompt
+from tandem.openai.choices import Choice, combined, request_choices, staggered
+from tandem.openai.model_routes import add_model_routes
+from tandem.openai.protocol import CompletionRequest, check_request, check_token_ids
+from tandem.openai.tokenize_routes import add_tokenize_routes
 from tandem.protocol import SamplingParams
-from tandem.request_id import HEADER as REQUEST_ID_HEADER
 from tandem.router.admission import AdmissionRequest, Reject, RejectReason
 from tandem.router.admission.prediction import colocated_stall_s, prefill_s
 from tandem.router.api_keys import ApiKeyGate, bearer_token, header_value
 from tandem.router.fast_lane import FastLane
 from tandem.router.lora_affinity import resolve_lora, served_adapters
 from tandem.router.orchestrator import Trace, no_workers
-from tandem.sse import (
+from tandem.server.body_limit import BodySizeLimit
+from tandem.server.json_response import FastJSONResponse
+from tandem.server.request_id import HEADER as REQUEST_ID_HEADER
+from tandem.server.sse import (
     CancelOnDisconnect,
     ClientDisconnected,
     EventStreamResponse,
     openai_stream,
 )
-from tandem.tokenize_routes import add_tokenize_routes
 
 log = logging.getLogger(__name__)
 
@@ -159,7 +154,7 @@ def default_max_tokens(router, wanted: int) -> int:
 async def serve(router, request: Request, body: CompletionRequest | ChatCompletionRequest,
                 prompts: list[list[int]], params: SamplingParams, lora: str | None = None):
     """Admits every choice of the request (or none: a refused one releases the others), dispatches them and
-    answers with their merged stream or body (tandem.openai_choices; one choice, the usual case, is not merged)."""
+    answers with their merged stream or body (tandem.openai.choices; one choice, the usual case, is not merged)."""
     await check_request(body, prompts, params, router.max_model_len)
     choices = request_choices(body, prompts, params, lora or router.served_name, router.tokenizer)
     queue_size = router.admission.queue.max_size
@@ -306,7 +301,7 @@ def admit(router, choice: Choice, uncached: int, own_s: float | None, request: t
           disagg: bool, slo_name: str, key: str | None, charge: int | None, prompt_param: str):
     """The admission ticket of one choice, or the 429 (or 400 past a cap) that refuses it. `uncached` and `own_s`:
     the prompt tokens it will compute and their predicted seconds (none for a prompt's later samples, which prefill
-    from its first's cache: tandem.openai_choices). `request`: for a request's first choice, (tokens, seconds) all
+    from its first's cache: tandem.openai.choices). `request`: for a request's first choice, (tokens, seconds) all
     its prompts will compute (the request is judged as one); None for the others, which are not refused for the
     wait (AdmissionRequest.checks_ttft). `disagg`: its path (choose_path). `charge`: AdmissionRequest.charge_tokens."""
     decision = router.admission.decide(AdmissionRequest(
@@ -446,5 +441,5 @@ class Bill:
 
 
 def stream_error_body(exc: Exception) -> dict | None:
-    """The error event that ends a stream the pools cannot finish (see tandem.sse.openai_stream)."""
+    """The error event that ends a stream the pools cannot finish (see tandem.server.sse.openai_stream)."""
     return exc.body() if isinstance(exc, APIError) else None

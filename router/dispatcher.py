@@ -9,9 +9,9 @@ import time
 from collections import Counter
 from collections.abc import Callable
 
-from tandem.background import spawn
 from tandem.router.admission import AdmissionRequest, RejectReason, SLOClass
 from tandem.router.admission.decode_capacity import DecodeCapacity
+from tandem.server.background import spawn
 
 
 class Dispatcher:

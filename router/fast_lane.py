@@ -17,11 +17,11 @@ from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 from starlette.responses import Response
 
-from tandem import request_id
-from tandem.body_limit import declared_length_error, too_large
 from tandem.errors import APIError, api_error_response, validation_error_response
-from tandem.graceful import shutting_down_response
-from tandem.response_head import head_with_body
+from tandem.server import request_id
+from tandem.server.body_limit import declared_length_error, too_large
+from tandem.server.graceful import shutting_down_response
+from tandem.server.response_head import head_with_body
 
 Handler = Callable[[BaseModel, Request], Awaitable[Response]]
 
@@ -53,7 +53,7 @@ class FastLane:
             response = api_error_response(exc)
         except asyncio.CancelledError:
             # Only uvicorn cancels a request's task (a client that leaves is ClientDisconnected): the server stops
-            # and its graceful wait is over (tandem.graceful). Said so, rather than uvicorn's plain-text 500. Here
+            # and its graceful wait is over (tandem.server.graceful). Said so, rather than uvicorn's plain-text 500. Here
             # rather than by wrapping the app in AnswerOnShutdown as the worker does: a wrapped `send` is not
             # uvicorn's own, and head_with_body would fall back to two writes per answer.
             response = shutting_down_response()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tandem.model_routes import model_not_found
+from tandem.openai.model_routes import model_not_found
 
 
 def served_adapters(router) -> list[str]:

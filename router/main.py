@@ -14,10 +14,7 @@ import httpx
 import uvicorn
 
 from tandem.config import API_KEY_ENV, RouterConfig
-from tandem.graceful import GracefulServer
 from tandem.hashing import model_seed
-from tandem.heap import settle_heap
-from tandem.internal_auth import internal_headers
 from tandem.metrics import RouterMetrics
 from tandem.model_source import default_served_name
 from tandem.router.admission import (
@@ -36,6 +33,9 @@ from tandem.router.dispatcher import Dispatcher
 from tandem.router.orchestrator import Orchestrator
 from tandem.router.pool import WorkerPool, probe_pools
 from tandem.router.worker_client import WorkerClient
+from tandem.server.graceful import GracefulServer
+from tandem.server.heap import settle_heap
+from tandem.server.internal_auth import internal_headers
 from tandem.tokenizer import load_tokenizer
 
 log = logging.getLogger("tandem.router")
@@ -202,7 +202,7 @@ def run_router(config: RouterConfig, log_level: str = "info") -> int:
     server = _Server(uvicorn.Config(app, host=config.host, port=config.port, log_level=log_level, access_log=False,
                                     proxy_headers=False, timeout_graceful_shutdown=config.graceful_shutdown_s), router)
     # Objects built by now (tokenizer, chat template, metrics, the app) live as long as the process: frozen, and
-    # the youngest generation collected per --gc-young-threshold net new objects (tandem.heap says why;
+    # the youngest generation collected per --gc-young-threshold net new objects (tandem.server.heap says why;
     # benchmarks/router.py measures the collections' share of the router's CPU at that and at CPython's 700).
     log.info(settle_heap(router.metrics.gc_pauses, config.gc_young_threshold))
     server.run()

@@ -16,14 +16,12 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass, field
 
-from tandem.background import spawn
 from tandem.config import RouterConfig
 from tandem.errors import APIError, retry_after
 from tandem.hashing import adapter_seed, block_hashes
 from tandem.metrics import RouterMetrics
-from tandem.openai_format import Delta
+from tandem.openai.formatting import Delta
 from tandem.protocol import SamplingParams, join_decode_events
-from tandem.request_id import current as client_request_id
 from tandem.router.lora_affinity import lacking_adapter
 from tandem.router.policies.base import Placement
 from tandem.router.policies.registry import make_policy
@@ -31,6 +29,8 @@ from tandem.router.policies.ring import routing_key
 from tandem.router.pool import WorkerPool
 from tandem.router.prefix_predictor import PrefixPredictor
 from tandem.router.worker_client import TRANSPORT_ERRORS, UnreadableAnswer, WorkerClient, WorkerStatusError
+from tandem.server.background import spawn
+from tandem.server.request_id import current as client_request_id
 
 log = logging.getLogger(__name__)
 

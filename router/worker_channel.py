@@ -19,7 +19,7 @@ from collections.abc import Callable
 import aiohttp
 import orjson
 
-from tandem.background import spawn
+from tandem.server.background import spawn
 
 HEARTBEAT_S = 20.0  # a ping every 20 s; no pong within half of that (aiohttp's rule) closes the connection
 HANDSHAKE_TIMEOUT_S = 10.0

@@ -15,9 +15,9 @@ from typing import Literal
 import aiohttp
 import orjson
 
-from tandem.internal_auth import internal_headers
 from tandem.router.worker_channel import CLOSED, TIMED_OUT, ChannelClosed, WorkerChannel
-from tandem.sse import parse_sse_line
+from tandem.server.internal_auth import internal_headers
+from tandem.server.sse import parse_sse_line
 
 log = logging.getLogger(__name__)
 

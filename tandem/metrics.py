@@ -26,7 +26,7 @@ ENGINE_LABELS = ("model", "pool")
 
 
 def gc_pauses(name: str, held: str, labels: dict, registry: CollectorRegistry) -> list:
-    """One histogram child per collector generation (0, 1, 2), which tandem.heap observes every collection in."""
+    """One histogram child per collector generation (0, 1, 2), which tandem.server.heap observes every collection in."""
     histogram = Histogram(name, f"Time one garbage collection held {held}, by generation", (*labels, "generation"),
                           buckets=GC_PAUSE_BUCKETS, registry=registry)
     return [histogram.labels(**labels, generation=str(g)) for g in range(3)]

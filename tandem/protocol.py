@@ -18,7 +18,7 @@ TokenId = Annotated[int, Field(ge=0, le=INT64_MAX)]
 
 
 class StructuredOutput(BaseModel):
-    """A constraint on the whole output (tandem.structured_output): the tokens a step may pick are those that keep
+    """A constraint on the whole output (tandem.openai.structured_output): the tokens a step may pick are those that keep
     the text within it."""
 
     model_config = ConfigDict(frozen=True)  # hashable: compiled grammars are cached by it

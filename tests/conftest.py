@@ -26,7 +26,7 @@ TINY_VOCAB = 49152  # SmolLM2's tokenizer, so the tiny models are servable end t
 def process_logs_under_pytest_tmp(tmp_path_factory):
     """The logs of the processes tests start go under pytest's temporary directory, which keeps the last three
     runs' and removes older ones, instead of piling up in /tmp: a process that stops cleanly removes its log, but
-    one a test kills keeps it. tandem.launcher.ServiceProcess puts them where `tempfile` says; a `tandem serve`
+    one a test kills keeps it. tandem.runtimes.launcher.ServiceProcess puts them where `tempfile` says; a `tandem serve`
     under test, where its TMPDIR says."""
     import tempfile
 
@@ -180,7 +180,7 @@ def smollm2(smollm2_gguf_path, cpu_kernels):
     """Our LoadedModel for the SmolLM2 GGUF, float32 on CPU, as a CPU worker serves it ("auto"): attention
     through the native kernel where it builds, and the GEMMs of small decode batches from the file's Q4_1 /
     Q8_0 blocks where the GGUF GEMV runs (the torch reference path and the float weights are covered on the tiny
-    models, the kernels against references in tests/kernels)."""
+    models, the kernels against references in tests/workers/kernels)."""
     from tandem.workers.layers.ops import resolve_backend
     from tandem.workers.models.loader import load_model
 

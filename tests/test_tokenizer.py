@@ -184,7 +184,7 @@ def test_token_bytes_of_a_sentencepiece_style_tokenizer():
 @pytest.mark.parametrize("final", ["My favourite colour is", "  The answer: ", "x"])
 def test_a_conversation_left_open_matches_transformers(smollm2_tokenizer, hf_smollm2_tokenizer, final):
     """vLLM's continue_final_message: the client begins the assistant's answer and the model goes on with it."""
-    from tandem.openai_protocol import ChatCompletionRequest
+    from tandem.openai.chat import ChatCompletionRequest
 
     messages = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": final}]
     expected = hf_smollm2_tokenizer.apply_chat_template(messages, tokenize=False, continue_final_message=True)
@@ -200,7 +200,7 @@ def test_a_conversation_left_open_matches_transformers(smollm2_tokenizer, hf_smo
     ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs")])
 def test_chat_template_options_that_contradict_are_refused(smollm2_tokenizer, options, param):
     from tandem.errors import APIError
-    from tandem.openai_protocol import ChatCompletionRequest
+    from tandem.openai.chat import ChatCompletionRequest
 
     request = ChatCompletionRequest(model="m", messages=[{"role": "assistant", "content": "Hi"}], **options)
     with pytest.raises(APIError) as caught:
@@ -210,7 +210,7 @@ def test_chat_template_options_that_contradict_are_refused(smollm2_tokenizer, op
 
 def test_a_developer_message_is_a_system_message_to_a_template_that_knows_no_developer(smollm2_tokenizer):
     """OpenAI's newer name for the system role: SmolLM2's template would add its default system prompt too."""
-    from tandem.openai_protocol import ChatCompletionRequest
+    from tandem.openai.chat import ChatCompletionRequest
 
     def prompt(role: str) -> str:
         return ChatCompletionRequest(model="m", messages=[{"role": role, "content": "Be brief."},
@@ -226,7 +226,7 @@ def test_any_chat_template_kwarg_is_a_template_variable_or_a_400(smollm2_tokeniz
     import copy
 
     from tandem.errors import APIError
-    from tandem.openai_protocol import ChatCompletionRequest
+    from tandem.openai.chat import ChatCompletionRequest
 
     def prompt(tokenizer, **kwargs) -> str:
         return ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "Hi"}],

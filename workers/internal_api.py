@@ -18,10 +18,8 @@ from collections.abc import AsyncIterator
 import httpx
 from fastapi import FastAPI, Request
 
-from tandem.background import spawn
 from tandem.errors import APIError, error_body
-from tandem.json_response import FastJSONResponse
-from tandem.openai_protocol import check_length, check_token_ids
+from tandem.openai.protocol import check_length, check_token_ids
 from tandem.protocol import (
     AbortRequest,
     DecodeChunk,
@@ -33,8 +31,10 @@ from tandem.protocol import (
     TokenLogprob,
     join_decode_events,
 )
-from tandem.request_id import use as use_request_id
-from tandem.sse import DONE, EventStreamResponse, sse_event
+from tandem.server.background import spawn
+from tandem.server.json_response import FastJSONResponse
+from tandem.server.request_id import use as use_request_id
+from tandem.server.sse import DONE, EventStreamResponse, sse_event
 from tandem.workers.async_engine import EngineDeadError
 from tandem.workers.channel import add_channel_route, notify_all
 from tandem.workers.engine.llm_engine import RemoteKV, RequestOutput

@@ -10,8 +10,8 @@ from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel
 
 from tandem.errors import APIError
-from tandem.internal_auth import INTERNAL_TOKEN_HEADER, internal_token
-from tandem.model_routes import model_not_found
+from tandem.openai.model_routes import model_not_found
+from tandem.server.internal_auth import INTERNAL_TOKEN_HEADER, internal_token
 from tandem.workers.request_checks import parse_body
 
 

@@ -10,10 +10,10 @@ import torch
 import uvicorn
 
 from tandem.config import WorkerConfig
-from tandem.graceful import AnswerOnShutdown, GracefulServer
-from tandem.heap import settle_heap
-from tandem.launcher import free_port, port_in_use
 from tandem.metrics import EngineMetrics
+from tandem.runtimes.launcher import free_port, port_in_use
+from tandem.server.graceful import AnswerOnShutdown, GracefulServer
+from tandem.server.heap import settle_heap
 from tandem.workers.async_engine import AsyncEngine
 from tandem.workers.engine.calibration import calibrate
 from tandem.workers.engine.llm_engine import LLMEngine, load_engine_model, resolve_device
@@ -132,7 +132,7 @@ def run_worker(config: WorkerConfig, log_level: str = "info") -> int:
     if config.port and port_in_use(config.host, config.port):  # said now, not after loading the model
         raise SystemExit(f"tandem worker: port {config.port} on {config.host} is in use; choose another with --port")
     ctx, async_engine = build_worker(config)
-    log.info(settle_heap(ctx.metrics.gc_pauses))  # the model's code and data, frozen out of collections (tandem.heap)
+    log.info(settle_heap(ctx.metrics.gc_pauses))  # the model's code and data, frozen out of collections (tandem.server.heap)
     async_engine.start()
     app = build_app(ctx)
     server = _Server(uvicorn.Config(AnswerOnShutdown(app), host=config.host, port=config.port, log_level=log_level,

@@ -1,5 +1,5 @@
 """Parsing and validating request bodies, shared by the OpenAI routes and the internal P/D routes (the checks
-against the served model, shared with the router, are in tandem.openai_protocol)."""
+against the served model, shared with the router, are in tandem.openai.protocol)."""
 
 from __future__ import annotations
 

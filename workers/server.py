@@ -13,29 +13,25 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from tandem import request_id
-from tandem.body_limit import BodySizeLimit
 from tandem.config import WorkerConfig
 from tandem.errors import CLIENT_CLOSED_REQUEST, APIError, add_openai_error_handlers, error_body
-from tandem.internal_auth import InternalAuth, internal_headers, internal_token
-from tandem.json_response import FastJSONResponse
 from tandem.metrics import EngineMetrics
-from tandem.model_routes import add_model_routes
-from tandem.openai_choices import combined, held_until, request_choices, staggered
-from tandem.openai_protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    check_request,
-    check_token_ids,
-)
+from tandem.openai.chat import ChatCompletionRequest
+from tandem.openai.choices import combined, held_until, request_choices, staggered
+from tandem.openai.model_routes import add_model_routes
+from tandem.openai.protocol import CompletionRequest, check_request, check_token_ids
+from tandem.openai.tokenize_routes import add_tokenize_routes
 from tandem.protocol import LayoutFingerprint, SamplingParams
-from tandem.sse import (
+from tandem.server import request_id
+from tandem.server.body_limit import BodySizeLimit
+from tandem.server.internal_auth import InternalAuth, internal_headers, internal_token
+from tandem.server.json_response import FastJSONResponse
+from tandem.server.sse import (
     CancelOnDisconnect,
     ClientDisconnected,
     EventStreamResponse,
     openai_stream,
 )
-from tandem.tokenize_routes import add_tokenize_routes
 from tandem.tokenizer import Tokenizer
 from tandem.workers.async_engine import AsyncEngine, EngineDeadError
 from tandem.workers.internal_api import AgentDirectory, add_internal_routes
@@ -166,7 +162,7 @@ async def respond(ctx: ServingContext, request: Request, body: CompletionRequest
 
 
 def stream_error_body(exc: Exception) -> dict | None:
-    """The error event that ends a stream the engine cannot finish (see tandem.sse.openai_stream)."""
+    """The error event that ends a stream the engine cannot finish (see tandem.server.sse.openai_stream)."""
     if isinstance(exc, EngineDeadError):
         return error_body(503, str(exc))
     return error_body(400, str(exc)) if isinstance(exc, ValueError) else None

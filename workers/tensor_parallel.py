@@ -122,7 +122,7 @@ def init_process_group(rank: int, size: int, port: int, device: torch.device) ->
 
 def start_followers(size: int, port: int, engine_config_json: str) -> list[subprocess.Popen]:
     """Ranks 1..size-1 as child processes of this one (they die with it)."""
-    from tandem.launcher import _die_with_parent
+    from tandem.runtimes.launcher import _die_with_parent
 
     env = {**os.environ, "PYTHONSAFEPATH": "1"}
     return [subprocess.Popen([sys.executable, "-m", "tandem.workers.tp_follower", "--rank", str(rank), "--size",

@@ -1,4 +1,4 @@
-"""`tandem bench` settings; every field is also a `--kebab-case` option (see tandem/cli.py)."""
+"""`tandem bench` settings; every field is also a `--kebab-case` option (see tandem/cli/parsers.py)."""
 
 from __future__ import annotations
 

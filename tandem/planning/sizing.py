@@ -203,73 +203,14 @@ def make_plan(profile: WorkloadProfile, curve: list[CurvePoint] | None = None) -
     if not curve and not has_rates:
         raise ValueError("a plan needs a measured curve (--curve, the JSON `tandem bench` writes) or both "
                          "per-phase rates (--prefill-tok-s and --decode-tok-s)")
-    tp, safety, pct = profile.tensor_parallel_size, profile.safety_factor, profile.slo_percentile
     mean_in, mean_out = profile.input_distribution.mean, profile.output_distribution.mean
     values: dict = {"profile": profile, "mean_input_tokens": mean_in, "mean_output_tokens": mean_out}
     notes: list[str] = []
 
     decode_step = profile.decode_step_s
     if curve:
-        if profile.slo_ttft is None and profile.slo_itl is None:
-            raise ValueError("sizing from a curve needs an SLO: give --slo-ttft and/or --slo-itl")
-        point = find_c_max(curve, profile.slo_ttft, profile.slo_itl, pct)
-        values["curve_points"] = len(curve)
-        knee = find_knee([p.concurrency for p in curve], [p.request_throughput or p.usable_rps for p in curve])
-        values["knee_concurrency"] = None if knee is None else curve[knee].concurrency
-        values["little_checks"] = tuple(
-            littles_law_check(p.concurrency, p.request_throughput, p.e2e_mean_s)
-            for p in curve if p.request_throughput is not None)
-        notes += _length_mismatch(curve, mean_in, mean_out)
-        if point is None:
-            notes.append(f"no measured concurrency meets the SLO (lowest: {curve[0].concurrency:g}); measure "
-                         "lower concurrency or relax the SLO")
-        else:
-            values["c_max"] = point
-            values["usable_rps"] = point.usable_rps
-            values["instances"] = instances_needed(profile.peak_rps, point.usable_rps)
-            values["gpus"] = gpus_needed(values["instances"], tp, safety)
-            if decode_step is None and point.itl_p50_s:
-                decode_step = point.itl_p50_s
-            if point is curve[-1]:
-                notes.append("C_max is the highest concurrency measured: the SLO may hold beyond it; extend "
-                             "the sweep for a tighter plan")
-
-    prefill_tok_s, decode_tok_s = profile.prefill_tok_s, profile.decode_tok_s
-    if has_rates:
-        values["rates_source"] = "given"
-    else:
-        try:
-            prefill_tok_s = prefill_tok_s or fitted_prefill_rate(curve)
-            decode_tok_s = decode_tok_s or fitted_decode_rate(curve, profile.slo_itl, pct)
-            values["rates_source"] = "fitted from the colocated curve (measure per-phase rates for a sharper split)"
-        except ValueError as exc:
-            notes.append(f"no P:D split: give --prefill-tok-s and --decode-tok-s ({exc})")
-            prefill_tok_s = decode_tok_s = None
-    if prefill_tok_s and decode_tok_s:
-        loads = phase_loads(profile.peak_rps, mean_in, mean_out, prefill_tok_s, decode_tok_s,
-                            profile.ratio_max_term)
-        values.update(prefill_tok_s=prefill_tok_s, decode_tok_s=decode_tok_s, loads=loads)
-        if has_rates or values.get("instances") is None:
-            values["prefill_replicas"] = pool_replicas(loads.prefill, safety)
-            values["decode_replicas"] = pool_replicas(loads.decode, safety)
-            values["replicas_source"] = "each pool's load x safety factor, rounded up"
-        else:
-            total = from_gpus = max(2, ceil_count(values["gpus"] / tp))
-            split = split_total(total, loads.ratio)
-            # The ratio is reduced to small terms and the split rounded: a pool can land under its own load.
-            while split[0] < loads.prefill or split[1] < loads.decode:
-                total += 1
-                split = split_total(total, loads.ratio)
-            source = f"ceil(GPUs / TP) = {from_gpus} workers split {loads.ratio_text}"
-            if total > from_gpus:
-                source += f", raised to {total} to cover each pool's load"
-            values["prefill_replicas"], values["decode_replicas"] = split
-            values["replicas_source"] = source
-        if profile.slo_itl is not None and decode_step is not None:
-            values["decode_step_s"] = decode_step
-            values["disagg_threshold"] = disaggregation_threshold(profile.slo_itl, decode_step, prefill_tok_s)
-            if values["disagg_threshold"] == 0:
-                notes.append("the decode step already takes the whole ITL budget: disaggregate every prompt")
+        decode_step = _size_from_curve(profile, curve, values, notes) or decode_step
+    _size_pools(profile, curve, has_rates, decode_step, values, notes)
 
     wait = profile.max_queue_wait or profile.slo_ttft
     arrival = profile.queue_arrival_rps or profile.peak_rps
@@ -281,3 +222,78 @@ def make_plan(profile: WorkloadProfile, curve: list[CurvePoint] | None = None) -
                          f"{check.implied_concurrency:.3g}, {check.gap:.1f}x off; that benchmark point did not "
                          "run at the concurrency it claims")
     return Plan(**values, notes=tuple(notes))
+
+
+def _size_from_curve(profile: WorkloadProfile, curve: list[CurvePoint], values: dict, notes: list[str]) -> float | None:
+    """The colocated sizing from a measured curve (C_max, instances, GPUs) into `values`; the decode step time the
+    curve shows at C_max when the profile gives none (else None)."""
+    if profile.slo_ttft is None and profile.slo_itl is None:
+        raise ValueError("sizing from a curve needs an SLO: give --slo-ttft and/or --slo-itl")
+    point = find_c_max(curve, profile.slo_ttft, profile.slo_itl, profile.slo_percentile)
+    values["curve_points"] = len(curve)
+    knee = find_knee([p.concurrency for p in curve], [p.request_throughput or p.usable_rps for p in curve])
+    values["knee_concurrency"] = None if knee is None else curve[knee].concurrency
+    values["little_checks"] = tuple(
+        littles_law_check(p.concurrency, p.request_throughput, p.e2e_mean_s)
+        for p in curve if p.request_throughput is not None)
+    notes += _length_mismatch(curve, values["mean_input_tokens"], values["mean_output_tokens"])
+    if point is None:
+        notes.append(f"no measured concurrency meets the SLO (lowest: {curve[0].concurrency:g}); measure "
+                     "lower concurrency or relax the SLO")
+        return None
+    values["c_max"] = point
+    values["usable_rps"] = point.usable_rps
+    values["instances"] = instances_needed(profile.peak_rps, point.usable_rps)
+    values["gpus"] = gpus_needed(values["instances"], profile.tensor_parallel_size, profile.safety_factor)
+    if point is curve[-1]:
+        notes.append("C_max is the highest concurrency measured: the SLO may hold beyond it; extend "
+                     "the sweep for a tighter plan")
+    return point.itl_p50_s if profile.decode_step_s is None and point.itl_p50_s else None
+
+
+def _size_pools(profile: WorkloadProfile, curve: list[CurvePoint] | None, has_rates: bool,
+                decode_step: float | None, values: dict, notes: list[str]) -> None:
+    """The disaggregated sizing into `values`: per-phase rates (given, or fitted from the curve), each pool's load
+    and replicas, and the disaggregation threshold."""
+    prefill_tok_s, decode_tok_s = profile.prefill_tok_s, profile.decode_tok_s
+    if has_rates:
+        values["rates_source"] = "given"
+    else:
+        try:
+            prefill_tok_s = prefill_tok_s or fitted_prefill_rate(curve)
+            decode_tok_s = decode_tok_s or fitted_decode_rate(curve, profile.slo_itl, profile.slo_percentile)
+            values["rates_source"] = "fitted from the colocated curve (measure per-phase rates for a sharper split)"
+        except ValueError as exc:
+            notes.append(f"no P:D split: give --prefill-tok-s and --decode-tok-s ({exc})")
+            return
+    if not (prefill_tok_s and decode_tok_s):
+        return
+    loads = phase_loads(profile.peak_rps, values["mean_input_tokens"], values["mean_output_tokens"], prefill_tok_s,
+                        decode_tok_s, profile.ratio_max_term)
+    values.update(prefill_tok_s=prefill_tok_s, decode_tok_s=decode_tok_s, loads=loads)
+    if has_rates or values.get("instances") is None:
+        values["prefill_replicas"] = pool_replicas(loads.prefill, profile.safety_factor)
+        values["decode_replicas"] = pool_replicas(loads.decode, profile.safety_factor)
+        values["replicas_source"] = "each pool's load x safety factor, rounded up"
+    else:
+        (values["prefill_replicas"], values["decode_replicas"]), values["replicas_source"] = _split_workers(
+            values["gpus"], profile.tensor_parallel_size, loads)
+    if profile.slo_itl is not None and decode_step is not None:
+        values["decode_step_s"] = decode_step
+        values["disagg_threshold"] = disaggregation_threshold(profile.slo_itl, decode_step, prefill_tok_s)
+        if values["disagg_threshold"] == 0:
+            notes.append("the decode step already takes the whole ITL budget: disaggregate every prompt")
+
+
+def _split_workers(gpus: int, tp: int, loads: PhaseLoads) -> tuple[tuple[int, int], str]:
+    """The colocated plan's workers split by the P:D ratio, raised until each pool covers its load; and how."""
+    total = from_gpus = max(2, ceil_count(gpus / tp))
+    split = split_total(total, loads.ratio)
+    # The ratio is reduced to small terms and the split rounded: a pool can land under its own load.
+    while split[0] < loads.prefill or split[1] < loads.decode:
+        total += 1
+        split = split_total(total, loads.ratio)
+    source = f"ceil(GPUs / TP) = {from_gpus} workers split {loads.ratio_text}"
+    if total > from_gpus:
+        source += f", raised to {total} to cover each pool's load"
+    return split, source

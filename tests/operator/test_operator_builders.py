@@ -10,10 +10,10 @@ import pytest
 import yaml
 from kube_emulator import EXAMPLE
 
-from tandem.cli import _router_parser, _worker_parser
-from tandem.config import EngineConfig
+from tandem.cli.parsers import router_parser, worker_parser
 from tandem.operator import names
 from tandem.operator.builders import ENGINE_FLAG_FIELDS, Owner, build_objects, engine_args
+from tandem.operator.crd import EngineConfig
 from tandem.operator.kube import with_desired_hash
 from tandem.operator.validation import SpecError, validate_spec
 
@@ -161,7 +161,7 @@ def test_model_sources_become_volumes_and_the_model_argument():
 
 def test_worker_and_router_arguments_parse_with_the_real_cli():
     sub = argparse.ArgumentParser(exit_on_error=False).add_subparsers()
-    parsers = {"worker": _worker_parser(sub, "worker", "", 8000), "router": _router_parser(sub)}
+    parsers = {"worker": worker_parser(sub, "worker", "", 8000), "router": router_parser(sub)}
     for variant in VARIANTS:
         for name in ("smollm2-prefill", "smollm2-decode", "smollm2-router"):
             args = _by_name(_objects(VARIANTS[variant]), "Deployment")[name]["spec"]["template"]["spec"][
@@ -177,7 +177,7 @@ def test_the_router_and_the_workers_serve_the_model_under_its_spec_name():
     """The name clients are told to send (docs/kubernetes.md's curl), and the seed both sides hash prefixes with:
     a router named after the model source answered every request with 404 model_not_found."""
     sub = argparse.ArgumentParser(exit_on_error=False).add_subparsers()
-    parsers = {"worker": _worker_parser(sub, "worker", "", 8000), "router": _router_parser(sub)}
+    parsers = {"worker": worker_parser(sub, "worker", "", 8000), "router": router_parser(sub)}
     for variant in VARIANTS:
         spec, _ = validate_spec(VARIANTS[variant], "smollm2")
         for name in ("smollm2-prefill", "smollm2-decode", "smollm2-router"):
@@ -221,7 +221,7 @@ def test_the_tool_call_parser_reaches_the_workers_and_the_routers():
     """tool_choice "auto" is served by whichever forms the answer: the router for its clients, a worker for its
     own; both are given the parser (and neither is without spec.engine.toolCallParser)."""
     sub = argparse.ArgumentParser(exit_on_error=False).add_subparsers()
-    parsers = {"worker": _worker_parser(sub, "worker", "", 8000), "router": _router_parser(sub)}
+    parsers = {"worker": worker_parser(sub, "worker", "", 8000), "router": router_parser(sub)}
     for engine, parser in (({"toolCallParser": "hermes"}, "hermes"), ({}, None)):
         deployments = _by_name(_objects(_variant(engine=engine)), "Deployment")
         for name in ("smollm2-prefill", "smollm2-decode", "smollm2-router"):
@@ -333,8 +333,8 @@ def test_the_operators_own_pod_labels_and_annotations_are_refused(changes, messa
 
 def test_the_refused_pod_label_keys_are_the_operators_own():
     """tandem.config cannot import the operator's names: a label the operator adds must be refused there too."""
-    from tandem.config import CRD_GROUP, OPERATOR_LABEL_KEYS
     from tandem.operator import names
+    from tandem.operator.crd import CRD_GROUP, OPERATOR_LABEL_KEYS
 
     own = set(names.labels("x", "decode"))
     assert {k for k in own if not k.startswith(f"{CRD_GROUP}/")} == set(OPERATOR_LABEL_KEYS)

@@ -10,8 +10,8 @@ import yaml
 from kube_emulator import EXAMPLE
 from pydantic import ValidationError
 
-from tandem.config import LLMDeploymentSpec
-from tandem.crdgen import CRD_FILES, crd_manifest, main, render_crd
+from tandem.operator.crd import LLMDeploymentSpec
+from tandem.operator.crdgen import CRD_FILES, crd_manifest, main, render_crd
 
 # Free-form on purpose (Pod API types we pass through); anything else must be fully typed.
 PRESERVED = {"spec.prefill.affinity", "spec.decode.affinity", "spec.router.affinity",
@@ -26,7 +26,7 @@ def _schema() -> dict:
 def test_committed_crd_files_equal_the_generated_one():
     text = render_crd()
     for path in CRD_FILES:
-        assert path.read_text() == text, f"{path} is stale: run `python -m tandem.crdgen`"
+        assert path.read_text() == text, f"{path} is stale: run `python -m tandem.operator.crdgen`"
     assert main(["--check"]) == 0
 
 

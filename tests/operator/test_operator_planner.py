@@ -15,8 +15,8 @@ import yaml
 from kube_emulator import CR, EXAMPLE, PDBS, foreign_disruption_budget, running_operator
 from pydantic import ValidationError
 
-from tandem.config import LLMDeploymentSpec
-from tandem.crdgen import crd_manifest
+from tandem.operator.crd import LLMDeploymentSpec
+from tandem.operator.crdgen import crd_manifest
 from tandem.operator.metrics_source import (
     Sample,
     ScrapedMetrics,

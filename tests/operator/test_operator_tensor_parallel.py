@@ -10,9 +10,9 @@ import pytest
 import yaml
 from kube_emulator import CR, EXAMPLE
 
-from tandem.crdgen import crd_manifest
 from tandem.operator import devices
 from tandem.operator.builders import Owner, build_objects
+from tandem.operator.crdgen import crd_manifest
 from tandem.operator.scaling import clamp_to_limits, planner_limits
 from tandem.operator.sizing import PoolSizes
 from tandem.operator.status import fleet_gpus

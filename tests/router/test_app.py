@@ -612,7 +612,7 @@ def threads_rendering(request_class):
 def test_a_long_conversation_is_rendered_off_the_event_loop_to_the_same_ids():
     """The chat template is Python: one conversation of thousands of messages held the router's loop (a
     robustness-testing helper's finding). From LONG_CONVERSATION_MESSAGES on it renders on the tokenizer threads, to the same ids."""
-    from tandem.openai_protocol import ChatCompletionRequest
+    from tandem.openai.chat import ChatCompletionRequest
     from tandem.router.app import chat_prompt_ids
 
     router = Router(RouterConfig(decode=[WORKER]))
@@ -628,7 +628,7 @@ def test_a_long_conversation_is_rendered_off_the_event_loop_to_the_same_ids():
 def test_the_routers_tokenize_renders_a_long_conversation_off_the_event_loop_too():
     """POST /tokenize with `messages` renders the chat template as chat completions do (it was rendered on the loop
     whatever its length), with the request's add_special_tokens."""
-    from tandem.tokenize_routes import TokenizeChatRequest
+    from tandem.openai.tokenize_routes import TokenizeChatRequest
 
     router = Router(RouterConfig(decode=[WORKER]))
     app = build_app(router)

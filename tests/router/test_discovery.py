@@ -19,10 +19,10 @@ import yaml
 from aiohttp import web
 from kubernetes.config import kube_config
 
-from tandem.launcher import free_port
 from tandem.metrics import RouterMetrics
 from tandem.router.discovery import KubernetesDiscovery
 from tandem.router.pool import WorkerPool, probe_pools
+from tandem.runtimes.launcher import free_port
 
 SLICES = "discovery.k8s.io/v1/endpointslices"
 NAMESPACE = "serving"

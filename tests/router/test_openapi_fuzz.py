@@ -16,7 +16,7 @@ import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
 from schemathesis import GenerationMode
 
-from tandem.launcher import ServiceProcess
+from tandem.runtimes.launcher import ServiceProcess
 
 EXAMPLES_PER_OPERATION = 20
 OPERATIONS = [("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("GET", "/v1/models"),

@@ -12,9 +12,9 @@ import pytest
 from aiohttp import web
 from metric_values import metric_value
 
-from tandem.launcher import free_port
 from tandem.metrics import RouterMetrics
 from tandem.router.pool import WorkerPool, probe_pools
+from tandem.runtimes.launcher import free_port
 
 
 async def probed_worker(port: int, ready: bool) -> web.AppRunner:

@@ -7,7 +7,7 @@ import typing
 
 import pytest
 
-from tandem.cli_args import add_model_options, model_from_options
+from tandem.cli.args import add_model_options, model_from_options
 from tandem.config import RouterConfig
 from tandem.metrics import RouterMetrics
 from tandem.router.orchestrator import Orchestrator

@@ -1,4 +1,4 @@
-"""/tokenize, /detokenize and /version (tandem.tokenize_routes) on the router, over ASGI: what vLLM's clients call
+"""/tokenize, /detokenize and /version (tandem.openai.tokenize_routes) on the router, over ASGI: what vLLM's clients call
 to count a prompt's tokens, see a chat template's rendering and turn ids back into text."""
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
-"""Grammar matchers for the requests with a structured output (tandem.structured_output).
+"""Grammar matchers for the requests with a structured output (tandem.openai.structured_output).
 
 Each such request holds an llguidance matcher in the state its output so far has led to. Before a step samples,
 the matcher says which tokens keep the output within the grammar (a bitmask the sampler turns into -inf logits);
 after, it moves on by the token sampled. A grammar is compiled once (on the grammar thread,
-tandem.structured_output.on_grammar_thread) and its start state copied for each request that asks for it.
+tandem.openai.structured_output.on_grammar_thread) and its start state copied for each request that asks for it.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from collections.abc import Iterable
 import llguidance
 import torch
 
+from tandem.openai.structured_output import grammar_text, on_grammar_thread
 from tandem.protocol import StructuredOutput
-from tandem.structured_output import grammar_text, on_grammar_thread
 
 _CACHED_GRAMMARS = 64
 
