@@ -113,6 +113,9 @@ class EngineConfig(BaseModel):
                                                 "(e4m3, a scale per output channel), quantized at load from a float "
                                                 "checkpoint; activations quantized per token where the GPU has FP8 "
                                                 "tensor cores (compute capability 8.9+)")
+    kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3"] = Field(
+        "auto", description="KV cache storage: auto = the model's dtype; fp8 (= fp8_e4m3): e4m3, one byte per "
+        "element, with a per-tensor scale per layer (the checkpoint's k_scale/v_scale, else 1.0)")
     enforce_eager: bool = Field(False, description="no CUDA graphs: run decode steps eagerly (on CUDA, decode "
                                 "steps of up to min(max_num_seqs, 256) sequences are replayed from graphs)")
     seed: int = 0

@@ -121,6 +121,8 @@ def _engine_summary(async_engine: AsyncEngine) -> str:
     is serving."""
     runner = async_engine.engine.runner
     summary = f"{runner.device.type} {str(runner.dtype).removeprefix('torch.')}, attention {runner.model.ops.backend}"
+    if runner.kv_cache.dtype != runner.dtype:
+        summary += f", KV cache {str(runner.kv_cache.dtype).removeprefix('torch.')}"
     if runner.tp is not None:
         summary += f", tensor parallel {runner.tp.size}"
     if runner.model.gguf_block_gemms:

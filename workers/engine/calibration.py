@@ -176,6 +176,8 @@ def cache_key(engine) -> str:
     parts = [model, device.type, device_name, str(runner.dtype), runner.model.ops.backend, torch.__version__,
              torch.get_num_threads(), config.block_size, config.max_num_batched_tokens, config.max_num_seqs,
              engine.max_model_len, config.quantized_gemv, config.enforce_eager, 1]  # the last: this workload's version
+    if runner.kv_cache.dtype != runner.dtype:  # an FP8 KV cache (keys of float caches unchanged)
+        parts.append(str(runner.kv_cache.dtype))
     return hashlib.blake2b(json.dumps(parts).encode(), digest_size=8).hexdigest()
 
 

@@ -23,6 +23,7 @@ from tandem.workers.engine.cuda_graphs import DecodeGraphs, default_batch_sizes
 from tandem.workers.engine.huge_pages import collapse_into_huge_pages
 from tandem.workers.engine.sampler import TokenLogprobs, token_logprobs
 from tandem.workers.engine.sequence import Sequence
+from tandem.workers.layers import kv_quant
 from tandem.workers.layers.metadata import AttentionMetadata
 
 log = logging.getLogger(__name__)
@@ -44,6 +45,17 @@ def kv_block_bytes(num_layers: int, block_size: int, num_kv_heads: int, head_dim
     return num_layers * 2 * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
 
+def kv_cache_dtype(loaded: Any, config: EngineConfig) -> torch.dtype:
+    """What the KV cache stores: the model's dtype, or e4m3 for --kv-cache-dtype fp8 (refused on a GPU that has no
+    FP8 conversions, below compute capability 8.9)."""
+    dtype = kv_quant.kv_cache_torch_dtype(config.kv_cache_dtype, _as_dtype(loaded.dtype))
+    device = torch.device(loaded.device)
+    if dtype == kv_quant.FP8_KV and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        raise ValueError(f"--kv-cache-dtype {config.kv_cache_dtype} needs a GPU of compute capability 8.9 or more "
+                         f"(FP8 conversions); this one is {torch.cuda.get_device_capability(device)}")
+    return dtype
+
+
 def kv_cache_blocks(loaded: Any, config: EngineConfig) -> int:
     """The number of KV blocks the cache of a runner for `loaded` with `config` has (known before it is made); on a
     tensor-parallel worker each rank's cache holds that many blocks of its own KV heads in kv_cache_memory_gb."""
@@ -51,7 +63,7 @@ def kv_cache_blocks(loaded: Any, config: EngineConfig) -> int:
         return config.num_kv_blocks
     mc = loaded.config
     kv_heads = getattr(loaded.model, "num_local_kv_heads", mc.num_kv_heads)  # a tensor-parallel rank's own
-    block_bytes = kv_block_bytes(mc.num_layers, config.block_size, kv_heads, mc.head_dim, _as_dtype(loaded.dtype))
+    block_bytes = kv_block_bytes(mc.num_layers, config.block_size, kv_heads, mc.head_dim, kv_cache_dtype(loaded, config))
     blocks = int(config.kv_cache_memory_gb * (1 << 30)) // block_bytes
     if blocks < 1:
         raise ValueError(f"kv_cache_memory_gb={config.kv_cache_memory_gb} holds no KV block ({block_bytes} bytes each)")
@@ -92,8 +104,13 @@ class ModelRunner:
             max_model_len, self.num_blocks = self.tp.broadcast((max_model_len, self.num_blocks))
         self.max_model_len = max_model_len
         kv_heads = getattr(self.model, "num_local_kv_heads", mc.num_kv_heads)
+        self.kv_dtype = kv_cache_dtype(loaded, config)
         self.kv_cache = torch.zeros(self.num_blocks, mc.num_layers, 2, self.block_size, kv_heads,
-                                    mc.head_dim, dtype=self.dtype, device=self.device)
+                                    mc.head_dim, dtype=self.kv_dtype, device=self.device)
+        if self.kv_dtype == kv_quant.FP8_KV:
+            scales = self.model.kv_scales() if hasattr(self.model, "kv_scales") else []
+            log.info("KV cache in FP8 (e4m3): %d blocks; scales %s", self.num_blocks,
+                     "from the checkpoint" if any(s != (1.0, 1.0) for s in scales) else "1.0 (none in the checkpoint)")
         # Pack the CPU GEMM weights now rather than in the middle of the first batched request.
         pack_weights = getattr(self.model, "pack_weights", None)
         if pack_weights is not None:
@@ -109,7 +126,7 @@ class ModelRunner:
 
             started = time.perf_counter()
             try:
-                launches = compile_eager_builds(self.kv_cache[:, 0, 0], self.kv_cache[:, 0, 1], mc.num_heads)
+                launches = compile_eager_builds(self.kv_cache[:, 0, 0], self.kv_cache[:, 0, 1], mc.num_heads, self.dtype)
                 log.info("attention kernel: %d eager builds ready in %.1f s", launches, time.perf_counter() - started)
             except Exception as exc:  # noqa: BLE001 - costs each build's compile on its first step, not the worker
                 log.warning("compiling the attention kernel's eager builds at start failed; they compile on first "

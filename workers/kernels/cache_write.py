@@ -2,7 +2,8 @@
 
 One program per token copies all KV heads of its key and value to the token's slot
 (slot = block * block_size + offset). Negative slots mark padding tokens and are skipped, so a
-batch padded for a CUDA graph needs no host-side filtering.
+batch padded for a CUDA graph needs no host-side filtering. An FP8 cache stores x / scale, clamped to e4m3's
+range (kv_quant.quantize's arithmetic).
 """
 
 from __future__ import annotations
@@ -12,6 +13,23 @@ import triton
 import triton.language as tl
 
 from tandem.workers.kernels._launch import check_runnable
+from tandem.workers.layers.kv_quant import FP8_MAX, is_fp8
+
+_FP8_MAX = tl.constexpr(FP8_MAX)
+
+
+@triton.jit
+def _to_e4m3_grid(x):
+    """float32 x (|x| <= 448) rounded to nearest even e4m3 value, in float32, so that the cast after it is exact.
+
+    Done by hand because Triton's interpreter rounds float32 -> fp8 wrongly (no carry into the exponent); on a GPU
+    the cast alone would round the same. Adding 1.5 * 2^(e + 20) rounds at e4m3's spacing 2^(e - 3) for x in
+    [2^e, 2^(e+1)), and at 2^-9 below 2^-6 (its subnormals)."""
+    bits = x.to(tl.int32, bitcast=True)
+    exponent = tl.maximum((bits >> 23) & 0xFF, 121)  # 121 = 127 - 6: the subnormals' fixed spacing
+    magic = (((exponent + 20) << 23) | 0x400000).to(tl.float32, bitcast=True)
+    rounded = (x + magic) - magic
+    return tl.where(rounded == 0.0, x * 0.0, rounded)  # keeps -0's sign, as torch's cast does
 
 
 @triton.jit
@@ -21,6 +39,8 @@ def _write_kv_cache_kernel(
     k_cache_ptr,
     v_cache_ptr,
     slot_mapping_ptr,
+    k_scale,
+    v_scale,
     stride_kt,
     stride_kh,
     stride_kd,
@@ -40,6 +60,7 @@ def _write_kv_cache_kernel(
     HEAD_DIM: tl.constexpr,
     HEADS_PADDED: tl.constexpr,
     HEAD_DIM_PADDED: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
@@ -53,10 +74,14 @@ def _write_kv_cache_kernel(
     mask = (heads < NUM_HEADS) & (dims < HEAD_DIM)
 
     key = tl.load(key_ptr + token * stride_kt + heads * stride_kh + dims * stride_kd, mask=mask)
+    if KV_FP8:
+        key = _to_e4m3_grid(tl.minimum(tl.maximum(key.to(tl.float32) / k_scale, -_FP8_MAX), _FP8_MAX))
     k_dst = k_cache_ptr + block * stride_kcb + offset * stride_kcs + heads * stride_kch + dims * stride_kcd
     tl.store(k_dst, key.to(k_cache_ptr.dtype.element_ty), mask=mask)
 
     value = tl.load(value_ptr + token * stride_vt + heads * stride_vh + dims * stride_vd, mask=mask)
+    if KV_FP8:
+        value = _to_e4m3_grid(tl.minimum(tl.maximum(value.to(tl.float32) / v_scale, -_FP8_MAX), _FP8_MAX))
     v_dst = v_cache_ptr + block * stride_vcb + offset * stride_vcs + heads * stride_vch + dims * stride_vcd
     tl.store(v_dst, value.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
@@ -67,11 +92,14 @@ def write_kv_cache(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Write key/value [T, Hkv, D] into k_cache/v_cache [num_blocks, block_size, Hkv, D] in place.
 
     The caches may be strided views (kv_cache[:, layer, 0]); slots < 0 are skipped. Slots past the
     cache are not checked on the device (that would need a sync): the block manager owns that bound.
+    An FP8 cache stores key / k_scale and value / v_scale.
     """
     if key.dim() != 3 or key.shape != value.shape:
         raise ValueError(
@@ -107,6 +135,8 @@ def write_kv_cache(
         k_cache,
         v_cache,
         slot_mapping,
+        float(k_scale),
+        float(v_scale),
         *key.stride(),
         *value.stride(),
         *k_cache.stride(),
@@ -116,6 +146,7 @@ def write_kv_cache(
         HEAD_DIM=head_dim,
         HEADS_PADDED=heads_padded,
         HEAD_DIM_PADDED=head_dim_padded,
+        KV_FP8=is_fp8(k_cache),
         num_warps=4 if heads_padded * head_dim_padded >= 1024 else 1,
     )
 

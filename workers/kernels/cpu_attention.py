@@ -6,7 +6,7 @@ mixed lengths; benchmarks/engine_cpu.py (c) times the two.
 
 It is part of the native CPU extension (cpu_extension.py), built once per machine. The engine's "auto"
 attention backend falls back to the torch path when it did not build (no compiler, say), so a worker never
-fails for want of it.
+fails for want of it. The kernel reads float caches only: an FP8 cache (--kv-cache-dtype fp8) takes the torch path.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tandem.workers.kernels import cpu_extension
-from tandem.workers.layers import attention
+from tandem.workers.layers import attention, kv_quant
 from tandem.workers.layers.metadata import AttentionMetadata
 
 
@@ -57,8 +57,10 @@ def _step_plan(meta: AttentionMetadata) -> _StepPlan:
 
 
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                    scale: float) -> torch.Tensor:
+                    scale: float, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """Same contract as layers.attention.paged_attention: query [T, Hq, D] -> [T, Hq, D]."""
+    if kv_quant.is_fp8(k_cache):
+        return attention.paged_attention(query, k_cache, v_cache, meta, scale, k_scale=k_scale, v_scale=v_scale)
     plan = _step_plan(meta)
     if plan.block_tables is not None and plan.decode_rows is None:
         return paged_decode_attention(query, k_cache, v_cache, plan.block_tables, plan.seq_lens, scale)

@@ -2,6 +2,10 @@
 
 One kernel for every step, with a split-KV (flash-decoding) variant for long contexts at small batch. The
 tiling and how tiles are numbered without the host: docs/design/engine.md.
+
+An FP8 cache (--kv-cache-dtype fp8) is dequantized on load: its tiles widen exactly to the query's dtype (e4m3
+values are float16/bfloat16/float32 values), k_scale multiplies the scores (folded into their scale) and v_scale
+the output, in float32: the same products as dequantizing each element first.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import triton
 import triton.language as tl
 
 from tandem.workers.kernels._launch import check_runnable
+from tandem.workers.layers.kv_quant import is_fp8
 from tandem.workers.layers.metadata import AttentionMetadata
 
 LOG2_E = 1.0 / math.log(2.0)  # scores live in the log2 domain so the kernel can use exp2
@@ -66,6 +71,7 @@ def _attend_kv_tiles(
     TILE_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     CAUSAL: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     """Online-softmax update over KV tiles [tile_begin, tile_end); CAUSAL masks keys past each row's
     position and past kv_len (tiles before the diagonal skip both)."""
@@ -87,6 +93,8 @@ def _attend_kv_tiles(
             mask=key_valid[None, :] & dim_valid[:, None],
             other=0.0,
         )
+        if KV_FP8:
+            k_t = k_t.to(q.dtype)
         scores = tl.dot(q, k_t, input_precision=DOT_PRECISION) * scale_log2
         if CAUSAL:
             visible = (key_position[None, :] <= row_position[:, None]) & key_valid[None, :]
@@ -104,6 +112,8 @@ def _attend_kv_tiles(
             mask=key_valid[:, None] & dim_valid[None, :],
             other=0.0,
         )
+        if KV_FP8:
+            v = v.to(q.dtype)
         acc = acc * rescale[:, None]
         acc = tl.dot(probs.to(v.dtype), v, acc=acc, input_precision=DOT_PRECISION)
     return acc, running_max, running_sum
@@ -125,6 +135,7 @@ def _paged_attention_kernel(
     part_max_ptr,
     part_sum_ptr,
     scale_log2,
+    v_scale,
     num_seqs,
     stride_qt,
     stride_qh,
@@ -153,6 +164,7 @@ def _paged_attention_kernel(
     NUM_SPLITS: tl.constexpr,
     DECODE_ONLY: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     tile_id = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -217,15 +229,17 @@ def _paged_attention_kernel(
             acc, running_max, running_sum, q, kv_tile_begin, tl.minimum(kv_tile_end, num_unmasked_tiles),
             kv_len, row_position, block_table_row, k_head_ptr, v_head_ptr, dims, scale_log2,
             stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd,
-            BLOCK_SIZE, HEAD_DIM, TILE_N, DOT_PRECISION, False,
+            BLOCK_SIZE, HEAD_DIM, TILE_N, DOT_PRECISION, False, KV_FP8,
         )  # fmt: skip
         kv_tile_begin = tl.maximum(kv_tile_begin, num_unmasked_tiles)
     acc, running_max, running_sum = _attend_kv_tiles(
         acc, running_max, running_sum, q, kv_tile_begin, kv_tile_end,
         kv_len, row_position, block_table_row, k_head_ptr, v_head_ptr, dims, scale_log2,
         stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd,
-        BLOCK_SIZE, HEAD_DIM, TILE_N, DOT_PRECISION, True,
+        BLOCK_SIZE, HEAD_DIM, TILE_N, DOT_PRECISION, True, KV_FP8,
     )  # fmt: skip
+    if KV_FP8:
+        acc = acc * v_scale  # the output is linear in the values
 
     if NUM_SPLITS == 1:
         safe_sum = tl.where(running_sum == 0.0, 1.0, running_sum)
@@ -377,7 +391,7 @@ def _validate(
         raise ValueError(f"head_dim mismatch: query has {head_dim}, the KV cache {k_cache.shape[3]}")
     if num_q_heads % num_kv_heads != 0:
         raise ValueError(f"query heads ({num_q_heads}) must be a multiple of KV heads ({num_kv_heads})")
-    if k_cache.dtype != query.dtype or v_cache.dtype != query.dtype:
+    if k_cache.dtype != v_cache.dtype or (k_cache.dtype != query.dtype and not is_fp8(k_cache)):
         raise ValueError(f"KV cache dtype {k_cache.dtype} differs from query dtype {query.dtype}")
     devices = {query.device, k_cache.device, v_cache.device, meta.block_tables.device, meta.seq_lens.device}
     if len(devices) != 1 or meta.query_start_loc.device != query.device:
@@ -406,10 +420,13 @@ def paged_attention(
     *,
     num_splits: int | None = None,
     out: torch.Tensor | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Causal paged attention of query [T, Hq, D] over the cache; returns [T, Hq, D] in query's dtype.
 
-    k_cache / v_cache are [num_blocks, block_size, Hkv, D] views (any strides, e.g. kv_cache[:, layer, 0]).
+    k_cache / v_cache are [num_blocks, block_size, Hkv, D] views (any strides, e.g. kv_cache[:, layer, 0]), in the
+    query's dtype or FP8 (read as k_cache * k_scale, v_cache * v_scale).
     num_splits forces the split-KV path's split count (1 disables it); None lets choose_num_splits pick.
     Rows of tokens past query_start_loc[-1] (padding, e.g. for a CUDA graph) come out undefined.
     """
@@ -430,6 +447,7 @@ def paged_attention(
 
     config = _tile_config(meta.max_query_len, queries_per_kv, head_dim, query.dtype)
     decode_only = meta.max_query_len == 1
+    kv_fp8 = is_fp8(k_cache)
     grid_tiles = _grid_tiles(meta, num_tokens, config["BLOCK_Q"])
     if num_splits is None:
         num_splits = default_num_splits(query, num_kv_heads, meta, query.device)
@@ -461,7 +479,8 @@ def paged_attention(
         part_out,
         part_max,
         part_sum,
-        scale * LOG2_E,
+        scale * LOG2_E * (k_scale if kv_fp8 else 1.0),
+        float(v_scale),
         num_seqs,
         *query.stride(),
         *out.stride(),
@@ -477,6 +496,7 @@ def paged_attention(
         DECODE_ONLY=decode_only,
         # fp32 inputs would otherwise run through TF32 tensor cores and lose precision.
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        KV_FP8=kv_fp8,
         **config,
     )
     if num_splits > 1:
@@ -496,7 +516,8 @@ def paged_attention(
     return out
 
 
-def compile_eager_builds(k_cache: torch.Tensor, v_cache: torch.Tensor, num_q_heads: int) -> int:
+def compile_eager_builds(k_cache: torch.Tensor, v_cache: torch.Tensor, num_q_heads: int,
+                         dtype: torch.dtype | None = None) -> int:
     """Compiles, before serving, every build of the attention kernel that an eager step can ask for.
 
     Decode-only steps of up to the largest CUDA graph replay graphs, whose builds their capture compiled.
@@ -505,8 +526,9 @@ def compile_eager_builds(k_cache: torch.Tensor, v_cache: torch.Tensor, num_q_hea
     decode-only or prefill tiles, and the split count (a power of two up to _MAX_SPLITS). One tiny launch of
     each pair compiles them all here, rather than on a serving step (about a second each on a GPU host).
     The launches read one block of the cache and write a scratch output. Returns the number of launches.
+    `dtype`: the queries' (the cache's when None; an FP8 cache needs it).
     """
-    device, dtype = k_cache.device, k_cache.dtype
+    device, dtype = k_cache.device, dtype or k_cache.dtype
     head_dim = k_cache.shape[3]
     launches = 0
     for query_len in (1, 2):  # decode-only tiles, then prefill tiles (_tile_config: the same for any longer query)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from tandem.workers.layers import kv_quant
 from tandem.workers.layers.memo import StepMemo
 from tandem.workers.layers.metadata import AttentionMetadata
 
@@ -36,13 +37,18 @@ def write_kv_cache(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
-    """Stores key/value [T, Hkv, D] into the (strided) per-layer cache views at slot_mapping [T]."""
+    """Stores key/value [T, Hkv, D] into the (strided) per-layer cache views at slot_mapping [T]; an FP8 cache
+    stores key / k_scale and value / v_scale (kv_quant.quantize)."""
     block_ids, offsets = _slot_memo.get(
         (slot_mapping, k_cache.shape[1]), lambda: _split_slots(slot_mapping, k_cache.shape[1])
     )
     # The per-layer views cannot be flattened to [slots, Hkv, D] (block stride spans all layers), so index
     # by (block, offset); assignment through the view writes the shared cache tensor.
+    if kv_quant.is_fp8(k_cache):
+        key, value = kv_quant.quantize(key, k_scale), kv_quant.quantize(value, v_scale)
     k_cache[block_ids, offsets] = key if key.dtype == k_cache.dtype else key.to(k_cache.dtype)
     v_cache[block_ids, offsets] = value if value.dtype == v_cache.dtype else value.to(v_cache.dtype)
 
@@ -159,20 +165,24 @@ def _step_plan(meta: AttentionMetadata, block_size: int) -> _StepPlan:
     return plan
 
 
-def _gather(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
-    """[len(block_ids) * block_size, Hkv, D]: the listed blocks of one layer's (strided) cache view, in
-    order. index_select copies each block's contiguous [block_size, Hkv, D] rows in one go."""
-    return cache.index_select(0, block_ids).flatten(0, 1)
+def _gather(cache: torch.Tensor, block_ids: torch.Tensor, dtype: torch.dtype, kv_scale: float) -> torch.Tensor:
+    """[len(block_ids) * block_size, Hkv, D] in `dtype`: the listed blocks of one layer's (strided) cache view, in
+    order, an FP8 cache's dequantized. index_select copies each block's contiguous [block_size, Hkv, D] rows in one go."""
+    rows = cache.index_select(0, block_ids).flatten(0, 1)
+    return rows if rows.dtype == dtype else kv_quant.dequantize(rows, kv_scale, dtype)
 
 
 def _decode_attention(
-    query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: _DecodeBatch, scale: float
+    query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: _DecodeBatch, scale: float,
+    kv_scales: tuple[float, float] = (1.0, 1.0),
 ) -> torch.Tensor:
     """One query token per sequence: query [B, Hq, D] -> [B, Hq, D]."""
     num_seqs, num_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[2]
-    keys = _gather(k_cache, batch.block_ids).view(num_seqs, batch.context_len, num_kv_heads, head_dim)
-    values = _gather(v_cache, batch.block_ids).view(num_seqs, batch.context_len, num_kv_heads, head_dim)
+    keys = _gather(k_cache, batch.block_ids, query.dtype, kv_scales[0])
+    values = _gather(v_cache, batch.block_ids, query.dtype, kv_scales[1])
+    keys = keys.view(num_seqs, batch.context_len, num_kv_heads, head_dim)
+    values = values.view(num_seqs, batch.context_len, num_kv_heads, head_dim)
     if num_seqs == 1:
         keys, values = keys[:, : batch.max_seq_len], values[:, : batch.max_seq_len]
     # GQA without copying K/V: the query heads sharing one KV head become that head's query rows. SDPA's
@@ -207,13 +217,14 @@ def _prefill_attention(
     seq_len: int,
     scale: float,
     masks: dict,
+    kv_scales: tuple[float, float] = (1.0, 1.0),
 ) -> torch.Tensor:
     """One sequence's chunk: query [Q, Hq, D] at positions seq_len-Q .. seq_len-1 -> [Q, Hq, D]."""
     query_len, num_heads, _ = query.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     block_ids = block_table[: -(-seq_len // block_size)].long()
-    keys = _gather(k_cache, block_ids)[:seq_len]  # [S, Hkv, D]
-    values = _gather(v_cache, block_ids)[:seq_len]
+    keys = _gather(k_cache, block_ids, query.dtype, kv_scales[0])[:seq_len]  # [S, Hkv, D]
+    values = _gather(v_cache, block_ids, query.dtype, kv_scales[1])[:seq_len]
     # 4-D [1, H, len, D] views: with 3-D inputs SDPA takes its unfused math path on CPU, 3-10x slower than
     # the flash kernel (which also keeps bf16 scores and softmax in float32).
     q = query.transpose(0, 1).unsqueeze(0)
@@ -235,26 +246,32 @@ def paged_attention(
     scale: float,
     softcap: float | None = None,
     window: int | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Causal attention of the flattened batch query [T, Hq, D] over each sequence's cached keys (the new
     tokens' K/V must already be written). Returns [T, Hq, D]. `softcap`: scores become softcap * tanh(s / softcap)
-    (Gemma 2); `window`: a query sees only the last `window` positions, its own included (sliding-window layers)."""
+    (Gemma 2); `window`: a query sees only the last `window` positions, its own included (sliding-window layers).
+    An FP8 cache is read as k_cache * k_scale and v_cache * v_scale."""
+    kv_scales = (k_scale, v_scale)
     if softcap is not None or window is not None:
-        return _eager_attention(query, k_cache, v_cache, meta, scale, softcap, window)
+        return _eager_attention(query, k_cache, v_cache, meta, scale, softcap, window, kv_scales)
     plan = _step_plan(meta, k_cache.shape[1])
     groups = plan.decode_groups
     if len(groups) == 1 and groups[0].token_index is None:
-        return _decode_attention(query, k_cache, v_cache, groups[0], scale)
+        return _decode_attention(query, k_cache, v_cache, groups[0], scale, kv_scales)
 
     out = torch.empty_like(query)
     for group in groups:
-        out[group.token_index] = _decode_attention(query[group.token_index], k_cache, v_cache, group, scale)
-    attend_prefill_chunks(out, query, k_cache, v_cache, meta, scale, plan.query_starts, plan.masks)
+        out[group.token_index] = _decode_attention(query[group.token_index], k_cache, v_cache, group, scale,
+                                                   kv_scales)
+    attend_prefill_chunks(out, query, k_cache, v_cache, meta, scale, plan.query_starts, plan.masks, kv_scales)
     return out
 
 
 def attend_prefill_chunks(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                          meta: AttentionMetadata, scale: float, query_starts: list[int], masks: dict) -> None:
+                          meta: AttentionMetadata, scale: float, query_starts: list[int], masks: dict,
+                          kv_scales: tuple[float, float] = (1.0, 1.0)) -> None:
     """Writes into `out` the attention of every sequence of the step that brings more than one token (a
     prefill chunk), one sequence at a time; decode rows are left to the caller."""
     for b, query_len in enumerate(meta.query_lens_list):
@@ -262,12 +279,13 @@ def attend_prefill_chunks(out: torch.Tensor, query: torch.Tensor, k_cache: torch
             start = query_starts[b]
             out[start : start + query_len] = _prefill_attention(
                 query[start : start + query_len], k_cache, v_cache, meta.block_tables[b], meta.seq_lens_list[b],
-                scale, masks,
+                scale, masks, kv_scales,
             )
 
 
 def _eager_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                     scale: float, softcap: float | None, window: int | None) -> torch.Tensor:
+                     scale: float, softcap: float | None, window: int | None,
+                     kv_scales: tuple[float, float] = (1.0, 1.0)) -> torch.Tensor:
     """paged_attention with soft-capped scores and/or a sliding window, one sequence at a time, scores made
     explicitly (SDPA caps nothing), in transformers' eager order: scale, cap, mask, float32 softmax."""
     out = torch.empty_like(query)
@@ -277,8 +295,10 @@ def _eager_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     for b, (query_len, seq_len) in enumerate(zip(meta.query_lens_list, meta.seq_lens_list)):
         first_key = 0 if window is None else max(0, seq_len - query_len - window + 1)  # older keys are out of reach
         block_ids = meta.block_tables[b, : -(-seq_len // block_size)].long()
-        keys = _gather(k_cache, block_ids)[first_key:seq_len].transpose(0, 1).repeat_interleave(group, 0)
-        values = _gather(v_cache, block_ids)[first_key:seq_len].transpose(0, 1).repeat_interleave(group, 0)
+        keys = _gather(k_cache, block_ids, query.dtype, kv_scales[0])[first_key:seq_len]
+        values = _gather(v_cache, block_ids, query.dtype, kv_scales[1])[first_key:seq_len]
+        keys = keys.transpose(0, 1).repeat_interleave(group, 0)
+        values = values.transpose(0, 1).repeat_interleave(group, 0)
         q = query[start : start + query_len].transpose(0, 1)  # [Hq, Q, D]
         scores = (q @ keys.transpose(1, 2)) * scale
         if softcap is not None:

@@ -60,8 +60,9 @@ class GemmaAttention(LlamaAttention):
 
     def attend(self, q, k_cache, v_cache, meta):
         if self.softcap is None and self.window is None:
-            return self.ops.paged_attention(q, k_cache, v_cache, meta, self.scale)
-        return attention.paged_attention(q, k_cache, v_cache, meta, self.scale, self.softcap, self.window)
+            return super().attend(q, k_cache, v_cache, meta)
+        return attention.paged_attention(q, k_cache, v_cache, meta, self.scale, self.softcap, self.window,
+                                         k_scale=self.k_scale, v_scale=self.v_scale)
 
 
 class GemmaDecoderLayer(nn.Module):

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem.workers.kernels.gguf_linear import GGUFBlocks, gguf_linear
+from tandem.workers.layers import kv_quant
 from tandem.workers.layers.fp8_linear import FP8, fp8_linear, quantize_weight
 from tandem.workers.layers.metadata import AttentionMetadata
 from tandem.workers.models.config import ModelConfig
@@ -186,6 +187,7 @@ class LlamaAttention(nn.Module):
         self.kv_size = self.num_kv_heads * config.head_dim
         self.shard_sizes = (self.q_size, self.kv_size, self.kv_size)
         self.scale = config.head_dim**-0.5
+        self.k_scale = self.v_scale = 1.0  # an FP8 KV cache's per-tensor scales (the checkpoint's, when it has them)
         self.ops = ops
         self.qkv_proj = Linear(config.hidden_size, sum(self.shard_sizes), bias=config.attention_bias)
         self.o_proj = Linear(self.q_size, config.hidden_size, bias=False)
@@ -202,7 +204,7 @@ class LlamaAttention(nn.Module):
         num_tokens = hidden.shape[0]
         q, k, v = self.project(hidden)
         q, k = self.ops.apply_rotary(positions, q, k, cos_sin_cache)
-        self.ops.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        self.ops.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping, k_scale=self.k_scale, v_scale=self.v_scale)
         out = self.attend(q, k_cache, v_cache, meta)
         out = self.o_proj.forward(out.reshape(num_tokens, self.q_size))
         return out if self.tp is None else self.tp.all_reduce(out)
@@ -210,7 +212,8 @@ class LlamaAttention(nn.Module):
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata):
         """Causal attention of q [T, Hq, D] over the cached keys and values (this step's written already)."""
-        return self.ops.paged_attention(q, k_cache, v_cache, meta, self.scale)
+        return self.ops.paged_attention(q, k_cache, v_cache, meta, self.scale, k_scale=self.k_scale,
+                                        v_scale=self.v_scale)
 
     def project(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q [T, Hq, D], k and v [T, Hkv, D] of the tokens, before the rotary embedding."""
@@ -403,6 +406,9 @@ class LlamaForCausalLM(nn.Module):
         for hf_name, tensor in weights:
             if hf_name.endswith(_IGNORED_SUFFIXES):
                 continue
+            if (scale := kv_quant.kv_scale_name(hf_name)) is not None:
+                self._set_kv_scale(hf_name, *scale, tensor)
+                continue
             if hf_name == "lm_head.weight" and self.lm_head is None:
                 continue  # tied: some checkpoints store the head anyway, transformers ignores it too
             name, shard = self._map_name(hf_name)
@@ -421,6 +427,21 @@ class LlamaForCausalLM(nn.Module):
         if missing:
             names = sorted(f"{name}[{shard}]" if shard is not None else name for name, shard in missing)
             raise ValueError(f"checkpoint is missing {len(names)} tensors, e.g. {names[:5]}")
+
+    def _set_kv_scale(self, hf_name: str, layer: int, which: str, tensor: torch.Tensor) -> None:
+        """Keeps a checkpoint's FP8 KV scale on its layer's attention (used when the KV cache is FP8)."""
+        if layer >= len(self.model.layers):
+            raise ValueError(f"checkpoint tensor {hf_name!r} has no place in this {self.config.architecture} model")
+        attn = self.model.layers[layer].self_attn
+        value = kv_quant.scale_value(hf_name, tensor)
+        if "k" in which:
+            attn.k_scale = value
+        if "v" in which:
+            attn.v_scale = value
+
+    def kv_scales(self) -> list[tuple[float, float]]:
+        """Each layer's (k_scale, v_scale) for an FP8 KV cache."""
+        return [(layer.self_attn.k_scale, layer.self_attn.v_scale) for layer in self.model.layers]
 
     def _shard_keys(self, name: str) -> list:
         """The checkpoint tensors parameter `name` is loaded from, by shard key ([None]: one tensor, whole)."""

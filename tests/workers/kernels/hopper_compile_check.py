@@ -119,9 +119,9 @@ def main() -> None:
             )
         compiled.clear()
 
-    def attention(label, query_lens, seq_lens, hq, hkv, d, block_size, dtype, num_splits=None):
+    def attention(label, query_lens, seq_lens, hq, hkv, d, block_size, dtype, num_splits=None, kv_dtype=None):
         blocks = max(-(-s // block_size) for s in seq_lens)
-        kv_cache = torch.empty(4, 8, 2, block_size, hkv, d, dtype=dtype)
+        kv_cache = torch.empty(4, 8, 2, block_size, hkv, d, dtype=kv_dtype or dtype)
         batch, tokens = len(seq_lens), sum(query_lens)
         meta = AttentionMetadata(
             torch.zeros(tokens, dtype=torch.int64),
@@ -135,7 +135,7 @@ def main() -> None:
         )
         query = torch.empty(tokens, hq, d, dtype=dtype)
         modules["paged_attention"].paged_attention(
-            query, kv_cache[:, 3, 0], kv_cache[:, 3, 1], meta, d**-0.5, num_splits=num_splits
+            query, kv_cache[:, 3, 0], kv_cache[:, 3, 1], meta, d**-0.5, num_splits=num_splits, k_scale=0.5, v_scale=2.0
         )
         report(label)
 
@@ -148,11 +148,17 @@ def main() -> None:
     attention("decode split-KV", [1] * 2, [4096] * 2, 32, 8, 128, 16, bf16, num_splits=8)
     attention("mixed prefill", [1, 512], [4096, 1024], 32, 8, 128, 16, bf16)
     attention("mixed prefill fp32", [1, 512], [4096, 1024], 32, 8, 128, 16, torch.float32)
+    fp8_kv = torch.float8_e4m3fn  # --kv-cache-dtype fp8: bf16 queries over an e4m3 cache
+    attention("decode fp8 KV", [1] * 64, [4096] * 64, 32, 8, 128, 16, bf16, kv_dtype=fp8_kv)
+    attention("decode split-KV fp8 KV", [1] * 2, [4096] * 2, 32, 8, 128, 16, bf16, num_splits=8, kv_dtype=fp8_kv)
+    attention("mixed prefill fp8 KV", [1, 512], [4096, 1024], 32, 8, 128, 16, bf16, kv_dtype=fp8_kv)
 
     kv_cache = torch.empty(4, 8, 2, 16, 8, 128, dtype=bf16)
     key = torch.empty(64, 8, 128, dtype=bf16)
     slots = torch.zeros(64, dtype=torch.int64)
     modules["cache_write"].write_kv_cache(key, key, kv_cache[:, 1, 0], kv_cache[:, 1, 1], slots)
+    fp8_cache = torch.empty(4, 8, 2, 16, 8, 128, dtype=fp8_kv)
+    modules["cache_write"].write_kv_cache(key, key, fp8_cache[:, 1, 0], fp8_cache[:, 1, 1], slots, 0.5, 2.0)
     x, weight = torch.empty(64, 4096, dtype=bf16), torch.empty(4096, dtype=bf16)
     modules["rmsnorm"].rms_norm(x, weight, 1e-5)
     modules["rmsnorm"].fused_add_rms_norm(x, x.clone(), weight, 1e-5)

@@ -62,7 +62,7 @@ def test_the_fused_moe_gemm_uses_tensor_cores_without_spilling(builds):
 
 def test_attention_builds_do_not_spill(builds):
     attention = [b for b in builds if b.get("kernel") == "_paged_attention_kernel"]
-    assert len(attention) == 5
+    assert len(attention) == 8  # 5 over float caches, 3 over FP8 ones
     for build in attention:
         assert build["stack"] == 0, f"{build['label']}: {build['stack']} bytes of register spills"
 
@@ -71,6 +71,15 @@ def test_bf16_attention_uses_tensor_cores(builds):
     for build in builds:
         if build.get("kernel") == "_paged_attention_kernel" and "fp32" not in build["label"]:
             assert build["tensor_core_ops"] > 0, build
+
+
+def test_fp8_kv_cache_builds(builds):
+    """--kv-cache-dtype fp8: the attention kernel over an e4m3 cache (decode, split-KV, prefill) and the quantizing
+    cache write build for sm_90; the attention keeps its dots on tensor cores."""
+    fp8 = [b for b in builds if "fp8 KV" in b["label"] and b.get("kernel") == "_paged_attention_kernel"]
+    assert len(fp8) == 3 and all(b["tensor_core_ops"] > 0 and b["stack"] == 0 for b in fp8), fp8
+    writes = [b for b in builds if b.get("kernel") == "_write_kv_cache_kernel"]
+    assert len(writes) == 2 and all(b["stack"] == 0 for b in writes), writes  # float and FP8 caches
 
 
 def test_changing_batch_sizes_and_table_widths_reuse_one_attention_build(builds):
