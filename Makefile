@@ -42,7 +42,7 @@ serve: $(STAMP)
 
 # pytest exit code 5 means no test ran: that is a failure, not a pass.
 test: $(STAMP)
-	@$(VENV)/bin/pytest -q -ra $(PYTEST_ARGS); rc=$$?; \
+	@$(VENV)/bin/pytest -q -ra --durations=20 $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; exit 1; fi; exit $$rc
 
 bench: $(STAMP)

@@ -12,6 +12,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 from safetensors.torch import save_file
+from test_engine_pd import run
 
 from tandem.config import EngineConfig
 from tandem.errors import APIError
@@ -73,19 +74,6 @@ def engine(loaded, role: str, kv_cache_dtype: str = "fp8", **overrides) -> LLMEn
     return LLMEngine(loaded, EngineConfig(**settings), EngineMetrics(loaded.config.name, role))
 
 
-def run(eng: LLMEngine, request_id: str, prompt: list[int], params=GREEDY, **kwargs) -> tuple[list[int], list]:
-    eng.add_request(request_id, prompt, params, **kwargs)
-    tokens, outputs = [], []
-    for _ in range(500):
-        for out in eng.step():
-            if out.request_id == request_id:
-                tokens += out.new_token_ids
-                outputs.append(out)
-                if out.finished:
-                    return tokens, outputs
-    raise AssertionError("request did not finish")
-
-
 def test_the_layout_fingerprint_carries_the_kv_dtype_and_a_mixed_pair_is_refused(tiny):
     fp8, auto = engine(tiny, "prefill"), engine(tiny, "decode", kv_cache_dtype="auto")
     assert fp8.layout.dtype == "float8_e4m3fn" and auto.layout.dtype == "float32"
@@ -111,11 +99,11 @@ def test_pd_between_fp8_workers_is_token_exact_and_moves_fp8_bytes(tiny, length)
     decode.kv_transfer.read_blocks = lambda *a, **k: moved.append(read(*a, **k)) or moved[-1]
     try:
         prompt = [(37 * i + length) % 900 + 5 for i in range(length)]
-        reference, _ = run(colocated, "c", prompt)
-        first, outs = run(prefill, "r", prompt, prefill_only=True)
+        reference, _ = run(colocated, "c", prompt, GREEDY)
+        first, outs = run(prefill, "r", prompt, GREEDY, prefill_only=True)
         lease = outs[-1].kv_lease
         source = RemoteKV(prefill.kv_transfer.agent_info(), lease.block_ids, lease.expires_at)
-        rest, outs = run(decode, "r", prompt, first_token_id=first[0], kv_source=source)
+        rest, outs = run(decode, "r", prompt, GREEDY, first_token_id=first[0], kv_source=source)
         prefill.release_lease(lease.lease_id)
         assert outs[0].kv_status == "pulled" and first + rest == reference
         config = tiny.config
@@ -151,7 +139,7 @@ def test_the_checkpoints_kv_scales_are_used(scaled_dir, tiny):
     assert scaled.model.kv_scales() == [(0.5, 0.25), (2.0, 2.0)]
     assert tiny.model.kv_scales() == [(1.0, 1.0), (1.0, 1.0)]  # none in the checkpoint: vLLM's default
     eng = engine(scaled, "both")
-    tokens, _ = run(eng, "s", list(range(5, 45)))
+    tokens, _ = run(eng, "s", list(range(5, 45)), GREEDY)
     assert len(tokens) == GREEDY.max_tokens
     # What the cache holds is each key / its layer's k_scale: layer 1's is half of the unscaled engine's.
     eng, plain = engine(scaled, "both"), engine(tiny, "both")

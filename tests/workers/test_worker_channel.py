@@ -649,9 +649,9 @@ def test_a_channel_dropped_before_its_reader_ran_is_closed_and_replaced(monkeypa
         client = WorkerClient(read_timeout_s=3.0)
         real_init = worker_channel.WorkerChannel.__init__
 
-        def init(self, ws, read_timeout_s):
+        def init(self, ws, read_timeout_s, on_notice=None):
             asyncio.get_running_loop().call_soon(client.drop, url)  # queued ahead of the reader's first step
-            real_init(self, ws, read_timeout_s)
+            real_init(self, ws, read_timeout_s, on_notice)
 
         try:
             monkeypatch.setattr(worker_channel.WorkerChannel, "__init__", init)
