@@ -35,6 +35,7 @@ DECODE_PROMPT_TOKENS = 32
 # where other processes took the cores). Beyond it the workload is measured again, MAX_PASSES times at most.
 STEADY_SPREAD = 2.5
 MAX_PASSES = 3
+SPIKE_LIMIT = 2.0  # a decode step counts at most this many times the median of its run's steps
 
 
 class _Recorder:
@@ -73,9 +74,32 @@ def calibrate(engine) -> StepCost:
                             spread(samples))
             elif path:
                 _write(path, samples)
-    for tokens, sequences, pairs, seconds in samples:
+    for tokens, sequences, pairs, seconds in without_spikes(samples):
         engine.step_costs.add(tokens, sequences, pairs, seconds, prior=True)
     return engine.step_costs.cost()
+
+
+def without_spikes(samples: list[list[float]]) -> list[list[float]]:
+    """The samples with each decode step held to SPIKE_LIMIT x the median of its run's steps: one step that
+    another process delayed (92 ms among 12-21 ms ones, seen on a 2-core CI host) would otherwise weigh in the fit
+    as if the worker were that slow, and admission refuse streams it can serve."""
+    medians = {run: statistics.median(t) for run, t in _decode_times(samples).items()}
+    return [[tokens, sequences, pairs, min(seconds, SPIKE_LIMIT * medians[_run(sequences, pairs)])
+             if tokens == sequences else seconds] for tokens, sequences, pairs, seconds in samples]
+
+
+def _run(sequences: float, pairs: float) -> tuple[float, int]:
+    """Which run of decode steps a step belongs to: its batch size and its context (in 64-token bands)."""
+    return sequences, int(pairs / sequences) // 64
+
+
+def _decode_times(samples: list[list[float]]) -> dict[tuple[float, int], list[float]]:
+    """The decode steps' seconds by run (a decode step computes one token per sequence)."""
+    runs: dict[tuple[float, int], list[float]] = {}
+    for tokens, sequences, pairs, seconds in samples:
+        if tokens == sequences:
+            runs.setdefault(_run(sequences, pairs), []).append(seconds)
+    return runs
 
 
 def measure_steadily(engine) -> tuple[list[list[float]], bool]:
@@ -94,13 +118,10 @@ def measure_steadily(engine) -> tuple[list[list[float]], bool]:
 
 def spread(samples: list[list[float]]) -> float:
     """How unsteady the calibration's repeated decode steps are (the same batch on a token more each): the largest,
-    over batch sizes, of the median step's time over the fastest's. Near 1 on a quiet host; spikes from other
-    processes raise it."""
-    by_batch: dict[float, list[float]] = {}
-    for tokens, sequences, _, seconds in samples:
-        if tokens == sequences:  # a decode step: one token per sequence
-            by_batch.setdefault(sequences, []).append(seconds)
-    return max((statistics.median(t) / max(min(t), 1e-9) for t in by_batch.values() if len(t) > 1), default=1.0)
+    over runs (a batch size at one context), of the median step's time over the fastest's. Near 1 on a quiet host;
+    spikes from other processes raise it."""
+    return max((statistics.median(t) / max(min(t), 1e-9) for t in _decode_times(samples).values() if len(t) > 1),
+               default=1.0)
 
 
 def measure(engine) -> list[list[float]]:
@@ -126,7 +147,15 @@ def measure(engine) -> list[list[float]]:
                     engine.generate([prompt(n)], _greedy(1))
             recorder.samples.clear()  # are not the steps' own
             for n in prefills:
-                engine.generate([prompt(n)], _greedy(1))
+                # The longest prompt also decodes a few steps: a batch of one at a long context, without which the
+                # decode model's attention-pair term is not told apart from its per-sequence term (every other decode
+                # step sees about DECODE_PROMPT_TOKENS of context) and a long stream's steps were predicted 10-100x
+                # too slow.
+                if n == prefills[-1]:
+                    long = max(1, min(n, engine.max_model_len - DECODE_STEPS - 1))
+                    engine.generate([prompt(long)], _greedy(DECODE_STEPS + 1))
+                else:
+                    engine.generate([prompt(n)], _greedy(1))
             decode_len = min(DECODE_PROMPT_TOKENS, max(1, limit - DECODE_STEPS - 1))
             for batch in batches:
                 engine.generate([prompt(decode_len) for _ in range(batch)], _greedy(DECODE_STEPS + 1))
@@ -175,7 +204,7 @@ def cache_key(engine) -> str:
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name()
     parts = [model, device.type, device_name, str(runner.dtype), runner.model.ops.backend, torch.__version__,
              torch.get_num_threads(), config.block_size, config.max_num_batched_tokens, config.max_num_seqs,
-             engine.max_model_len, config.quantized_gemv, config.enforce_eager, 1]  # the last: this workload's version
+             engine.max_model_len, config.quantized_gemv, config.enforce_eager, 2]  # the last: this workload's version
     if runner.kv_cache.dtype != runner.dtype:  # an FP8 KV cache (keys of float caches unchanged)
         parts.append(str(runner.kv_cache.dtype))
     return hashlib.blake2b(json.dumps(parts).encode(), digest_size=8).hexdigest()
