@@ -35,6 +35,10 @@ DECODE_PROMPT_TOKENS = 32
 # where other processes took the cores). Beyond it the workload is measured again, MAX_PASSES times at most.
 STEADY_SPREAD = 2.5
 MAX_PASSES = 3
+# A CPU worker's calibration that got under this share of its threads' time ran beside other work: 0.99 measured
+# on a quiet 2-core host, 0.42 while another process installed packages (every step 2-10x slower, all alike, so that
+# spread() did not show it).
+MIN_CPU_SHARE = 0.5
 SPIKE_LIMIT = 2.0  # a decode step counts at most this many times the median of its run's steps
 
 
@@ -69,9 +73,8 @@ def calibrate(engine) -> StepCost:
             samples, steady = measure_steadily(engine)
             log.info("step cost calibration: %d steps in %.1f s", len(samples), time.monotonic() - started)
             if not steady:
-                log.warning("step cost calibration: the host was busy (a median decode step took %.1fx the fastest); "
-                            "the figures are used but not kept: the next start measures again",
-                            spread(samples))
+                log.warning("step cost calibration: the host was busy (other work on its cores); the figures are used "
+                            "but not kept: the next start measures again")
             elif path:
                 _write(path, samples)
     for tokens, sequences, pairs, seconds in without_spikes(samples):
@@ -104,16 +107,32 @@ def _decode_times(samples: list[list[float]]) -> dict[tuple[float, int], list[fl
 
 def measure_steadily(engine) -> tuple[list[list[float]], bool]:
     """measure(), repeated while the host looks busy (MAX_PASSES at most): each step's time is its fastest pass.
-    Returns the samples and whether they are steady (spread() within STEADY_SPREAD)."""
-    samples = measure(engine)
+    Returns the samples and whether they are steady: spread() within STEADY_SPREAD, and on a CPU the last pass had
+    its cores (cpu_share)."""
+    samples, share = timed_measure(engine)
     for _ in range(MAX_PASSES - 1):
-        if spread(samples) <= STEADY_SPREAD:
+        if share >= MIN_CPU_SHARE and spread(samples) <= STEADY_SPREAD:
             break
-        again = measure(engine)
+        again, share = timed_measure(engine)
         if [s[:3] for s in again] != [s[:3] for s in samples]:  # another schedule: not comparable step by step
             break
         samples = [[*s[:3], min(s[3], a[3])] for s, a in zip(samples, again, strict=True)]
-    return samples, spread(samples) <= STEADY_SPREAD
+    return samples, share >= MIN_CPU_SHARE and spread(samples) <= STEADY_SPREAD
+
+
+def timed_measure(engine) -> tuple[list[list[float]], float]:
+    """measure(), and the share of its threads' time the process got on a CPU worker (1.0 on a GPU, whose steps the
+    process waits for)."""
+    wall, cpu = time.perf_counter(), time.process_time()
+    samples = measure(engine)
+    if engine.runner.device.type != "cpu":
+        return samples, 1.0
+    return samples, cpu_share(time.process_time() - cpu, time.perf_counter() - wall, torch.get_num_threads())
+
+
+def cpu_share(cpu_s: float, wall_s: float, threads: int) -> float:
+    """CPU time got over CPU time its threads could have had."""
+    return cpu_s / max(wall_s * threads, 1e-9)
 
 
 def spread(samples: list[list[float]]) -> float:
