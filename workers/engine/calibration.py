@@ -34,7 +34,7 @@ DECODE_PROMPT_TOKENS = 32
 # spread() at most this: a quiet host (1.0-2.1 measured on a 2-core host running tests beside it; 7.8 and 10.6
 # where other processes took the cores). Beyond it the workload is measured again, MAX_PASSES times at most.
 STEADY_SPREAD = 2.5
-MAX_PASSES = 3
+MAX_PASSES = 2
 # A CPU worker's calibration that got under this share of its threads' time ran beside other work: 0.99 measured
 # on a quiet 2-core host, 0.42 while another process installed packages (every step 2-10x slower, all alike, so that
 # spread() did not show it).
@@ -106,12 +106,14 @@ def _decode_times(samples: list[list[float]]) -> dict[tuple[float, int], list[fl
 
 
 def measure_steadily(engine) -> tuple[list[list[float]], bool]:
-    """measure(), repeated while the host looks busy (MAX_PASSES at most): each step's time is its fastest pass.
+    """measure(), repeated while its steps are unsteady (MAX_PASSES at most): each step's time is its fastest pass.
     Returns the samples and whether they are steady: spread() within STEADY_SPREAD, and on a CPU the last pass had
     its cores (cpu_share)."""
     samples, share = timed_measure(engine)
     for _ in range(MAX_PASSES - 1):
-        if share >= MIN_CPU_SHARE and spread(samples) <= STEADY_SPREAD:
+        # Only spikes are measured again: a host busy all along (a low CPU share) would most likely stay busy, and
+        # each pass there takes several times as long; its figures are only not kept.
+        if spread(samples) <= STEADY_SPREAD:
             break
         again, share = timed_measure(engine)
         if [s[:3] for s in again] != [s[:3] for s in samples]:  # another schedule: not comparable step by step
