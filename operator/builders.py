@@ -13,12 +13,13 @@ from typing import Any
 
 from tandem.config import EngineConfig
 from tandem.operator import devices, names
-from tandem.operator.crd import DeploymentEngineSpec, LLMDeploymentSpec, PodSettings, PoolSpec
+from tandem.operator.crd import DeploymentEngineSpec, LLMDeploymentSpec, LoraAdapter, PodSettings, PoolSpec
 from tandem.operator.names import HTTP_PORT
 from tandem.operator.sizing import PoolSizes
 from tandem.server.internal_auth import INTERNAL_TOKEN_ENV
 
 MODEL_MOUNT = "/models"
+LORA_MOUNT = "/loras"  # hostPath adapters at /loras/<name>, adapter claims at /loras/pvc-<n>
 CONFIG_MOUNT = "/etc/tandem/config"
 TENANTS_MOUNT = "/etc/tandem/tenants"
 RUN_AS = 10001  # the uid/gid the Dockerfiles create; any non-root id works with the emptyDir mounts below
@@ -28,7 +29,8 @@ DRAIN_SECONDS = 10
 ROUTER_GRACE_SECONDS = 60
 # Engine settings that map one-to-one onto `tandem worker` options (the option is the EngineConfig field).
 ENGINE_FLAG_FIELDS = ("dtype", "max_model_len", "block_size", "max_num_seqs", "max_num_batched_tokens",
-                      "kv_cache_memory_gb", "enable_prefix_caching", "tool_call_parser")
+                      "kv_cache_memory_gb", "enable_prefix_caching", "quantization", "kv_cache_dtype",
+                      "max_lora_rank", "max_loras", "tool_call_parser")
 # Writable places for a read-only root filesystem: Python, Triton and HF caches all go under /tmp.
 INTERNAL_TOKEN_KEY = "token"  # the key of the token in names.internal_secret_name's Secret
 WRITABLE_ENV = [{"name": "HOME", "value": "/tmp"}, {"name": "XDG_CACHE_HOME", "value": "/tmp/.cache"},
@@ -91,9 +93,55 @@ def engine_args(engine: DeploymentEngineSpec, tensor_parallel_size: int = 1) -> 
             args.append(f"--{flag}" if value else f"--no-{flag}")
         else:
             args += [f"--{flag}", str(value)]
+    if engine.speculative_config is not None:
+        args += ["--speculative-config", engine.speculative_config.as_json()]
     if tensor_parallel_size > 1:
         args += ["--tensor-parallel-size", str(tensor_parallel_size)]
     return args
+
+
+def _adapter_claims(spec: LLMDeploymentSpec) -> dict[str, str]:
+    """The volume of each claim the adapters read from: the model's own when it is the same claim, else one each."""
+    model_claim = spec.model.source.pvc.claim_name if spec.model.source.pvc is not None else None
+    claims = {model_claim: "model"} if model_claim else {}
+    for adapter in spec.lora_adapters or []:
+        pvc = adapter.source.pvc
+        if pvc is not None and pvc.claim_name not in claims:
+            claims[pvc.claim_name] = f"lora-pvc-{sum(v != 'model' for v in claims.values())}"
+    return claims
+
+
+def _claim_mount(volume: str) -> str:
+    return MODEL_MOUNT if volume == "model" else posixpath.join(LORA_MOUNT, volume.removeprefix("lora-"))
+
+
+def _adapter_path(adapter: LoraAdapter, index: int, claims: dict[str, str]) -> str:
+    if adapter.source.pvc is not None:
+        return posixpath.join(_claim_mount(claims[adapter.source.pvc.claim_name]), adapter.source.pvc.path)
+    return posixpath.join(LORA_MOUNT, f"host-{index}")
+
+
+def lora_location(spec: LLMDeploymentSpec) -> tuple[list[str], list[dict], list[dict]]:
+    """(the workers' LoRA options, volumes, volume mounts) for spec.loraAdapters; nothing when there are none."""
+    adapters = spec.lora_adapters or []
+    if not adapters:
+        return [], [], []
+    claims = _adapter_claims(spec)
+    volumes, mounts = [], []
+    for claim, volume in claims.items():
+        if volume != "model":  # the model's volume is mounted already (model_location)
+            volumes.append({"name": volume, "persistentVolumeClaim": {"claimName": claim, "readOnly": True}})
+            mounts.append({"name": volume, "mountPath": _claim_mount(volume), "readOnly": True})
+    modules = []
+    for index, adapter in enumerate(adapters):
+        path = _adapter_path(adapter, index, claims)
+        if adapter.source.host_path is not None:
+            volume = f"lora-host-{index}"
+            volumes.append({"name": volume, "hostPath": {"path": adapter.source.host_path.path.rstrip("/") or "/",
+                                                         "type": "Directory"}})
+            mounts.append({"name": volume, "mountPath": path, "readOnly": True})
+        modules.append(f"{adapter.name}={path}")
+    return ["--enable-lora", "--lora-modules", *modules], volumes, mounts
 
 
 def pod_env(settings: PodSettings) -> list[dict]:
@@ -210,9 +258,11 @@ def worker_deployment(owner: Owner, spec: LLMDeploymentSpec, pool: str, replicas
     settings: PoolSpec = getattr(spec, pool)
     tp = devices.pool_tp(spec, pool)
     model_arg, volumes, mounts = model_location(spec)
+    lora_args, lora_volumes, lora_mounts = lora_location(spec)
+    volumes, mounts = [*volumes, *lora_volumes], [*mounts, *lora_mounts]
     args = ["worker", "--role", pool, "--model", model_arg, "--served-model-name", spec.model.name,
             "--host", "0.0.0.0", "--port", str(HTTP_PORT), "--kv-transfer", spec.kv_transfer.backend,
-            "--kv-transfer-lanes", str(spec.kv_transfer.lanes), *engine_args(spec.engine, tp),
+            "--kv-transfer-lanes", str(spec.kv_transfer.lanes), *engine_args(spec.engine, tp), *lora_args,
             *(settings.extra_args or [])]
     env = [internal_token_env(owner), *pod_env(settings), *devices.nccl_env(spec, pool)]
     if spec.kv_transfer.ucx_transports:

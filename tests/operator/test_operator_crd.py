@@ -79,11 +79,18 @@ def _cel_errors(spec: dict) -> list[str]:
     """The messages the API server would return for `spec` (only the nodes present are checked, as there)."""
     schema = _schema()["properties"]["spec"]
     errors = []
-    for where, value in (("", spec), ("model", spec.get("model")), ("model.source", (spec.get("model") or {}).get("source"))):
+    nodes = [("", spec), ("model", spec.get("model")), ("model.source", (spec.get("model") or {}).get("source")),
+             ("engine.speculativeConfig", (spec.get("engine") or {}).get("speculativeConfig"))]
+    adapter_source = schema["properties"]["loraAdapters"]["items"]["properties"]["source"]
+    for where, value in nodes:
         if value is None:
             continue
         for rule in _rules(schema, where):
             if not cel.evaluate(rule["rule"], {"self": value}):
+                errors.append(rule["message"])
+    for adapter in spec.get("loraAdapters") or []:
+        for rule in adapter_source.get("x-kubernetes-validations", []):
+            if not cel.evaluate(rule["rule"], {"self": adapter["source"]}):
                 errors.append(rule["message"])
     return errors
 
@@ -130,6 +137,18 @@ CASES = {
                                                 "model.format must match the file"),
     "hf format on a folder named .gguf/": (_example(model={"name": "m", "format": "hf",
                                                            "source": {"hostPath": {"path": "/w.gguf/"}}}), None),
+    "lora adapters": (_example(loraAdapters=[{"name": "sql", "source": {"pvc": {"claimName": "c", "path": "s"}}},
+                                             {"name": "chat", "source": {"hostPath": {"path": "/a/chat"}}}]), None),
+    "lora adapter with two sources": (_example(loraAdapters=[{"name": "sql", "source": {
+        "pvc": {"claimName": "c", "path": "s"}, "hostPath": {"path": "/a"}}}]), "needs exactly one of pvc or hostPath"),
+    "lora adapter without a source": (_example(loraAdapters=[{"name": "sql", "source": {}}]),
+                                      "needs exactly one of pvc or hostPath"),
+    "lora adapter named as the model": (_example(loraAdapters=[{"name": "smollm2-135m-instruct", "source": {
+        "hostPath": {"path": "/a"}}}]), "an adapter's name must differ from model.name"),
+    "speculative lookup window": (_example(engine={"speculativeConfig": {
+        "numSpeculativeTokens": 4, "promptLookupMin": 2, "promptLookupMax": 4}}), None),
+    "speculative lookup window upside down": (_example(engine={"speculativeConfig": {
+        "numSpeculativeTokens": 4, "promptLookupMin": 5, "promptLookupMax": 4}}), "promptLookupMin must not exceed"),
 }
 
 

@@ -165,6 +165,29 @@ async def test_changing_the_ratio_patches_replicas(cluster):
     assert cluster.get("v1/secrets", "smollm2-internal") == token
 
 
+async def test_engine_pass_through_fields_and_lora_adapters_reach_both_pools(cluster):
+    engine = {**yaml.safe_load(EXAMPLE.read_text())["spec"]["engine"], "quantization": "fp8", "kvCacheDtype": "fp8",
+              "speculativeConfig": {"numSpeculativeTokens": 4}}
+    adapters = [{"name": "sql", "source": {"pvc": {"claimName": "adapters", "path": "sql"}}},
+                {"name": "chat", "source": {"hostPath": {"path": "/data/adapters/chat"}}}]
+    await cluster.apply_example(engine=engine, loraAdapters=adapters)
+    await _all_owned(cluster)
+    for pool in ("prefill", "decode"):
+        pod = cluster.get(DEPLOYMENTS, f"smollm2-{pool}")["spec"]["template"]["spec"]
+        args = pod["containers"][0]["args"]
+        assert (_flag(args, "--quantization"), _flag(args, "--kv-cache-dtype")) == ("fp8", "fp8")
+        assert _flag(args, "--speculative-config") == '{"method":"ngram","num_speculative_tokens":4}'
+        assert "--enable-lora" in args
+        assert args[args.index("--lora-modules") + 1:][:2] == ["sql=/loras/pvc-0/sql", "chat=/loras/host-1"]
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        assert volumes["lora-pvc-0"]["persistentVolumeClaim"] == {"claimName": "adapters", "readOnly": True}
+        assert volumes["lora-host-1"]["hostPath"] == {"path": "/data/adapters/chat", "type": "Directory"}
+        mounts = {m["name"]: m for m in pod["containers"][0]["volumeMounts"]}
+        assert mounts["lora-pvc-0"] == {"name": "lora-pvc-0", "mountPath": "/loras/pvc-0", "readOnly": True}
+        assert mounts["lora-host-1"] == {"name": "lora-host-1", "mountPath": "/loras/host-1", "readOnly": True}
+    assert "--enable-lora" not in _args(cluster.get(DEPLOYMENTS, "smollm2-router"))
+
+
 def _deployment_status(replicas: int, ready: int, progressing: str = "NewReplicaSetAvailable",
                        progressing_status: str = "True", generation: int = 1) -> dict:
     """What the Deployment controller writes: every pod on the new template, `ready` of them ready."""
