@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import posixpath
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -238,7 +239,8 @@ def _deployment(owner: Owner, component: str, replicas: int, pod_spec: dict, str
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
-        "metadata": _metadata(owner, names.object_name(owner.name, component), component),
+        "metadata": _metadata(owner, names.object_name(owner.name, component), component,
+                              {names.REPLICAS_ANNOTATION: str(replicas)}),
         "spec": {
             "replicas": replicas,
             "revisionHistoryLimit": 5,
@@ -248,6 +250,19 @@ def _deployment(owner: Owner, component: str, replicas: int, pod_spec: dict, str
                          "spec": pod_spec},
         },
     }
+
+
+def kept_replicas(current: Mapping[str, Any] | None, asked: int) -> int:
+    """The replicas a Deployment should have when the operator asks for `asked`: its own replicas while the operator
+    asked it for `asked` already (names.REPLICAS_ANNOTATION), so that an autoscaler's or a person's change holds
+    until the operator asks for another number; `asked` otherwise."""
+    if current is None:
+        return asked
+    annotations = current.get("metadata", {}).get("annotations") or {}
+    replicas = current.get("spec", {}).get("replicas")
+    if annotations.get(names.REPLICAS_ANNOTATION) == str(asked) and isinstance(replicas, int):
+        return replicas
+    return asked
 
 
 # -- the owned objects -----------------------------------------------------------------------------------

@@ -504,6 +504,10 @@ class LLMDeploymentStatus(_CamelModel):
     endpoint: str | None = Field(None, description="the router's OpenAI-compatible base URL")
     gpus: int | None = Field(None, description="GPUs the desired workers hold: each pool's replicas x its GPUs per "
                                                "worker (its tensorParallelSize), summed; unset on CPU")
+    replicas: int | None = Field(None, description="workers both pools are sized for now (the scale subresource's "
+                                                   "status.replicas)")
+    selector: str | None = Field(None, description="label selector of both pools' worker pods (the scale "
+                                                   "subresource's, for autoscalers that average over pods)")
     conditions: list[Condition] | None = Field(
         None, json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]})
     planner: PlannerStatus | None = Field(None, description="planner mode: its recommendation and reason")

@@ -60,7 +60,10 @@ def test_crd_identity_printer_columns_and_status_subresource():
     assert (spec["group"], spec["scope"], spec["names"]["kind"], spec["names"]["shortNames"]) == (
         "serving.tandem.dev", "Namespaced", "LLMDeployment", ["llmdep"])
     version = spec["versions"][0]
-    assert version["name"] == "v1alpha1" and version["subresources"] == {"status": {}}
+    assert version["name"] == "v1alpha1"
+    assert version["subresources"] == {"status": {}, "scale": {
+        "specReplicasPath": ".spec.replicas", "statusReplicasPath": ".status.replicas",
+        "labelSelectorPath": ".status.selector"}}
     columns = {c["name"]: c["jsonPath"] for c in version["additionalPrinterColumns"]}
     assert columns == {"Ready": ".status.ready", "P:D": ".status.ratio", "GPUs": ".status.gpus",
                        "Endpoint": ".status.endpoint", "Phase": ".status.phase", "Age": ".metadata.creationTimestamp"}
@@ -185,3 +188,20 @@ def test_a_decode_pool_of_none_is_refused_by_kubectl_apply_as_by_the_operator():
     with pytest.raises(SpecError, match="spec.decode.replicas: must be at least 1"):
         validate_spec(spec, "smollm2")
     assert _cel_errors(_example(ratio=None, replicas=None, prefill={"replicas": 0}, decode={"replicas": 1})) == []
+
+
+@pytest.mark.parametrize("name", ["autoscaling-hpa.yaml", "autoscaling-keda.yaml"])
+def test_the_autoscaler_examples_scale_an_llmdeployment_through_its_scale_subresource(name):
+    """They name the LLMDeployment (not a pool Deployment), whose CRD has the scale subresource, and never go below
+    the two workers spec.replicas needs."""
+    body = yaml.safe_load((EXAMPLE.parent / name).read_text())
+    target = body["spec"]["scaleTargetRef"]
+    assert (target["apiVersion"], target["kind"]) == ("serving.tandem.dev/v1alpha1", "LLMDeployment")
+    assert crd_manifest()["spec"]["versions"][0]["subresources"]["scale"]["specReplicasPath"] == ".spec.replicas"
+    minimum = body["spec"].get("minReplicas", body["spec"].get("minReplicaCount"))
+    assert minimum >= _schema()["properties"]["spec"]["properties"]["replicas"]["minimum"]
+    if body["kind"] == "HorizontalPodAutoscaler":
+        kubernetes_validate.validate(body, "1.30", strict=True)
+    else:
+        assert {t["type"] for t in body["spec"]["triggers"]} == {"prometheus"}
+        assert all("tandem_router_" in t["metadata"]["query"] for t in body["spec"]["triggers"])
