@@ -8,17 +8,19 @@ from __future__ import annotations
 import hashlib
 import json
 import posixpath
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from tandem.config import EngineConfig
 from tandem.operator import devices, names
-from tandem.operator.crd import DeploymentEngineSpec, LLMDeploymentSpec, PodSettings, PoolSpec
+from tandem.operator.crd import DeploymentEngineSpec, LLMDeploymentSpec, LoraAdapter, PodSettings, PoolSpec
 from tandem.operator.names import HTTP_PORT
 from tandem.operator.sizing import PoolSizes
 from tandem.server.internal_auth import INTERNAL_TOKEN_ENV
 
 MODEL_MOUNT = "/models"
+LORA_MOUNT = "/loras"  # hostPath adapters at /loras/<name>, adapter claims at /loras/pvc-<n>
 CONFIG_MOUNT = "/etc/tandem/config"
 TENANTS_MOUNT = "/etc/tandem/tenants"
 RUN_AS = 10001  # the uid/gid the Dockerfiles create; any non-root id works with the emptyDir mounts below
@@ -28,7 +30,8 @@ DRAIN_SECONDS = 10
 ROUTER_GRACE_SECONDS = 60
 # Engine settings that map one-to-one onto `tandem worker` options (the option is the EngineConfig field).
 ENGINE_FLAG_FIELDS = ("dtype", "max_model_len", "block_size", "max_num_seqs", "max_num_batched_tokens",
-                      "kv_cache_memory_gb", "enable_prefix_caching", "tool_call_parser")
+                      "kv_cache_memory_gb", "enable_prefix_caching", "quantization", "kv_cache_dtype",
+                      "max_lora_rank", "max_loras", "tool_call_parser")
 # Writable places for a read-only root filesystem: Python, Triton and HF caches all go under /tmp.
 INTERNAL_TOKEN_KEY = "token"  # the key of the token in names.internal_secret_name's Secret
 WRITABLE_ENV = [{"name": "HOME", "value": "/tmp"}, {"name": "XDG_CACHE_HOME", "value": "/tmp/.cache"},
@@ -91,9 +94,55 @@ def engine_args(engine: DeploymentEngineSpec, tensor_parallel_size: int = 1) -> 
             args.append(f"--{flag}" if value else f"--no-{flag}")
         else:
             args += [f"--{flag}", str(value)]
+    if engine.speculative_config is not None:
+        args += ["--speculative-config", engine.speculative_config.as_json()]
     if tensor_parallel_size > 1:
         args += ["--tensor-parallel-size", str(tensor_parallel_size)]
     return args
+
+
+def _adapter_claims(spec: LLMDeploymentSpec) -> dict[str, str]:
+    """The volume of each claim the adapters read from: the model's own when it is the same claim, else one each."""
+    model_claim = spec.model.source.pvc.claim_name if spec.model.source.pvc is not None else None
+    claims = {model_claim: "model"} if model_claim else {}
+    for adapter in spec.lora_adapters or []:
+        pvc = adapter.source.pvc
+        if pvc is not None and pvc.claim_name not in claims:
+            claims[pvc.claim_name] = f"lora-pvc-{sum(v != 'model' for v in claims.values())}"
+    return claims
+
+
+def _claim_mount(volume: str) -> str:
+    return MODEL_MOUNT if volume == "model" else posixpath.join(LORA_MOUNT, volume.removeprefix("lora-"))
+
+
+def _adapter_path(adapter: LoraAdapter, index: int, claims: dict[str, str]) -> str:
+    if adapter.source.pvc is not None:
+        return posixpath.join(_claim_mount(claims[adapter.source.pvc.claim_name]), adapter.source.pvc.path)
+    return posixpath.join(LORA_MOUNT, f"host-{index}")
+
+
+def lora_location(spec: LLMDeploymentSpec) -> tuple[list[str], list[dict], list[dict]]:
+    """(the workers' LoRA options, volumes, volume mounts) for spec.loraAdapters; nothing when there are none."""
+    adapters = spec.lora_adapters or []
+    if not adapters:
+        return [], [], []
+    claims = _adapter_claims(spec)
+    volumes, mounts = [], []
+    for claim, volume in claims.items():
+        if volume != "model":  # the model's volume is mounted already (model_location)
+            volumes.append({"name": volume, "persistentVolumeClaim": {"claimName": claim, "readOnly": True}})
+            mounts.append({"name": volume, "mountPath": _claim_mount(volume), "readOnly": True})
+    modules = []
+    for index, adapter in enumerate(adapters):
+        path = _adapter_path(adapter, index, claims)
+        if adapter.source.host_path is not None:
+            volume = f"lora-host-{index}"
+            volumes.append({"name": volume, "hostPath": {"path": adapter.source.host_path.path.rstrip("/") or "/",
+                                                         "type": "Directory"}})
+            mounts.append({"name": volume, "mountPath": path, "readOnly": True})
+        modules.append(f"{adapter.name}={path}")
+    return ["--enable-lora", "--lora-modules", *modules], volumes, mounts
 
 
 def pod_env(settings: PodSettings) -> list[dict]:
@@ -190,7 +239,8 @@ def _deployment(owner: Owner, component: str, replicas: int, pod_spec: dict, str
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
-        "metadata": _metadata(owner, names.object_name(owner.name, component), component),
+        "metadata": _metadata(owner, names.object_name(owner.name, component), component,
+                              {names.REPLICAS_ANNOTATION: str(replicas)}),
         "spec": {
             "replicas": replicas,
             "revisionHistoryLimit": 5,
@@ -202,6 +252,19 @@ def _deployment(owner: Owner, component: str, replicas: int, pod_spec: dict, str
     }
 
 
+def kept_replicas(current: Mapping[str, Any] | None, asked: int) -> int:
+    """The replicas a Deployment should have when the operator asks for `asked`: its own replicas while the operator
+    asked it for `asked` already (names.REPLICAS_ANNOTATION), so that an autoscaler's or a person's change holds
+    until the operator asks for another number; `asked` otherwise."""
+    if current is None:
+        return asked
+    annotations = current.get("metadata", {}).get("annotations") or {}
+    replicas = current.get("spec", {}).get("replicas")
+    if annotations.get(names.REPLICAS_ANNOTATION) == str(asked) and isinstance(replicas, int):
+        return replicas
+    return asked
+
+
 # -- the owned objects -----------------------------------------------------------------------------------
 
 
@@ -210,9 +273,11 @@ def worker_deployment(owner: Owner, spec: LLMDeploymentSpec, pool: str, replicas
     settings: PoolSpec = getattr(spec, pool)
     tp = devices.pool_tp(spec, pool)
     model_arg, volumes, mounts = model_location(spec)
+    lora_args, lora_volumes, lora_mounts = lora_location(spec)
+    volumes, mounts = [*volumes, *lora_volumes], [*mounts, *lora_mounts]
     args = ["worker", "--role", pool, "--model", model_arg, "--served-model-name", spec.model.name,
             "--host", "0.0.0.0", "--port", str(HTTP_PORT), "--kv-transfer", spec.kv_transfer.backend,
-            "--kv-transfer-lanes", str(spec.kv_transfer.lanes), *engine_args(spec.engine, tp),
+            "--kv-transfer-lanes", str(spec.kv_transfer.lanes), *engine_args(spec.engine, tp), *lora_args,
             *(settings.extra_args or [])]
     env = [internal_token_env(owner), *pod_env(settings), *devices.nccl_env(spec, pool)]
     if spec.kv_transfer.ucx_transports:

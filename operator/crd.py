@@ -5,13 +5,14 @@
 from __future__ import annotations
 
 import ipaddress
+import json
 import re
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
-from tandem.config import EngineConfig
+from tandem.config import EngineConfig, SpeculativeConfig
 from tandem.openai.tool_parsers import ToolCallParserName
 
 # -- LLMDeployment: the operator's custom resource -------------------------------------------------------
@@ -126,6 +127,35 @@ class ModelSpec(_CamelModel):
 
 MAX_TENSOR_PARALLEL = 16  # GPUs one worker may span: one node's
 
+_LOOKUP_WINDOW_RULE = _cel("!has(self.promptLookupMin) || !has(self.promptLookupMax) "
+                           "|| self.promptLookupMin <= self.promptLookupMax",
+                           "engine.speculativeConfig: promptLookupMin must not exceed promptLookupMax")
+
+
+class SpeculativeSpec(_CamelModel):
+    """N-gram speculative decoding: the workers' --speculative-config (docs/speculative-decoding.md)."""
+
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [_LOOKUP_WINDOW_RULE]})
+
+    method: Literal["ngram"] = Field("ngram", description="how draft tokens are proposed: ngram (prompt lookup)")
+    num_speculative_tokens: int = Field(..., ge=1, le=32, description="draft tokens proposed per step")
+    prompt_lookup_max: int | None = Field(None, ge=1, description="longest n-gram matched (default: "
+                                                                  "promptLookupMin, else 5)")
+    prompt_lookup_min: int | None = Field(None, ge=1, description="shortest n-gram matched (default: "
+                                                                  "promptLookupMax)")
+
+    def as_json(self) -> str:
+        """vLLM's JSON text, as the worker's --speculative-config reads it."""
+        return json.dumps(self.model_dump(exclude_none=True), separators=(",", ":"))
+
+    @model_validator(mode="after")
+    def _engine_accepts_it(self):
+        if None not in (self.prompt_lookup_min, self.prompt_lookup_max) and \
+                self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(_LOOKUP_WINDOW_RULE["message"])
+        SpeculativeConfig.parse(self.as_json())  # whatever else the worker would refuse
+        return self
+
 
 class DeploymentEngineSpec(_CamelModel):
     """Engine settings shared by every worker; unset fields keep the worker's defaults (tandem/config.py)."""
@@ -146,6 +176,18 @@ class DeploymentEngineSpec(_CamelModel):
     tensor_parallel_size: int = Field(1, ge=1, le=MAX_TENSOR_PARALLEL, strict=True,
                                       description="ranks per worker (one GPU each on GPUs); the pools' "
                                                   "tensorParallelSize overrides it")
+    quantization: Literal["fp8"] | None = Field(
+        None, description="fp8: the GEMM weights quantized to FP8 at load (the workers' --quantization; default: "
+                          "none, the checkpoint's dtype)")
+    kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3"] | None = Field(
+        None, description=_with_defaults_from_engine("kv_cache_dtype", "KV cache storage; fp8 halves it against "
+                                                     "16-bit (the workers' --kv-cache-dtype)"))
+    speculative_config: SpeculativeSpec | None = Field(None, description="speculative decoding (the workers' "
+                                                                         "--speculative-config); default: off")
+    max_lora_rank: int | None = Field(None, ge=1, le=512, description=_with_defaults_from_engine(
+        "max_lora_rank", "the largest rank of spec.loraAdapters"))
+    max_loras: int | None = Field(None, ge=1, le=256, description=_with_defaults_from_engine(
+        "max_loras", "LoRA adapters resident on the device at once"))
     tool_call_parser: ToolCallParserName | None = Field(
         None, description='serve tool_choice "auto" with this parser of the model\'s tool calls (the workers\' and '
                           "routers' --tool-call-parser); hermes: <tool_call>{...}</tool_call> blocks. Unset: "
@@ -212,6 +254,50 @@ class PoolSpec(PodSettings):
     extra_args: list[str] | None = Field(None, description="more `tandem worker` options for this pool")
     termination_grace_period_seconds: int = Field(120, ge=0, le=3600, description="time a stopping worker "
                                                                                  "gets to finish its requests")
+
+
+ADAPTER_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._/-]*$"  # a model name clients send; no '=' (NAME=PATH)
+MAX_LORA_ADAPTERS = 64
+
+
+class PVCAdapterSource(_CamelModel):
+    claim_name: str = Field(..., min_length=1, max_length=253,
+                            description="PersistentVolumeClaim in the same namespace (mounted read-only; "
+                                        "ReadOnlyMany or ReadWriteMany for more than one pod)")
+    path: str = Field(..., min_length=1, pattern=r"^[^/]",
+                      description="the adapter's PEFT folder inside the claim, relative")
+
+
+class HostPathAdapterSource(_CamelModel):
+    path: str = Field(..., pattern=r"^/.", description="absolute path of the adapter's PEFT folder on every node "
+                                                        "(mounted read-only)")
+
+
+_ONE_ADAPTER_SOURCE_RULE = _cel("[has(self.pvc), has(self.hostPath)].filter(x, x).size() == 1",
+                                "loraAdapters[].source needs exactly one of pvc or hostPath")
+
+
+class AdapterSource(_CamelModel):
+    """Where a LoRA adapter's folder is: exactly one of the two."""
+
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [_ONE_ADAPTER_SOURCE_RULE]})
+
+    pvc: PVCAdapterSource | None = None
+    host_path: HostPathAdapterSource | None = None
+
+    @model_validator(mode="after")
+    def _exactly_one(self):
+        if sum(x is not None for x in (self.pvc, self.host_path)) != 1:
+            raise ValueError(_ONE_ADAPTER_SOURCE_RULE["message"])
+        return self
+
+
+class LoraAdapter(_CamelModel):
+    """A PEFT LoRA adapter every worker loads at start, served under its own model name (docs/lora.md)."""
+
+    name: str = Field(..., min_length=1, max_length=128, pattern=ADAPTER_NAME_PATTERN,
+                      description="the model name clients send to use the adapter")
+    source: AdapterSource
 
 
 class SLOClass(_CamelModel):
@@ -318,6 +404,8 @@ _SIZING_RULES = [
 
 # PoolSpec allows 0 replicas, which a prefill pool may have (every prompt then prefills on its decode worker);
 # a decode pool may not: decode workers generate every response. (operator/validation.py says so too.)
+_ADAPTER_NOT_THE_MODEL = _cel("!has(self.loraAdapters) || self.loraAdapters.all(a, a.name != self.model.name)",
+                              "loraAdapters: an adapter's name must differ from model.name (the base model's)")
 _AT_LEAST_ONE_DECODE = _cel("!has(self.decode) || !has(self.decode.replicas) || self.decode.replicas >= 1",
                             "spec.decode.replicas: must be at least 1: decode workers generate every response")
 
@@ -325,7 +413,8 @@ _AT_LEAST_ONE_DECODE = _cel("!has(self.decode) || !has(self.decode.replicas) || 
 class LLMDeploymentSpec(_CamelModel):
     """What `kubectl apply` asks for: a model served by a prefill pool, a decode pool and a router."""
 
-    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [*_SIZING_RULES, _AT_LEAST_ONE_DECODE]})
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [*_SIZING_RULES, _AT_LEAST_ONE_DECODE,
+                                                                             _ADAPTER_NOT_THE_MODEL]})
 
     model: ModelSpec
     image: str = Field(..., min_length=1, description="container image with the `tandem` command (workers)")
@@ -341,6 +430,10 @@ class LLMDeploymentSpec(_CamelModel):
     decode: PoolSpec = Field(default_factory=PoolSpec)
     router: RouterSpec = Field(default_factory=RouterSpec)
     kv_transfer: KVTransferSpec = Field(default_factory=KVTransferSpec)
+    lora_adapters: list[LoraAdapter] | None = Field(
+        None, max_length=MAX_LORA_ADAPTERS, description="LoRA adapters mounted read-only into every worker and "
+        "loaded at start (--enable-lora --lora-modules); names unique",
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]})
     scaling: ScalingSpec = Field(default_factory=ScalingSpec)
 
     @model_validator(mode="after")
@@ -354,6 +447,21 @@ class LLMDeploymentSpec(_CamelModel):
         for ok, rule in zip(checks, _SIZING_RULES):
             if not ok:
                 raise ValueError(rule["message"])
+        return self
+
+    @field_validator("lora_adapters")
+    @classmethod
+    def _adapter_names_unique(cls, value):
+        names = [adapter.name for adapter in value or []]
+        repeated = sorted({name for name in names if names.count(name) > 1})
+        if repeated:
+            raise ValueError(f"adapter names must be unique: {', '.join(repeated)} given more than once")
+        return value
+
+    @model_validator(mode="after")
+    def _adapters_are_not_the_model(self):
+        if any(adapter.name == self.model.name for adapter in self.lora_adapters or []):
+            raise ValueError(_ADAPTER_NOT_THE_MODEL["message"])
         return self
 
 
@@ -396,6 +504,10 @@ class LLMDeploymentStatus(_CamelModel):
     endpoint: str | None = Field(None, description="the router's OpenAI-compatible base URL")
     gpus: int | None = Field(None, description="GPUs the desired workers hold: each pool's replicas x its GPUs per "
                                                "worker (its tensorParallelSize), summed; unset on CPU")
+    replicas: int | None = Field(None, description="workers both pools are sized for now (the scale subresource's "
+                                                   "status.replicas)")
+    selector: str | None = Field(None, description="label selector of both pools' worker pods (the scale "
+                                                   "subresource's, for autoscalers that average over pods)")
     conditions: list[Condition] | None = Field(
         None, json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]})
     planner: PlannerStatus | None = Field(None, description="planner mode: its recommendation and reason")

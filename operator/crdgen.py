@@ -130,7 +130,11 @@ def crd_manifest() -> dict:
                 "name": CRD_VERSION,
                 "served": True,
                 "storage": True,
-                "subresources": {"status": {}},
+                # `kubectl scale llmdeployment NAME --replicas N` and autoscalers set spec.replicas: the total the
+                # ratio splits, so the P:D ratio holds (a deployment sized per pool has no spec.replicas to scale).
+                "subresources": {"status": {}, "scale": {"specReplicasPath": ".spec.replicas",
+                                                         "statusReplicasPath": ".status.replicas",
+                                                         "labelSelectorPath": ".status.selector"}},
                 "additionalPrinterColumns": [
                     {"name": "Ready", "type": "string", "jsonPath": ".status.ready",
                      "description": "ready/desired pods"},

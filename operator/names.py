@@ -10,6 +10,10 @@ MANAGER = "tandem-operator"  # app.kubernetes.io/managed-by and the server-side-
 OWNER_LABEL = f"{CRD_GROUP}/llmdeployment"
 HASH_ANNOTATION = f"{CRD_GROUP}/desired-hash"
 CONFIG_HASH_ANNOTATION = f"{CRD_GROUP}/config-hash"
+# On a Deployment: the replicas the operator last asked of it. While what it asks stays the same, replicas someone
+# else set (an autoscaler, `kubectl scale deployment`) are kept; the operator sets them again only when it asks for
+# another number (builders.kept_replicas).
+REPLICAS_ANNOTATION = f"{CRD_GROUP}/replicas"
 INTERNAL_SECRET_ANNOTATION = f"{CRD_GROUP}/internal-secret"  # the internal-token Secret's uid
 OWNED_SELECTOR = f"app.kubernetes.io/managed-by={MANAGER},{OWNER_LABEL}"  # every object an LLMDeployment owns
 
@@ -46,6 +50,12 @@ def selector_labels(name: str, component: str) -> dict[str, str]:
 def labels(name: str, component: str) -> dict[str, str]:
     return {**selector_labels(name, component), "app.kubernetes.io/part-of": "tandem",
             "app.kubernetes.io/managed-by": MANAGER, OWNER_LABEL: name}
+
+
+def workers_selector(name: str) -> str:
+    """Both pools' worker pods, as a label selector string (status.selector: the scale subresource's)."""
+    return (f"app.kubernetes.io/name=tandem,app.kubernetes.io/instance={name},"
+            f"app.kubernetes.io/component in ({','.join(POOLS)})")
 
 
 def pool_selector(name: str, pool: str) -> str:

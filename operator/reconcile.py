@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import secrets
 import threading
@@ -10,8 +11,8 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from tandem.operator import names
-from tandem.operator.builders import INTERNAL_TOKEN_KEY, Owner, build_objects
-from tandem.operator.kube import ForeignObjectError, Kube, KubeError, Outcome, controller_ref, owns
+from tandem.operator.builders import INTERNAL_TOKEN_KEY, Owner, build_objects, kept_replicas
+from tandem.operator.kube import ForeignObjectError, Kube, KubeError, Outcome, Step, controller_ref, owns
 from tandem.operator.scaling import planned_sizes
 from tandem.operator.status import Problem, compute_status, same_status
 from tandem.operator.validation import SpecError, built_object_reasons, validate_spec
@@ -44,7 +45,7 @@ def reconcile(kube: Kube, body: Mapping[str, Any], force: bool = False) -> list[
     reasons = built_object_reasons(objects)
     if reasons:
         raise RefusedSpec(reasons)
-    steps = [kube.plan(obj, force=force) for obj in objects]
+    steps = _plan(kube, objects, force)
     for step in steps:
         if step.desired["kind"] not in CHECKED_KINDS:
             continue
@@ -59,10 +60,28 @@ def reconcile(kube: Kube, body: Mapping[str, Any], force: bool = False) -> list[
     # Made or adopted only now, so that a refused spec changes nothing at all.
     if secret is None:
         secret_uid = create_internal_secret(kube, owner)
-        steps = [kube.plan(obj, force=force) for obj in build_objects(owner, spec, sizes, secret_uid)]
+        steps = _plan(kube, build_objects(owner, spec, sizes, secret_uid), force)
     elif controller_ref(secret) is None:
         kube.apply(_internal_secret(owner))  # the owner reference back (and our labels): the data stays as it is
     return [(kube.carry_out(step), step.desired) for step in steps]
+
+
+def _plan(kube: Kube, objects: list[dict], force: bool) -> list[Step]:
+    """Each object's step, the Deployments' replicas left as someone else set them (keep_replicas)."""
+    return [keep_replicas(kube.plan(obj, force=force)) for obj in objects]
+
+
+def keep_replicas(step: Step) -> Step:
+    """A Deployment step that leaves the Deployment's replicas alone while the operator asks for the number it asked
+    for before (builders.kept_replicas): a resync (force) or a change of the pod template must not undo what an
+    autoscaler did. The desired hash stays the one of what the operator asks: a kept number is no change."""
+    if step.desired["kind"] != "Deployment" or step.current is None:
+        return step
+    asked = step.desired["spec"]["replicas"]
+    replicas = kept_replicas(step.current, asked)
+    if replicas == asked:
+        return step
+    return dataclasses.replace(step, desired={**step.desired, "spec": {**step.desired["spec"], "replicas": replicas}})
 
 
 # What the dry run checks: the objects that carry what the spec passes through as written (a Deployment's

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tandem.operator import devices, names
+from tandem.operator.builders import kept_replicas
 from tandem.operator.crd import LLMDeploymentSpec, LLMDeploymentStatus
 from tandem.operator.scaling import planned_sizes, planner_mode
 from tandem.operator.sizing import PoolSizes
@@ -144,7 +145,8 @@ def compute_status(resource: Mapping[str, Any], deployments: Mapping[str, Mappin
         sizes = planned_sizes(spec, sizes, old)
         # The planner's decision is the planner's to write; manual mode drops it (a later switch starts afresh).
         planner = old.get("planner") if planner_mode(spec) else None
-        desired = {"prefill": sizes.prefill, "decode": sizes.decode, "router": spec.router.replicas}
+        asked = {"prefill": sizes.prefill, "decode": sizes.decode, "router": spec.router.replicas}
+        desired = {c: kept_replicas(deployments.get(c), n) for c, n in asked.items()}
         gpus = fleet_gpus(spec, sizes)
         spec_error = None
     except SpecError as exc:
@@ -219,6 +221,8 @@ def compute_status(resource: Mapping[str, Any], deployments: Mapping[str, Mappin
         ratio=f"{states['prefill'].ready}:{states['decode'].ready}",
         endpoint=router_endpoint(router_svc),
         gpus=gpus,
+        replicas=states["prefill"].desired + states["decode"].desired,
+        selector=names.workers_selector(meta.get("name", "")),
         conditions=conditions,
         planner=planner,
     )

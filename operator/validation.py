@@ -49,6 +49,9 @@ def _semantic_reasons(spec: LLMDeploymentSpec, sizes: PoolSizes) -> list[str]:
             reasons.append(f"spec.{pool}.resources: {exc}")
             continue
         tp = pool_tp(spec, pool)
+        if spec.lora_adapters and tp > 1:
+            reasons.append(f"spec.loraAdapters: LoRA adapters need tensorParallelSize 1 (spec.{pool} has {tp}): "
+                           "LoRA with tensor parallelism is not supported yet")
         if gpus is not None and 0 < gpus < tp:
             reasons.append(f"spec.{pool}.resources: {gpus} {GPU_RESOURCE} cannot hold tensorParallelSize {tp} (one "
                            f"GPU per rank): ask for {tp}, or leave {GPU_RESOURCE} out for the operator to ask")

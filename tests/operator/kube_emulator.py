@@ -38,7 +38,7 @@ from tandem.operator.main import operate
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "llmdeployment.yaml"
 CR = "serving.tandem.dev/v1alpha1/llmdeployments"
 RESOURCES = {  # resource -> (kind, namespaced, subresources)
-    CR: ("LLMDeployment", True, {"status"}),
+    CR: ("LLMDeployment", True, {"status", "scale"}),
     "apps/v1/deployments": ("Deployment", True, {"status", "scale"}),
     "v1/services": ("Service", True, {"status"}),
     "v1/configmaps": ("ConfigMap", True, set()),
@@ -221,7 +221,10 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
                 key = (request.resource, request.namespace, request.name)
                 if key in self.objects and not self.objects[key].deleted:
                     current = copy.deepcopy(dict(self.objects[key].raw))
-                    if request.subresource is None and "spec" in data:
+                    # A write of the scale subresource changes the spec, as on a real API server (kmock merges a
+                    # subresource's body into the object: a Scale's {"spec": {"replicas": N}} lands where
+                    # specReplicasPath .spec.replicas says).
+                    if request.subresource in (None, "scale") and "spec" in data:
                         new_spec = merge_patch(current.get("spec", {}), data["spec"])
                         if new_spec != current.get("spec", {}):
                             meta["generation"] = current.get("metadata", {}).get("generation", 1) + 1

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import typing
 
 import kubernetes_validate
 import pytest
@@ -64,6 +65,13 @@ VARIANTS = {
                           decode__podAnnotations={"sidecar.istio.io/inject": "false"},
                           decode__priorityClassName="inference-high", decode__runtimeClassName="nvidia",
                           router__podAnnotations={"prometheus.io/scrape": "false"}),
+    "engine-passthrough-lora": _variant(
+        model__format="hf", model__source={"pvc": {"claimName": "models", "path": "llama-3-8b"}},
+        engine={"quantization": "fp8", "kvCacheDtype": "fp8", "maxLoraRank": 32, "maxLoras": 2,
+                "speculativeConfig": {"numSpeculativeTokens": 4, "promptLookupMax": 3}},
+        loraAdapters=[{"name": "sql", "source": {"pvc": {"claimName": "models", "path": "adapters/sql"}}},
+                      {"name": "chat", "source": {"pvc": {"claimName": "adapters", "path": "chat"}}},
+                      {"name": "legal", "source": {"hostPath": {"path": "/data/adapters/legal/"}}}]),
 }
 
 
@@ -190,6 +198,54 @@ def test_engine_fields_map_onto_engine_config_options():
     assert set(ENGINE_FLAG_FIELDS) <= set(EngineConfig.model_fields)
     spec, _ = validate_spec(_variant(engine={"maxNumSeqs": 8, "enablePrefixCaching": False}), "x")
     assert engine_args(spec.engine) == ["--max-num-seqs", "8", "--no-enable-prefix-caching"]
+
+
+def test_engine_pass_through_fields_become_the_workers_options():
+    """quantization, kvCacheDtype and speculativeConfig reach both pools as the worker's own flags; the
+    speculative config as the JSON text the worker parses (tandem.config.SpeculativeConfig)."""
+    sub = argparse.ArgumentParser(exit_on_error=False).add_subparsers()
+    parser = worker_parser(sub, "worker", "", 8000)
+    for pool in ("prefill", "decode"):
+        args = _by_name(_objects(VARIANTS["engine-passthrough-lora"]), "Deployment")[f"smollm2-{pool}"][
+            "spec"]["template"]["spec"]["containers"][0]["args"]
+        ns = parser.parse_args(args[1:])
+        assert (ns.quantization, ns.kv_cache_dtype, ns.max_lora_rank, ns.max_loras) == ("fp8", "fp8", 32, 2)
+        speculative = EngineConfig(speculative_config=ns.speculative_config).speculative
+        assert (speculative.method, speculative.num_speculative_tokens, speculative.prompt_lookup_max) == (
+            "ngram", 4, 3)
+
+
+def test_the_engine_fields_accept_what_the_engine_accepts():
+    """The CRD's enums are EngineConfig's: a value the worker would refuse is refused by the spec first."""
+    from tandem.operator.crdgen import crd_manifest
+
+    engine = crd_manifest()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"][
+        "properties"]["engine"]["properties"]
+    for field, camel in (("quantization", "quantization"), ("kv_cache_dtype", "kvCacheDtype")):
+        literal = next(a for a in (EngineConfig.model_fields[field].annotation,
+                                   *typing.get_args(EngineConfig.model_fields[field].annotation))
+                       if typing.get_origin(a) is typing.Literal)
+        assert set(engine[camel]["enum"]) == set(typing.get_args(literal)), field
+
+
+def test_lora_adapters_are_mounted_read_only_and_loaded_at_start():
+    objects = _by_name(_objects(VARIANTS["engine-passthrough-lora"]), "Deployment")
+    for pool in ("prefill", "decode"):
+        pod = objects[f"smollm2-{pool}"]["spec"]["template"]["spec"]
+        args, mounts = pod["containers"][0]["args"], pod["containers"][0]["volumeMounts"]
+        modules = args[args.index("--lora-modules") + 1:args.index("--lora-modules") + 4]
+        # The model's claim serves the adapter on it (no second volume of it); each other claim is one volume.
+        assert "--enable-lora" in args
+        assert modules == ["sql=/models/adapters/sql", "chat=/loras/pvc-0/chat", "legal=/loras/host-2"]
+        assert {"name": "lora-pvc-0", "persistentVolumeClaim": {"claimName": "adapters", "readOnly": True}} \
+            in pod["volumes"]
+        assert {"name": "lora-host-2", "hostPath": {"path": "/data/adapters/legal", "type": "Directory"}} \
+            in pod["volumes"]
+        assert [v["persistentVolumeClaim"]["claimName"] for v in pod["volumes"] if "persistentVolumeClaim" in v] \
+            == ["models", "adapters"]
+        assert all(m["readOnly"] for m in mounts if m["name"].startswith(("lora-", "model")))
+    router = objects["smollm2-router"]["spec"]["template"]["spec"]
+    assert "--enable-lora" not in router["containers"][0]["args"]  # the router learns adapters from the workers
 
 
 def test_changing_slo_classes_rolls_the_routers_but_not_the_workers():

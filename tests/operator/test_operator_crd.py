@@ -60,7 +60,10 @@ def test_crd_identity_printer_columns_and_status_subresource():
     assert (spec["group"], spec["scope"], spec["names"]["kind"], spec["names"]["shortNames"]) == (
         "serving.tandem.dev", "Namespaced", "LLMDeployment", ["llmdep"])
     version = spec["versions"][0]
-    assert version["name"] == "v1alpha1" and version["subresources"] == {"status": {}}
+    assert version["name"] == "v1alpha1"
+    assert version["subresources"] == {"status": {}, "scale": {
+        "specReplicasPath": ".spec.replicas", "statusReplicasPath": ".status.replicas",
+        "labelSelectorPath": ".status.selector"}}
     columns = {c["name"]: c["jsonPath"] for c in version["additionalPrinterColumns"]}
     assert columns == {"Ready": ".status.ready", "P:D": ".status.ratio", "GPUs": ".status.gpus",
                        "Endpoint": ".status.endpoint", "Phase": ".status.phase", "Age": ".metadata.creationTimestamp"}
@@ -79,11 +82,18 @@ def _cel_errors(spec: dict) -> list[str]:
     """The messages the API server would return for `spec` (only the nodes present are checked, as there)."""
     schema = _schema()["properties"]["spec"]
     errors = []
-    for where, value in (("", spec), ("model", spec.get("model")), ("model.source", (spec.get("model") or {}).get("source"))):
+    nodes = [("", spec), ("model", spec.get("model")), ("model.source", (spec.get("model") or {}).get("source")),
+             ("engine.speculativeConfig", (spec.get("engine") or {}).get("speculativeConfig"))]
+    adapter_source = schema["properties"]["loraAdapters"]["items"]["properties"]["source"]
+    for where, value in nodes:
         if value is None:
             continue
         for rule in _rules(schema, where):
             if not cel.evaluate(rule["rule"], {"self": value}):
+                errors.append(rule["message"])
+    for adapter in spec.get("loraAdapters") or []:
+        for rule in adapter_source.get("x-kubernetes-validations", []):
+            if not cel.evaluate(rule["rule"], {"self": adapter["source"]}):
                 errors.append(rule["message"])
     return errors
 
@@ -130,6 +140,18 @@ CASES = {
                                                 "model.format must match the file"),
     "hf format on a folder named .gguf/": (_example(model={"name": "m", "format": "hf",
                                                            "source": {"hostPath": {"path": "/w.gguf/"}}}), None),
+    "lora adapters": (_example(loraAdapters=[{"name": "sql", "source": {"pvc": {"claimName": "c", "path": "s"}}},
+                                             {"name": "chat", "source": {"hostPath": {"path": "/a/chat"}}}]), None),
+    "lora adapter with two sources": (_example(loraAdapters=[{"name": "sql", "source": {
+        "pvc": {"claimName": "c", "path": "s"}, "hostPath": {"path": "/a"}}}]), "needs exactly one of pvc or hostPath"),
+    "lora adapter without a source": (_example(loraAdapters=[{"name": "sql", "source": {}}]),
+                                      "needs exactly one of pvc or hostPath"),
+    "lora adapter named as the model": (_example(loraAdapters=[{"name": "smollm2-135m-instruct", "source": {
+        "hostPath": {"path": "/a"}}}]), "an adapter's name must differ from model.name"),
+    "speculative lookup window": (_example(engine={"speculativeConfig": {
+        "numSpeculativeTokens": 4, "promptLookupMin": 2, "promptLookupMax": 4}}), None),
+    "speculative lookup window upside down": (_example(engine={"speculativeConfig": {
+        "numSpeculativeTokens": 4, "promptLookupMin": 5, "promptLookupMax": 4}}), "promptLookupMin must not exceed"),
 }
 
 
@@ -166,3 +188,20 @@ def test_a_decode_pool_of_none_is_refused_by_kubectl_apply_as_by_the_operator():
     with pytest.raises(SpecError, match="spec.decode.replicas: must be at least 1"):
         validate_spec(spec, "smollm2")
     assert _cel_errors(_example(ratio=None, replicas=None, prefill={"replicas": 0}, decode={"replicas": 1})) == []
+
+
+@pytest.mark.parametrize("name", ["autoscaling-hpa.yaml", "autoscaling-keda.yaml"])
+def test_the_autoscaler_examples_scale_an_llmdeployment_through_its_scale_subresource(name):
+    """They name the LLMDeployment (not a pool Deployment), whose CRD has the scale subresource, and never go below
+    the two workers spec.replicas needs."""
+    body = yaml.safe_load((EXAMPLE.parent / name).read_text())
+    target = body["spec"]["scaleTargetRef"]
+    assert (target["apiVersion"], target["kind"]) == ("serving.tandem.dev/v1alpha1", "LLMDeployment")
+    assert crd_manifest()["spec"]["versions"][0]["subresources"]["scale"]["specReplicasPath"] == ".spec.replicas"
+    minimum = body["spec"].get("minReplicas", body["spec"].get("minReplicaCount"))
+    assert minimum >= _schema()["properties"]["spec"]["properties"]["replicas"]["minimum"]
+    if body["kind"] == "HorizontalPodAutoscaler":
+        kubernetes_validate.validate(body, "1.30", strict=True)
+    else:
+        assert {t["type"] for t in body["spec"]["triggers"]} == {"prometheus"}
+        assert all("tandem_router_" in t["metadata"]["query"] for t in body["spec"]["triggers"])

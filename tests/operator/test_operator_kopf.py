@@ -18,6 +18,7 @@ from tandem.operator import names
 from tandem.operator.builders import Owner, build_objects
 from tandem.operator.kube import Kube, KubeError, with_desired_hash
 from tandem.operator.main import peering_priority
+from tandem.operator.reconcile import reconcile
 from tandem.operator.validation import validate_spec
 
 DEPLOYMENTS = "apps/v1/deployments"
@@ -165,6 +166,29 @@ async def test_changing_the_ratio_patches_replicas(cluster):
     assert cluster.get("v1/secrets", "smollm2-internal") == token
 
 
+async def test_engine_pass_through_fields_and_lora_adapters_reach_both_pools(cluster):
+    engine = {**yaml.safe_load(EXAMPLE.read_text())["spec"]["engine"], "quantization": "fp8", "kvCacheDtype": "fp8",
+              "speculativeConfig": {"numSpeculativeTokens": 4}}
+    adapters = [{"name": "sql", "source": {"pvc": {"claimName": "adapters", "path": "sql"}}},
+                {"name": "chat", "source": {"hostPath": {"path": "/data/adapters/chat"}}}]
+    await cluster.apply_example(engine=engine, loraAdapters=adapters)
+    await _all_owned(cluster)
+    for pool in ("prefill", "decode"):
+        pod = cluster.get(DEPLOYMENTS, f"smollm2-{pool}")["spec"]["template"]["spec"]
+        args = pod["containers"][0]["args"]
+        assert (_flag(args, "--quantization"), _flag(args, "--kv-cache-dtype")) == ("fp8", "fp8")
+        assert _flag(args, "--speculative-config") == '{"method":"ngram","num_speculative_tokens":4}'
+        assert "--enable-lora" in args
+        assert args[args.index("--lora-modules") + 1:][:2] == ["sql=/loras/pvc-0/sql", "chat=/loras/host-1"]
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        assert volumes["lora-pvc-0"]["persistentVolumeClaim"] == {"claimName": "adapters", "readOnly": True}
+        assert volumes["lora-host-1"]["hostPath"] == {"path": "/data/adapters/chat", "type": "Directory"}
+        mounts = {m["name"]: m for m in pod["containers"][0]["volumeMounts"]}
+        assert mounts["lora-pvc-0"] == {"name": "lora-pvc-0", "mountPath": "/loras/pvc-0", "readOnly": True}
+        assert mounts["lora-host-1"] == {"name": "lora-host-1", "mountPath": "/loras/host-1", "readOnly": True}
+    assert "--enable-lora" not in _args(cluster.get(DEPLOYMENTS, "smollm2-router"))
+
+
 def _deployment_status(replicas: int, ready: int, progressing: str = "NewReplicaSetAvailable",
                        progressing_status: str = "True", generation: int = 1) -> dict:
     """What the Deployment controller writes: every pod on the new template, `ready` of them ready."""
@@ -240,6 +264,57 @@ async def test_a_scale_up_under_way_is_progressing_not_degraded(cluster):
                             subresource="status")
     await cluster.wait_for("Ready at 8", lambda: cluster.get(CR, "smollm2")["status"]["phase"] == "Ready")
     assert cluster.get(CR, "smollm2")["status"]["ready"] == "10/10"
+
+
+def _replicas(cluster) -> dict[str, int]:
+    return {n: d["spec"]["replicas"] for n, d in cluster.all(DEPLOYMENTS).items()}
+
+
+async def test_a_scale_through_the_scale_subresource_keeps_the_ratio(cluster):
+    """`kubectl scale llmdeployment smollm2 --replicas N` (or an HPA) writes the Scale's spec.replicas, which the
+    CRD's scale subresource maps onto spec.replicas: the total the ratio splits. kmock has no Scale objects: it
+    merges the Scale's body into the resource, which is where specReplicasPath puts it (the emulator bumps the
+    generation, as a real API server does for a write of the scale subresource)."""
+    await cluster.apply_example()
+    await _all_owned(cluster)
+    for total, prefill, decode in ((8, 2, 6), (12, 3, 9), (4, 1, 3)):  # 1:3, prefill rounded half up
+        await cluster.patch(CR, "smollm2", {"spec": {"replicas": total}}, subresource="scale")
+        await cluster.wait_for(f"{prefill} prefill : {decode} decode", lambda p=prefill, d=decode: _replicas(
+            cluster) == {"smollm2-prefill": p, "smollm2-decode": d, "smollm2-router": 2})
+        await cluster.wait_for(f"status.replicas {total}", lambda t=total: (
+            cluster.get(CR, "smollm2").get("status") or {}).get("replicas") == t)
+    assert cluster.get(CR, "smollm2")["spec"]["ratio"] == "1:3"
+    assert cluster.get(CR, "smollm2")["status"]["selector"] == (
+        "app.kubernetes.io/name=tandem,app.kubernetes.io/instance=smollm2,"
+        "app.kubernetes.io/component in (prefill,decode)")
+
+
+async def test_replicas_set_by_someone_else_hold_until_the_operator_asks_for_another_number(cluster):
+    """An autoscaler of one pool's Deployment (or `kubectl scale deployment`) is not fought: neither a change of the
+    pod template nor a resync (a forced apply) puts the operator's number back; a new number of its own does."""
+    cr = await cluster.apply_example()
+    await _all_owned(cluster)
+    await cluster.patch(DEPLOYMENTS, "smollm2-decode", {"spec": {"replicas": 5}})
+    await cluster.patch(CR, "smollm2", {"spec": {"engine": {"maxNumSeqs": 32}}})
+    await cluster.wait_for("--max-num-seqs 32 in the decode pod template", lambda: _flag(
+        _args(cluster.get(DEPLOYMENTS, "smollm2-decode")), "--max-num-seqs") == "32")
+    assert _replicas(cluster)["smollm2-decode"] == 5
+    assert cluster.get(DEPLOYMENTS, "smollm2-decode")["metadata"]["annotations"]["serving.tandem.dev/replicas"] == "3"
+    await cluster.wait_for("status: 5 decode workers desired", lambda: (
+        (cluster.get(CR, "smollm2").get("status") or {}).get("decode") or {}).get("desired") == 5)
+
+    api = kubernetes.client.ApiClient(kubernetes.client.Configuration(host=str(cluster.emulator.url).rstrip("/")))
+    try:  # what the resync timer does (off in these tests): every object applied again, with force
+        outcomes = await asyncio.to_thread(reconcile, Kube(api), cluster.get(CR, "smollm2"), True)
+    finally:
+        api.close()
+    applied = {obj["metadata"]["name"]: obj for _, obj in outcomes if obj["kind"] == "Deployment"}
+    assert applied["smollm2-decode"]["spec"]["replicas"] == 5 and _replicas(cluster)["smollm2-decode"] == 5
+
+    await cluster.patch(CR, "smollm2", {"spec": {"replicas": 8}})  # the operator's number changes: 2 + 6
+    await cluster.wait_for("2 prefill : 6 decode", lambda: _replicas(cluster) == {
+        "smollm2-prefill": 2, "smollm2-decode": 6, "smollm2-router": 2})
+    assert cr["metadata"]["uid"] == cluster.get(CR, "smollm2")["metadata"]["uid"]
 
 
 async def test_invalid_spec_sets_spec_valid_false_posts_an_event_and_creates_nothing(cluster):
