@@ -88,10 +88,23 @@ def test_a_failing_sequence_pauses_longer_each_time_and_retries_one_draft():
         assert history.limit(4) == 1 and history.plan_rate == 0.5  # a retry: one draft, the benefit of the doubt
         history.record(1, 0)
         assert history.limit(4) == 4 and history.plan_rate == history.rate < 0.1
-    assert pauses == [FIRST_PAUSE, 8, 16, 32, LONGEST_PAUSE, LONGEST_PAUSE]
+    assert pauses == [FIRST_PAUSE, 8, LONGEST_PAUSE, LONGEST_PAUSE, LONGEST_PAUSE, LONGEST_PAUSE]
     history.record(1, 1)  # a retry that is accepted resets the pause
     history.pause()
     assert history.paused == FIRST_PAUSE
+
+
+def test_a_dropped_first_draft_is_checked_against_the_sampled_token():
+    history = AcceptanceHistory()
+    for sampled in (7, 7, 7):
+        history.shadow = 7
+        history.check_shadow(sampled)
+    assert history.rate > 0.7 and history.shadow is None
+    history.check_shadow(8)  # no shadow: nothing learned
+    assert history.rate > 0.7
+    history.shadow = 7
+    history.check_shadow(8)
+    assert history.rate < 0.7
 
 
 def test_skipped_steps_and_mean_k_are_reported():

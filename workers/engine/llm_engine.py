@@ -439,10 +439,13 @@ class LLMEngine:
         planned = plan_drafts(cost, contexts, rates, [len(seq.spec_token_ids) for seq in decodes])
         drafted = False
         for seq, k, context in zip(decodes, planned, contexts, strict=True):
+            history = seq.spec_history
+            if history is not None:
+                history.shadow = seq.spec_token_ids[0] if seq.spec_token_ids and not k else None
             if seq.spec_token_ids:
                 drafted = True
-                if not k and not worth_alone(cost, context, seq.spec_history.rate):
-                    seq.spec_history.pause()  # its drafts keep failing: it retries later
+                if not k and not worth_alone(cost, context, history.rate):
+                    history.pause()  # its drafts keep failing: it retries later
                 del seq.spec_token_ids[k:]
         self.spec_stats.planned(len(decodes), sum(planned), drafted and not any(planned))
 
@@ -470,6 +473,8 @@ class LLMEngine:
             tokens, logprobs = sampled.token_ids[row:row + n], sampled.logprobs[row:row + n]
             row += n
             drafts, seq.spec_token_ids = seq.spec_token_ids, []
+            if not drafts and seq.spec_history is not None:
+                seq.spec_history.check_shadow(tokens[0])
             if drafts:
                 accepted = num_accepted(tokens, drafts)
                 seq.num_computed_tokens += accepted  # the accepted drafts' K/V is this step's; the rest is rolled back

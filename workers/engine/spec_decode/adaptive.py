@@ -16,7 +16,7 @@ from tandem.step_cost import StepCost
 
 DECAY = 0.8  # the weight a verification's outcome keeps for every later one of the same sequence
 PRIOR_ACCEPTED, PRIOR_TRIED = 1.0, 2.0  # a new sequence's estimate: 1/2
-FIRST_PAUSE, LONGEST_PAUSE = 4, 64  # steps a sequence stops drafting for: doubled after each failed retry
+FIRST_PAUSE, LONGEST_PAUSE = 4, 16  # steps a sequence stops drafting for: doubled after each failed retry
 NO_MODEL_FLOOR = 0.25  # before the engine has a step cost model: drafts worth at least this many tokens
 
 
@@ -29,6 +29,7 @@ class AcceptanceHistory:
     paused: int = 0  # steps left without drafting
     next_pause: int = FIRST_PAUSE
     probing: bool = False  # a pause ended: its next draft is one token, planned at the prior's rate
+    shadow: int | None = None  # a first draft the plan dropped this step, checked against the token sampled instead
 
     @property
     def rate(self) -> float:
@@ -47,6 +48,12 @@ class AcceptanceHistory:
         self.probing = False
         if accepted:
             self.next_pause = FIRST_PAUSE
+
+    def check_shadow(self, sampled: int) -> None:
+        """Learn from a dropped first draft for free: it would have been accepted iff it equals what was sampled."""
+        if self.shadow is not None:
+            self.record(1, int(self.shadow == sampled))
+            self.shadow = None
 
     def limit(self, k: int) -> int:
         """The most it drafts this step: none while paused (counting the step off), one on a retry, else k."""
