@@ -4,7 +4,10 @@ Two workloads, greedy, ignore_eos: copy-heavy (the prompt is code the model is a
 is in its prompt) and free writing (a short instruction, little to look up). Each at batch 1 and batch 8 (copies
 of the prompt with a distinct first token each, so the prefix cache shares nothing). Tokens/s counts output
 tokens over the whole run (prefill included), best of --repeats after a warm-up; ratio = with / without. Also the acceptance rate
-and the mean tokens per verified draft. The outputs with and without speculation are checked identical.
+and the mean tokens per verified draft, the drafts verified per decode step and sequence (mean k) and the steps
+whose drafts were all dropped as not worth verifying. The outputs with and without speculation are checked
+identical. Each engine that speculates is calibrated first, as a worker is at start (workers/engine/calibration.py:
+the prior of the step cost model its plans are made with; read from the cache after the first time, not timed).
 Targets (issue 32): >= 1.5x at batch 1 on the copy-heavy workload, >= 0.95x on free writing. Prints; asserts
 nothing but identical outputs.
 
@@ -22,6 +25,7 @@ import torch
 
 from tandem.config import EngineConfig
 from tandem.protocol import SamplingParams
+from tandem.workers.engine.calibration import calibrate
 from tandem.workers.engine.llm_engine import LLMEngine, load_engine_model
 
 CODE = '''def parse_line(line):
@@ -45,19 +49,35 @@ def chat(tokenizer, text: str) -> list[int]:
 
 
 def run(loaded, spec: str | None, prompts: list[list[int]], params: SamplingParams, repeats: int):
-    """(best output tokens/s, token ids per request, the engine of the best run)."""
+    """(best output tokens/s, token ids per request, the engine of the best run, its decode steps' mean k)."""
     best = None
     for _ in range(repeats):
         config = EngineConfig(model="smollm2", num_kv_blocks=1024, max_num_seqs=16, speculative_config=spec,
                               enable_prefix_caching=False)
         engine = LLMEngine(loaded, config)
+        if spec is not None:
+            calibrate(engine)
         started = time.perf_counter()
-        results = engine.generate(prompts, params)
+        results, ks = generate(engine, prompts, params)
         seconds = time.perf_counter() - started
         rate = sum(len(r.token_ids) for r in results) / seconds
         if best is None or rate > best[0]:
-            best = (rate, [r.token_ids for r in results], engine)
+            best = (rate, [r.token_ids for r in results], engine, sum(ks) / max(len(ks), 1))
     return best
+
+
+def generate(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams):
+    """engine.generate's results, and each decode step's mean k as the engine planned it."""
+    ks = []
+    planned = engine.spec_stats.planned
+
+    def record(decodes: int, verified: int, skipped: bool) -> None:
+        planned(decodes, verified, skipped)
+        if decodes:
+            ks.append(verified / decodes)
+
+    engine.spec_stats.planned = record
+    return engine.generate(prompts, params), ks
 
 
 def main() -> None:
@@ -80,17 +100,18 @@ def main() -> None:
     print(f"SmolLM2-135M on CPU ({os.cpu_count()} logical CPUs, torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads), {args.max_tokens} new tokens, greedy; speculative config {spec}")
     print(f"{'workload':<14}{'batch':>6}{'plain tok/s':>13}{'ngram tok/s':>13}{'ratio':>8}{'accepted':>10}"
-          f"{'tok/draft':>11}")
+          f"{'tok/draft':>11}{'mean k':>8}{'skipped':>9}")
     for name, text in WORKLOADS.items():
         base = chat(loaded.tokenizer, text)
         for batch in map(int, args.batches.split(",")):
             prompts = [[base[0] + i, *base[1:]] if i else base for i in range(batch)]
-            plain_rate, plain_tokens, _ = run(loaded, None, prompts, params, args.repeats)
-            spec_rate, spec_tokens, engine = run(loaded, spec, prompts, params, args.repeats)
+            plain_rate, plain_tokens, _, _ = run(loaded, None, prompts, params, args.repeats)
+            spec_rate, spec_tokens, engine, mean_k = run(loaded, spec, prompts, params, args.repeats)
             same = "" if spec_tokens == plain_tokens else "  OUTPUTS DIFFER"
             stats = engine.spec_stats
             print(f"{name:<14}{batch:>6}{plain_rate:>13.1f}{spec_rate:>13.1f}{spec_rate / plain_rate:>7.2f}x"
-                  f"{stats.acceptance_rate:>10.0%}{stats.mean_accepted_length:>11.2f}{same}")
+                  f"{stats.acceptance_rate:>10.0%}{stats.mean_accepted_length:>11.2f}{mean_k:>8.2f}"
+                  f"{stats.num_skipped_steps:>9}{same}")
 
 
 if __name__ == "__main__":

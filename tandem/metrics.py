@@ -100,6 +100,12 @@ class EngineMetrics:
         self.spec_decode_num_accepted_tokens_per_pos = Counter(
             "tandem_spec_decode_num_accepted_tokens_per_pos", "Drafted tokens accepted, by position in the draft",
             (*ENGINE_LABELS, "position"), registry=r)
+        self.spec_decode_num_skipped_steps = Counter(
+            "tandem_spec_decode_num_skipped_steps", "Steps whose drafts were all dropped as not worth verifying",
+            ENGINE_LABELS, registry=r).labels(**labels)
+        self.spec_decode_mean_k = Gauge("tandem_spec_decode_mean_k",
+                                        "Drafted tokens verified per decoding sequence, latest step",
+                                        ENGINE_LABELS, registry=r).labels(**labels)
         self.labels = labels
         r.register(VLLMNames(self))
 

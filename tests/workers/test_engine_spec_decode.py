@@ -2,7 +2,9 @@
 
 The random tiny Llama copies nothing, so n-gram drafts are rarely right on it: its tests draft with an oracle that
 knows the plain run's output and spoils some of it (every path: all kept, some kept, none). The real SmolLM2
-copies a repeated text, which is where n-gram drafts are accepted.
+copies a repeated text, which is where n-gram drafts are accepted. Engines that speculate are given a memory-bound
+step cost model (a GPU's at low batch), where drafts pay, so that what they verify does not hang on how fast this
+host ran the tiny model's steps; the tests of the cost model's say are at the end.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch
 from tandem.config import EngineConfig
 from tandem.metrics import EngineMetrics
 from tandem.protocol import SamplingParams, StructuredOutput
+from tandem.step_cost import StepCost
 from tandem.workers.engine.llm_engine import LLMEngine
 from tandem.workers.models.loader import load_model
 
@@ -23,6 +26,15 @@ TEXT = ("The keeper climbed the tower each evening, trimmed the wick, polished t
         "the log. Storms cut the station off for weeks, so the keeper baked bread and mended nets.")
 COPY_TEXT = ("def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n    return a * b\n"
              "\nRepeat the code above exactly:\n\ndef add(a, b):\n")
+
+MEMORY_BOUND = StepCost(base_s=0.01, token_s=1e-4, sequence_s=0.0, pair_s=0.0, decode_base_s=0.02,
+                        decode_sequence_s=0.0002, decode_pair_s=0.0)
+FREE_ROWS = StepCost(base_s=0.01, token_s=1e-4, sequence_s=0.0, pair_s=0.0, decode_base_s=0.02,
+                     decode_sequence_s=0.0, decode_pair_s=0.0)
+TENTH_A_ROW = StepCost(base_s=0.01, token_s=1e-4, sequence_s=0.0, pair_s=0.0, decode_base_s=0.02,
+                       decode_sequence_s=0.002, decode_pair_s=0.0)
+COMPUTE_BOUND = StepCost(base_s=0.01, token_s=1e-4, sequence_s=0.0, pair_s=0.0, decode_base_s=0.002,
+                         decode_sequence_s=0.004, decode_pair_s=0.0)
 
 
 class OracleProposer:
@@ -52,10 +64,13 @@ def tiny_llama(tiny_llama_dir):
     return load_model(tiny_llama_dir, dtype="float32")
 
 
-def make_engine(loaded, spec: str | None = None, **overrides) -> LLMEngine:
+def make_engine(loaded, spec: str | None = None, cost: StepCost = MEMORY_BOUND, **overrides) -> LLMEngine:
     settings = dict(num_kv_blocks=512, max_num_batched_tokens=256, max_num_seqs=16, speculative_config=spec)
     settings.update(overrides)
-    return LLMEngine(loaded, EngineConfig(**settings), EngineMetrics(loaded.config.name, "both"))
+    engine = LLMEngine(loaded, EngineConfig(**settings), EngineMetrics(loaded.config.name, "both"))
+    if spec is not None:
+        engine.step_costs.cost = lambda: cost
+    return engine
 
 
 def greedy(max_tokens: int, **kw) -> SamplingParams:
@@ -89,7 +104,8 @@ def test_greedy_with_drafts_kept_and_rejected_is_token_for_token_the_same(tiny_l
     prompts = prompts_of(tiny_llama.tokenizer)
     params = greedy(30)
     plain = make_engine(tiny_llama).generate(prompts, params)
-    engine = with_oracle(tiny_llama, prompts, params, plain)
+    # Every third wrong: drafts of 1 to 4 tokens cannot settle into a rhythm that steps over the wrong ones.
+    engine = with_oracle(tiny_llama, prompts, params, plain, spoil=3)
     spec = engine.generate(prompts, params)
     assert_same(plain, spec)
     stats = engine.spec_stats
@@ -199,7 +215,8 @@ def test_sampled_outputs_follow_the_target_distribution(tiny_llama, tiny_llama_d
     likeliest = list(max(exact, key=exact.get))
     n = 3000
     params = SamplingParams(temperature=1.0, top_k=3, max_tokens=3, ignore_eos=True)
-    engine = make_engine(tiny_llama, NGRAM, max_num_seqs=256, max_num_batched_tokens=4096, num_kv_blocks=1024)
+    engine = make_engine(tiny_llama, NGRAM, max_num_seqs=256, max_num_batched_tokens=4096, num_kv_blocks=1024,
+                         cost=FREE_ROWS)  # at a batch of 3000 only rows that cost nothing are worth verifying
     engine.proposer = OracleProposer({tuple(prompt): likeliest}, {tuple(prompt): len(prompt)}, spoil=100)
     counts: dict[tuple[int, ...], int] = {}
     for r in engine.generate([prompt] * n, params):
@@ -239,3 +256,53 @@ def test_ngram_on_smollm2_copies_with_accepted_drafts(smollm2):
     stats = engine.spec_stats
     assert stats.num_accepted_tokens > 8, (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens)
     assert engine.num_kv_blocks_used == 0
+
+
+def test_k_adapts_to_each_sequence_and_failing_drafts_pause(tiny_llama):
+    prompts = prompts_of(tiny_llama.tokenizer, 2)
+    params = greedy(60)
+    plain = make_engine(tiny_llama).generate(prompts, params)
+    right = with_oracle(tiny_llama, prompts[:1], params, plain[:1], spoil=1000)
+    assert_same(plain[:1], right.generate(prompts[:1], params))
+    assert right.spec_stats.mean_accepted_length > 4  # all right: k stays at 4 (the last steps have less room)
+    # Never right, where a row costs a tenth of a step: its k falls from 2 to 1 as its rate does, then it pauses
+    # for 4, 8, 16, 16... steps with a one-draft retry after each.
+    wrong = with_oracle(tiny_llama, prompts[1:], params, plain[1:], spoil=1, cost=TENTH_A_ROW)
+    assert_same(plain[1:], wrong.generate(prompts[1:], params))
+    stats = wrong.spec_stats
+    assert stats.num_accepted_tokens == 0
+    assert stats.num_drafts <= 11 and stats.num_draft_tokens <= 12, (stats.num_drafts, stats.num_draft_tokens)
+
+
+def test_speculation_turns_off_where_the_step_cost_model_says_verifying_costs_more(tiny_llama):
+    prompts = prompts_of(tiny_llama.tokenizer, 8)
+    params = greedy(20)
+    plain = make_engine(tiny_llama).generate(prompts, params)
+    # Every other draft wrong: a ~ 1/2, at a row's 4 ms against the batch's 8 tokens in 34 ms. (A draft that is
+    # always right pays under any model: a token for a row, where a plain step pays the base too.)
+    engine = with_oracle(tiny_llama, prompts, params, plain, spoil=2, cost=COMPUTE_BOUND)
+    assert_same(plain, engine.generate(prompts, params))
+    stats, m = engine.spec_stats, engine.metrics
+    assert stats.num_drafts == 0 and stats.num_skipped_steps > 0
+    assert m.registry.get_sample_value("tandem_spec_decode_num_skipped_steps_total", m.labels) == \
+        stats.num_skipped_steps
+    assert m.registry.get_sample_value("tandem_spec_decode_mean_k", m.labels) == 0.0
+    # The same drafts under a memory-bound model are verified.
+    engine = with_oracle(tiny_llama, prompts, params, plain, spoil=2)
+    assert_same(plain, engine.generate(prompts, params))
+    assert engine.spec_stats.num_skipped_steps == 0 and engine.spec_stats.num_accepted_tokens > 0
+
+
+def test_drafts_dropped_by_the_plan_still_teach_the_acceptance_estimate(tiny_llama):
+    # A batch of 8 where a row costs a quarter of the step's base: drafts at the prior's 1/2 do not pay, drafts
+    # that are always right do. The dropped first drafts are checked against the sampled tokens, so the estimate
+    # climbs and the batch starts verifying.
+    prompts = prompts_of(tiny_llama.tokenizer, 8)
+    params = greedy(30)
+    plain = make_engine(tiny_llama).generate(prompts, params)
+    cost = StepCost(base_s=0.01, token_s=1e-4, sequence_s=0.0, pair_s=0.0, decode_base_s=0.008,
+                    decode_sequence_s=0.002, decode_pair_s=0.0)
+    engine = with_oracle(tiny_llama, prompts, params, plain, spoil=1000, cost=cost)
+    assert_same(plain, engine.generate(prompts, params))
+    stats = engine.spec_stats
+    assert stats.num_skipped_steps > 0 and stats.num_accepted_tokens > 0

@@ -35,7 +35,8 @@ class Sequence:
         "finish_reason", "num_computed_tokens", "block_table", "block_hashes", "num_cached_blocks",
         "num_cached_tokens", "arrival_time", "arrival_order", "first_scheduled_time",
         "first_token_time", "last_token_time", "generator", "num_preemptions", "prefill_only", "kv_source",
-        "output_tokens_in_prompt", "prompt_logprobs", "spec_token_ids", "spec_generators", "lora", "hash_seed",
+        "output_tokens_in_prompt", "prompt_logprobs", "spec_token_ids", "spec_generators", "spec_history",
+        "lora", "hash_seed",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -82,6 +83,7 @@ class Sequence:
         # and the generators their positions sample with (a seeded request's, one per draft).
         self.spec_token_ids: list[int] = []
         self.spec_generators: list[torch.Generator] = []
+        self.spec_history = None  # its drafts' acceptance (spec_decode.adaptive.AcceptanceHistory), once drafted for
         # Multi-LoRA: the adapter's name (None: the base model), and the seed of its block hashes (None: the
         # block manager's own).
         self.lora: str | None = None
