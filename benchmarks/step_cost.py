@@ -1,5 +1,5 @@
 """How well a worker's step cost model predicts its steps: the start-up calibration's model (tandem.step_cost)
-against measured prefills and decode batches of sizes it did not time.
+against measured prefills, decode batches of sizes it did not time, and one sequence decoding at a long context.
 
 Model: on a CUDA GPU the Llama-3-8B-shaped random model of benchmarks/engine_gpu.py (bf16, Triton, CUDA graphs);
 with --dry-run its tiny model on the CPU. Prints, for each case, the predicted and the measured seconds (median of 3)
@@ -79,6 +79,11 @@ def main() -> None:
         measured = statistics.median(decode_steps)
         print(f"{f'decode step, batch {b}':>28} {predicted * 1e3:>8.2f}ms {measured * 1e3:>8.2f}ms "
               f"{measured / predicted:>6.2f}")
+    long = budget - 16  # one sequence at a long context: the attention-pair term's own case
+    steps = timed(engine, bench.random_prompts(1, long, vocab, 7), 8)
+    predicted, measured = cost.decode_step_s(1, long + 4), statistics.median(steps[-6:])
+    print(f"{f'decode step, 1 at {long} tokens':>28} {predicted * 1e3:>8.2f}ms {measured * 1e3:>8.2f}ms "
+          f"{measured / predicted:>6.2f}")
 
 
 if __name__ == "__main__":
