@@ -11,6 +11,7 @@ to check its bytes. Never asserts.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 import time
@@ -26,14 +27,15 @@ from tandem.workers.engine.model_runner import ModelRunner, kv_cache_blocks  # n
 from tandem.workers.layers import attention, kv_quant  # noqa: E402
 from tandem.workers.layers.metadata import AttentionMetadata  # noqa: E402
 from tandem.workers.models.config import ModelConfig  # noqa: E402
+from tandem.workers.models.loader import load_engine_config  # noqa: E402
 
 SEQ_TOKENS = 2048
 
 
+@functools.cache
 def smollm2_config() -> ModelConfig:
-    return ModelConfig(architecture="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
-                       num_heads=9, num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5, rope_theta=100000.0,
-                       max_position_embeddings=8192)
+    """SmolLM2-135M's architecture, read from the packaged GGUF without its weights."""
+    return load_engine_config("smollm2")
 
 
 def loaded(config: ModelConfig, dtype: torch.dtype):
