@@ -101,8 +101,8 @@ def _decode_batch(
     return _DecodeBatch(token_index, block_ids, num_seqs, context_len, max_seq_len, masks)
 
 
-# What one more decode group costs per layer (two more gathers and one more attention call, ~50-100 us on
-# CPU), in padded context tokens gathered and attended (~0.15 us each per layer in float32).
+# What one more decode group costs per layer (two more gathers and one more attention call on CPU), in padded
+# context tokens gathered and attended: the fixed cost of a call over the cost of one more token.
 _GROUP_COST_TOKENS = 512
 
 
@@ -225,8 +225,8 @@ def _prefill_attention(
     block_ids = block_table[: -(-seq_len // block_size)].long()
     keys = _gather(k_cache, block_ids, query.dtype, kv_scales[0])[:seq_len]  # [S, Hkv, D]
     values = _gather(v_cache, block_ids, query.dtype, kv_scales[1])[:seq_len]
-    # 4-D [1, H, len, D] views: with 3-D inputs SDPA takes its unfused math path on CPU, 3-10x slower than
-    # the flash kernel (which also keeps bf16 scores and softmax in float32).
+    # 4-D [1, H, len, D] views: with 3-D inputs SDPA takes its unfused math path on CPU, several times slower
+    # than the flash kernel (which also keeps bf16 scores and softmax in float32).
     q = query.transpose(0, 1).unsqueeze(0)
     k, v = keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0)
     gqa = num_heads != num_kv_heads
