@@ -177,7 +177,6 @@ class LlamaAttention(nn.Module):
                 f"num_heads ({config.num_heads}) must be a multiple of num_kv_heads ({config.num_kv_heads})"
             )
         shard = head_shard(config, tp)
-        self.shard = shard
         self.tp = tp
         self.num_heads = shard.q_end - shard.q_start
         self.num_kv_heads = shard.kv_end - shard.kv_start
