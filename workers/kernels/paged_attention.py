@@ -120,8 +120,8 @@ def _attend_kv_tiles(
 
 
 # num_seqs and the block table's row stride change from step to step; Triton would otherwise compile a variant
-# for each of their value classes (1, a multiple of 16, other), and each compile stalls the engine's step by
-# about a second on a serving host. Neither feeds a vectorized access, so nothing is lost by not specializing.
+# for each of their value classes (1, a multiple of 16, other), and each compile stalls the engine's step on a
+# serving host. Neither feeds a vectorized access, so nothing is lost by not specializing.
 @triton.jit(do_not_specialize=["num_seqs", "stride_bt"])
 def _paged_attention_kernel(
     out_ptr,
@@ -524,7 +524,7 @@ def compile_eager_builds(k_cache: torch.Tensor, v_cache: torch.Tensor, num_q_hea
     Other steps (prefills, mixed batches, larger decode batches) launch eagerly, and a build is fixed by
     what the model fixes (head counts, head dim, block size, dtype, strides) plus two things a step decides:
     decode-only or prefill tiles, and the split count (a power of two up to _MAX_SPLITS). One tiny launch of
-    each pair compiles them all here, rather than on a serving step (about a second each on a GPU host).
+    each pair compiles them all here, rather than on a serving step (where each compile would stall it).
     The launches read one block of the cache and write a scratch output. Returns the number of launches.
     `dtype`: the queries' (the cache's when None; an FP8 cache needs it).
     """

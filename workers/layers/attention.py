@@ -101,8 +101,8 @@ def _decode_batch(
     return _DecodeBatch(token_index, block_ids, num_seqs, context_len, max_seq_len, masks)
 
 
-# What one more decode group costs per layer (two more gathers and one more attention call, ~50-100 us on
-# CPU), in padded context tokens gathered and attended (~0.15 us each per layer in float32).
+# What one more decode group costs per layer (two more gathers and one more attention call on CPU), in padded
+# context tokens gathered and attended: the fixed cost of a call over the cost of one more token.
 _GROUP_COST_TOKENS = 512
 
 
@@ -225,8 +225,8 @@ def _prefill_attention(
     block_ids = block_table[: -(-seq_len // block_size)].long()
     keys = _gather(k_cache, block_ids, query.dtype, kv_scales[0])[:seq_len]  # [S, Hkv, D]
     values = _gather(v_cache, block_ids, query.dtype, kv_scales[1])[:seq_len]
-    # 4-D [1, H, len, D] views: with 3-D inputs SDPA takes its unfused math path on CPU, 3-10x slower than
-    # the flash kernel (which also keeps bf16 scores and softmax in float32).
+    # 4-D [1, H, len, D] views: with 3-D inputs SDPA takes its unfused math path on CPU, several times slower
+    # than the flash kernel (which also keeps bf16 scores and softmax in float32).
     q = query.transpose(0, 1).unsqueeze(0)
     k, v = keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0)
     gqa = num_heads != num_kv_heads
@@ -289,12 +289,11 @@ def _eager_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     """paged_attention with soft-capped scores and/or a sliding window, one sequence at a time, scores made
     explicitly (SDPA caps nothing), in transformers' eager order: scale, cap, mask, float32 softmax."""
     out = torch.empty_like(query)
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    num_kv_heads = k_cache.shape[2]
     group = query.shape[1] // num_kv_heads
     start = 0
-    for b, (query_len, seq_len) in enumerate(zip(meta.query_lens_list, meta.seq_lens_list)):
-        first_key = 0 if window is None else max(0, seq_len - query_len - window + 1)  # older keys are out of reach
-        block_ids = meta.block_tables[b, : -(-seq_len // block_size)].long()
+    plan = _eager_plan(meta, k_cache.shape[1], window, query.device)
+    for query_len, seq_len, (block_ids, first_key, hidden) in zip(meta.query_lens_list, meta.seq_lens_list, plan):
         keys = _gather(k_cache, block_ids, query.dtype, kv_scales[0])[first_key:seq_len]
         values = _gather(v_cache, block_ids, query.dtype, kv_scales[1])[first_key:seq_len]
         keys = keys.transpose(0, 1).repeat_interleave(group, 0)
@@ -303,12 +302,30 @@ def _eager_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         scores = (q @ keys.transpose(1, 2)) * scale
         if softcap is not None:
             scores = torch.tanh(scores / softcap) * softcap
-        query_pos = torch.arange(seq_len - query_len, seq_len, device=query.device)[:, None]
-        key_pos = torch.arange(first_key, seq_len, device=query.device)[None, :]
-        hidden = key_pos > query_pos
-        if window is not None:
-            hidden |= key_pos <= query_pos - window
         probs = torch.softmax(scores.masked_fill(hidden, float("-inf")), dim=-1, dtype=torch.float32).to(q.dtype)
         out[start : start + query_len] = (probs @ values).transpose(0, 1)
         start += query_len
     return out
+
+
+def _eager_plan(meta: AttentionMetadata, block_size: int, window: int | None,
+                device: torch.device) -> list[tuple[torch.Tensor, int, torch.Tensor]]:
+    """_eager_attention's per-sequence (blocks, first key in reach, mask of the keys each query row may not see),
+    the same for every layer of a step: built at the first layer's call and cached on `meta` for the others, one
+    per window (a model's sliding-window and global layers alternate)."""
+    plans = meta.__dict__.setdefault("_eager_attention_plans", {})
+    plan = plans.get((block_size, window))
+    if plan is not None:
+        return plan
+    plan = []
+    for b, (query_len, seq_len) in enumerate(zip(meta.query_lens_list, meta.seq_lens_list)):
+        first_key = 0 if window is None else max(0, seq_len - query_len - window + 1)  # older keys are out of reach
+        block_ids = meta.block_tables[b, : -(-seq_len // block_size)].long()
+        query_pos = torch.arange(seq_len - query_len, seq_len, device=device)[:, None]
+        key_pos = torch.arange(first_key, seq_len, device=device)[None, :]
+        hidden = key_pos > query_pos
+        if window is not None:
+            hidden |= key_pos <= query_pos - window
+        plan.append((block_ids, first_key, hidden))
+    plans[(block_size, window)] = plan
+    return plan

@@ -19,8 +19,8 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # the largest finite e4m3fn value
 MIN_SCALE = 1e-12  # a row of zeros gets this scale, not 0 (which would divide by zero)
 # GEMMs of at most this many rows use the weight-only Triton GEMM even where _scaled_mm runs (decode steps, whose
-# time is reading the weights): on an H200 _scaled_mm read the weights of a decode step's GEMMs at 3-27% of the copy
-# bandwidth, the Triton GEMM at 27-57% (benchmarks/fp8_gemm_gpu.py; docs/benchmarks.md).
+# time is reading the weights): _scaled_mm reads a decode step's weights at a far smaller share of the copy bandwidth
+# than the Triton GEMM does (benchmarks/fp8_gemm_gpu.py; docs/benchmarks.md, "FP8 weights on the H200").
 WEIGHT_ONLY_MAX_ROWS = 16
 
 

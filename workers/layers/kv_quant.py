@@ -6,9 +6,10 @@ import re
 
 import torch
 
+from tandem.workers.layers.fp8_linear import FP8 as FP8_KV
+from tandem.workers.layers.fp8_linear import FP8_MAX
+
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
-FP8_KV = torch.float8_e4m3fn
-FP8_MAX = 448.0  # e4m3's largest finite value
 
 # Per-tensor KV scales as checkpoints store them: compressed-tensors / vLLM (self_attn.k_scale), AutoFP8's older
 # k_proj.k_scale, ModelOpt's k_proj.output_scale, and the deprecated single kv_scale (both).

@@ -37,13 +37,7 @@ class LoRALinear:
 
     def apply(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """y += (x A_s^T) B_s^T for each row's slot s; rows of the base model are left as they are."""
-        groups = self.mapping.groups
-        if not groups:
-            return y
-        kernel = self.mapping.kernel
-        if kernel is not None:
-            return kernel(x, y, self.a, self.b, self.mapping)
-        for slot, rows in groups:
+        for slot, rows in self.mapping.groups:
             xs = x if rows is None else x.index_select(0, rows)
             delta = (xs @ self.a[slot].T) @ self.b[slot].T
             if rows is None:

@@ -32,13 +32,13 @@ class LoRAManager:
     among those this step does not use)."""
 
     def __init__(self, model: nn.Module, max_loras: int, max_rank: int, max_cpu_loras: int | None,
-                 dtype: torch.dtype, device: torch.device, kernel=None):
+                 dtype: torch.dtype, device: torch.device):
         if max_loras < 1 or max_rank < 1:
             raise ValueError("--max-loras and --max-lora-rank must be >= 1")
         self.max_loras, self.max_rank = max_loras, max_rank
         self.max_cpu_loras = max(max_cpu_loras or max_loras, max_loras)
         self.targets = model_targets(model)
-        self.mapping = StepMapping(device, kernel)
+        self.mapping = StepMapping(device)
         by_module: dict[str, list] = {}
         for hf_name, target in self.targets.items():
             by_module.setdefault(target.param, []).append((hf_name, target))

@@ -2,26 +2,20 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
 
 class StepMapping:
     """A step's token -> slot assignment: `groups` lists (slot, row indices or None for every row) for the
-    rows that use an adapter; rows of the base model are in no group. `kernel`: a batched implementation
-    (Triton) that LoRALinear.apply hands the step to instead of the per-slot torch loop."""
+    rows that use an adapter; rows of the base model are in no group."""
 
-    def __init__(self, device: torch.device, kernel: Callable | None = None):
+    def __init__(self, device: torch.device):
         self.device = device
-        self.kernel = kernel
         self.groups: list[tuple[int, torch.Tensor | None]] = []
-        self.token_slots: torch.Tensor | None = None  # [T] int32, -1 for the base model (the kernel's input)
 
     def set(self, row_slots: list[int], query_lens: list[int]) -> None:
         """Per sequence row its slot (-1: none) and its token count this step."""
         self.groups = []
-        self.token_slots = None
         if all(slot < 0 for slot in row_slots):
             return
         token_slots = [slot for slot, n in zip(row_slots, query_lens, strict=True) for _ in range(n)]
@@ -31,9 +25,3 @@ class StepMapping:
         else:
             slots = torch.tensor(token_slots, dtype=torch.int64)
             self.groups = [(slot, (slots == slot).nonzero().flatten().to(self.device)) for slot in distinct]
-        if self.kernel is not None:
-            self.token_slots = torch.tensor(token_slots, dtype=torch.int32, device=self.device)
-
-    def clear(self) -> None:
-        self.groups = []
-        self.token_slots = None

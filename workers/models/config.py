@@ -40,7 +40,3 @@ class ModelConfig:
     final_logit_softcapping: float | None = None
     query_pre_attn_scalar: float | None = None  # attention scale query_pre_attn_scalar ** -0.5, not head_dim's
     rope_local_theta: float | None = None  # Gemma 3's sliding layers' rope base (no scaling)
-
-    @property
-    def is_moe(self) -> bool:
-        return self.num_experts > 0

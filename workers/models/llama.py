@@ -4,8 +4,8 @@ Parameter names follow transformers' LlamaForCausalLM except that q/k/v are fuse
 `self_attn.qkv_proj` and gate/up into `mlp.gate_up_proj`: one GEMM each instead of three and two, which is
 most of what makes batch-1 decode cheap. `load_weights` maps HF names onto the fused parameters.
 
-Inside the model, submodules are called through `.forward`: nn.Module.__call__ (hook dispatch) costs a few
-microseconds a call, ~270 calls a decode step for a 30-layer model, and this model registers no hooks.
+Inside the model, submodules are called through `.forward`: nn.Module.__call__ (hook dispatch) costs time on
+every call, there are several calls per layer in every decode step, and this model registers no hooks.
 """
 
 from __future__ import annotations
@@ -41,10 +41,9 @@ class PackedWeight:
     """A [out, in] weight reordered once into oneDNN's blocked layout, for CPU GEMMs.
 
     F.linear gives MKL the plain row-major weight on every call, and for the few rows of a decode batch that
-    is far from what the CPU can do. Measured on SmolLM2-135M's GEMMs (2-core Xeon with AMX, one thread):
-    float32 with 4-32 rows runs 1.35-1.7x faster from the packed copy, bfloat16 1.5-1.6x faster at every
-    row count (AMX). The copy costs as much memory again as the weight; it is rebuilt if the weight is
-    written (its version counter moves).
+    is far from what the CPU can do: float32 GEMMs of a few rows and up, and bfloat16 ones at every row count
+    (AMX), run faster from the packed copy. The copy costs as much memory again as the weight; it is rebuilt if
+    the weight is written (its version counter moves).
     """
 
     def __init__(self):
@@ -178,7 +177,6 @@ class LlamaAttention(nn.Module):
                 f"num_heads ({config.num_heads}) must be a multiple of num_kv_heads ({config.num_kv_heads})"
             )
         shard = head_shard(config, tp)
-        self.shard = shard
         self.tp = tp
         self.num_heads = shard.q_end - shard.q_start
         self.num_kv_heads = shard.kv_end - shard.kv_start

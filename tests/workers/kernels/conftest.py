@@ -131,29 +131,7 @@ class PagedBatch:
 def paged_batch(device):
     """Factory: paged_batch(query_lens, seq_lens, Hq, Hkv, D, block_size, dtype=..., seed=..., **kw)."""
 
-    def make(
-        query_lens,
-        seq_lens,
-        num_q_heads,
-        num_kv_heads,
-        head_dim,
-        block_size,
-        dtype=torch.float32,
-        seed=0,
-        **kw,
-    ):
-        generator = torch.Generator().manual_seed(seed)
-        return PagedBatch(
-            query_lens,
-            seq_lens,
-            num_q_heads,
-            num_kv_heads,
-            head_dim,
-            block_size,
-            dtype,
-            device,
-            generator,
-            **kw,
-        )
+    def make(*shape, dtype=torch.float32, seed=0, **kw):
+        return PagedBatch(*shape, dtype, device, torch.Generator().manual_seed(seed), **kw)
 
     return make
