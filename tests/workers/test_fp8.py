@@ -83,6 +83,8 @@ def test_smollm2_in_fp8_stays_within_the_stated_bounds(smollm2_gguf_path, smollm
     log_p, log_q = reference.log_softmax(-1), logits.log_softmax(-1)
     kl = (log_p.exp() * (log_p - log_q)).sum(-1).mean().item()
     kept = (reference.argmax(-1) == logits.argmax(-1)).float().mean().item()
+    print(f"SmolLM2 prose, FP8 weights: ppl {ppl:.3f} -> {ppl_fp8:.3f} ({100 * (ppl_fp8 / ppl - 1):+.2f}%), top-1 kept "
+          f"{100 * kept:.1f}%, KL {kl:.4f}")
     assert ppl_fp8 <= 1.03 * ppl, (ppl, ppl_fp8)
     assert kept >= 0.85 and kl <= 0.05, (kept, kl)
 
