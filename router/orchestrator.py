@@ -127,8 +127,8 @@ class Orchestrator:
     async def run(self, rid: str, prompt: list[int], params: SamplingParams, trace: Trace,
                   plan: tuple[list[int], int] | None = None, coalesce: bool = False,
                   disagg: bool | None = None) -> AsyncIterator[Delta]:
-        """`plan` is `self.plan(prompt)` when the caller already has it (hashing a long prompt costs ~0.3 ms
-        per 1,000 tokens). `coalesce` (a client that does not stream): the decode worker sends the first token
+        """`plan` is `self.plan(prompt)` when the caller already has it (hashing a prompt costs in proportion to
+        its length). `coalesce` (a client that does not stream): the decode worker sends the first token
         at once and the rest as one delta at the end, not one event per token to read, parse and format. `disagg`:
         the path admission chose (None: `disaggregates`); a prefill pool left empty since serves it colocated."""
         hashes, key = plan if plan is not None else self.plan(prompt)
