@@ -279,17 +279,15 @@ def choose_path(router, prompt_len: int, uncached: int, params: SamplingParams) 
     """True to send the prompt to the prefill pool, False to compute it where it decodes. Past --disagg-min-tokens
     it is disaggregated; a shorter one too when computing it on the decode pool would stall the streams decoding
     there past the tightest inter-token target among this router's streams (docs/admission.md)."""
-    orchestrator, dispatcher = router.orchestrator, router.dispatcher
-    if orchestrator.disaggregates(prompt_len, params):
+    if router.orchestrator.disaggregates(prompt_len, params):
         return True
     if params.prompt_logprobs is not None or not router.admission.enabled or not router.prefill.healthy():
         return False
-    classes = router.admission.slo_classes
-    targets = [classes[name].itl_s for name, n in dispatcher.active_by_class.items() if n and name in classes]
-    if not targets:
+    tightest = router.dispatcher.tightest_itl_s()
+    if tightest is None:
         return False
     stall = colocated_stall_s(router.decode.healthy(), uncached, prompt_len)
-    return stall is not None and stall > min(targets) * (1 - router.admission.headroom)
+    return stall is not None and stall > tightest * (1 - router.admission.headroom)
 
 
 def prefill_time(router, prompt_len: int, uncached: int, disagg: bool) -> float | None:
