@@ -26,11 +26,12 @@ from tandem.openai.tokenize_routes import add_tokenize_routes
 from tandem.protocol import SamplingParams
 from tandem.router.admission import AdmissionRequest, Reject, RejectReason
 from tandem.router.admission.prediction import colocated_stall_s, prefill_s
-from tandem.router.api_keys import ApiKeyGate, bearer_token, header_value
+from tandem.router.api_keys import ApiKeyGate, bearer_token
 from tandem.router.fast_lane import FastLane
 from tandem.router.lora_affinity import resolve_lora, served_adapters
 from tandem.router.orchestrator import Trace, no_workers
 from tandem.server.body_limit import BodySizeLimit
+from tandem.server.headers import header_value
 from tandem.server.json_response import FastJSONResponse
 from tandem.server.request_id import HEADER as REQUEST_ID_HEADER
 from tandem.server.sse import (
