@@ -89,7 +89,6 @@ class DecodePhase:
     prompt_cached: int | None = None
     attempt_id: str = ""  # the request's id on its current decode worker
     failed: dict[str, int] = field(default_factory=dict)  # url -> its `entered` when it failed this request
-    tries: int = 0
     failures: int = 0
     wait_until: float | None = None  # loop time the wait for a decode worker to come back ends
     migrating: bool = False
@@ -242,7 +241,7 @@ class Orchestrator:
 
     async def _attempt(self, phase: DecodePhase, url: str) -> AsyncIterator[Delta]:
         """One decode worker's part: its deltas until the request finishes; raises when the worker fails it."""
-        first_try, phase.tries = not phase.tries, phase.tries + 1
+        first_try = not phase.trace.decode_workers  # each attempt adds its worker there
         if phase.migrating:  # counted once it goes on: a request that found no worker to go on to was not migrated
             phase.migrating = False
             phase.trace.migrations += 1
