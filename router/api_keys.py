@@ -15,6 +15,7 @@ from collections.abc import Iterable
 from starlette.responses import JSONResponse
 
 from tandem.errors import error_body
+from tandem.server.headers import header_value
 
 PROTECTED_PREFIX = "/v1/"
 PROTECTED_PAGES = ("/docs", "/redoc")  # with their assets (/docs/oauth2-redirect)
@@ -22,15 +23,6 @@ PROTECTED_PAGES = ("/docs", "/redoc")  # with their assets (/docs/oauth2-redirec
 
 def _digest(key: str) -> bytes:
     return hashlib.sha256(key.encode()).digest()
-
-
-def header_value(headers: Iterable[tuple[bytes, bytes]], name: bytes) -> str | None:
-    """The first value of header `name` (lower case, as ASGI gives names) among raw ASGI headers, read without
-    building starlette's Headers."""
-    for key, value in headers:
-        if key == name:
-            return value.decode("latin-1")
-    return None
 
 
 def bearer_token(headers: Iterable[tuple[bytes, bytes]]) -> str | None:

@@ -26,11 +26,12 @@ from tandem.openai.tokenize_routes import add_tokenize_routes
 from tandem.protocol import SamplingParams
 from tandem.router.admission import AdmissionRequest, Reject, RejectReason
 from tandem.router.admission.prediction import colocated_stall_s, prefill_s
-from tandem.router.api_keys import ApiKeyGate, bearer_token, header_value
+from tandem.router.api_keys import ApiKeyGate, bearer_token
 from tandem.router.fast_lane import FastLane
 from tandem.router.lora_affinity import resolve_lora, served_adapters
 from tandem.router.orchestrator import Trace, no_workers
 from tandem.server.body_limit import BodySizeLimit
+from tandem.server.headers import header_value
 from tandem.server.json_response import FastJSONResponse
 from tandem.server.request_id import HEADER as REQUEST_ID_HEADER
 from tandem.server.sse import (
@@ -279,17 +280,15 @@ def choose_path(router, prompt_len: int, uncached: int, params: SamplingParams) 
     """True to send the prompt to the prefill pool, False to compute it where it decodes. Past --disagg-min-tokens
     it is disaggregated; a shorter one too when computing it on the decode pool would stall the streams decoding
     there past the tightest inter-token target among this router's streams (docs/admission.md)."""
-    orchestrator, dispatcher = router.orchestrator, router.dispatcher
-    if orchestrator.disaggregates(prompt_len, params):
+    if router.orchestrator.disaggregates(prompt_len, params):
         return True
     if params.prompt_logprobs is not None or not router.admission.enabled or not router.prefill.healthy():
         return False
-    classes = router.admission.slo_classes
-    targets = [classes[name].itl_s for name, n in dispatcher.active_by_class.items() if n and name in classes]
-    if not targets:
+    tightest = router.dispatcher.tightest_itl_s()
+    if tightest is None:
         return False
     stall = colocated_stall_s(router.decode.healthy(), uncached, prompt_len)
-    return stall is not None and stall > min(targets) * (1 - router.admission.headroom)
+    return stall is not None and stall > tightest * (1 - router.admission.headroom)
 
 
 def prefill_time(router, prompt_len: int, uncached: int, disagg: bool) -> float | None:

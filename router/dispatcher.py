@@ -40,8 +40,8 @@ class Dispatcher:
         """(slots for requests like this one, what limits them, whether its targets can be met at all)."""
         if self.decode is None or not self.admission.enabled:
             return self.limit, RejectReason.DISPATCH_SLOTS, True
-        itl = min([slo.itl_s] + [self.admission.slo_classes[name].itl_s for name, n in self.active_by_class.items()
-                                 if n and name in self.admission.slo_classes])
+        tightest = self.tightest_itl_s()
+        itl = slo.itl_s if tightest is None else min(slo.itl_s, tightest)
         output = self.admission.rates.expected_output(request.max_tokens, request.ignore_eos)
         share = 1 - self.admission.headroom
         handoff = slo.itl_s * share if request.pool == "prefill" else None  # it comes from a prefill worker
@@ -52,6 +52,12 @@ class Dispatcher:
         if streams >= self.limit:
             return self.limit, RejectReason.DISPATCH_SLOTS, feasible
         return streams, RejectReason.DECODE_CAPACITY, feasible
+
+    def tightest_itl_s(self) -> float | None:
+        """The tightest inter-token target among the classes of the requests holding slots; None when none does."""
+        classes = self.admission.slo_classes
+        return min((classes[name].itl_s for name, n in self.active_by_class.items() if n and name in classes),
+                   default=None)
 
     def hold_s(self, request: AdmissionRequest, slots: int) -> float | None:
         """How long a request like this one is predicted to hold its slot: its prefill and its expected output at the

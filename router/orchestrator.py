@@ -89,7 +89,6 @@ class DecodePhase:
     prompt_cached: int | None = None
     attempt_id: str = ""  # the request's id on its current decode worker
     failed: dict[str, int] = field(default_factory=dict)  # url -> its `entered` when it failed this request
-    tries: int = 0
     failures: int = 0
     wait_until: float | None = None  # loop time the wait for a decode worker to come back ends
     migrating: bool = False
@@ -127,8 +126,8 @@ class Orchestrator:
     async def run(self, rid: str, prompt: list[int], params: SamplingParams, trace: Trace,
                   plan: tuple[list[int], int] | None = None, coalesce: bool = False,
                   disagg: bool | None = None) -> AsyncIterator[Delta]:
-        """`plan` is `self.plan(prompt)` when the caller already has it (hashing a long prompt costs ~0.3 ms
-        per 1,000 tokens). `coalesce` (a client that does not stream): the decode worker sends the first token
+        """`plan` is `self.plan(prompt)` when the caller already has it (hashing a prompt costs in proportion to
+        its length). `coalesce` (a client that does not stream): the decode worker sends the first token
         at once and the rest as one delta at the end, not one event per token to read, parse and format. `disagg`:
         the path admission chose (None: `disaggregates`); a prefill pool left empty since serves it colocated."""
         hashes, key = plan if plan is not None else self.plan(prompt)
@@ -242,7 +241,7 @@ class Orchestrator:
 
     async def _attempt(self, phase: DecodePhase, url: str) -> AsyncIterator[Delta]:
         """One decode worker's part: its deltas until the request finishes; raises when the worker fails it."""
-        first_try, phase.tries = not phase.tries, phase.tries + 1
+        first_try = not phase.trace.decode_workers  # each attempt adds its worker there
         if phase.migrating:  # counted once it goes on: a request that found no worker to go on to was not migrated
             phase.migrating = False
             phase.trace.migrations += 1

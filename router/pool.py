@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import httpx
 
+from tandem.config import EngineConfig
 from tandem.metrics import RouterMetrics
 from tandem.router.policies.p2c import DecodeWorkerState
 from tandem.router.policies.ring import HashRing
@@ -22,6 +23,9 @@ log = logging.getLogger(__name__)
 
 RETURN_PROBE_S = 0.25  # while requests wait for a worker to return, how often the absent ones are probed
 MAX_HOLD_OUT_S = 60.0  # the longest a failing worker is held out of rotation after an ejection
+# The engine's defaults, for a worker that does not report its limits.
+DEFAULT_MAX_NUM_SEQS = EngineConfig.model_fields["max_num_seqs"].default
+DEFAULT_MAX_NUM_BATCHED_TOKENS = EngineConfig.model_fields["max_num_batched_tokens"].default
 
 
 @dataclass
@@ -36,8 +40,8 @@ class Worker:
     running: int = 0  # sequences running and waiting on it, as last reported
     in_flight_at_report: int = 0  # this router's in_flight when that report came: the rest of `running` is others'
     max_model_len: int = 0
-    max_num_seqs: int = 0  # its engine's batch limit, as reported (0: not reported)
-    max_num_batched_tokens: int = 0  # its engine's per-step token budget, as reported (0: not reported)
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS  # its engine's batch limit, as reported (else the engine's default)
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS  # its per-step token budget, likewise
     context_tokens: int = 0  # the tokens of its running sequences' contexts, as reported
     step_cost: StepCost | None = None  # its step cost model, as reported (tandem.step_cost; None: not reported)
     step_tail: float = 1.0  # how much longer than predicted its steps' gaps run at worst (tandem.step_cost.StepTail)
@@ -199,8 +203,9 @@ class WorkerPool:
                 worker.running = load["running"] + load["waiting"]
                 worker.in_flight_at_report = worker.in_flight
                 worker.max_model_len = load.get("max_model_len", 0)
-                worker.max_num_seqs = int(load.get("max_num_seqs") or 0)
-                worker.max_num_batched_tokens = int(load.get("max_num_batched_tokens") or 0)
+                worker.max_num_seqs = int(load.get("max_num_seqs") or DEFAULT_MAX_NUM_SEQS)
+                worker.max_num_batched_tokens = int(load.get("max_num_batched_tokens")
+                                                    or DEFAULT_MAX_NUM_BATCHED_TOKENS)
                 worker.context_tokens = int(load.get("context_tokens") or 0)
                 cost = load.get("step_cost")
                 worker.step_cost = None if cost is None else StepCost.from_dict(cost)

@@ -150,7 +150,7 @@ class StepCostFit:
     refitted).
     """
 
-    REFRESH_S = 0.5  # the fit is solved again at most this often (a solve costs ~0.1 ms; a decode step a few ms)
+    REFRESH_S = 0.5  # the fit is solved again at most this often: a solve is too costly to repeat at every step
 
     def __init__(self, half_life_s: float = 30.0, clock=time.monotonic):
         if not (math.isfinite(half_life_s) and half_life_s > 0):

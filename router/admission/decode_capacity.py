@@ -10,10 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from tandem.config import EngineConfig
 from tandem.router.pool import Worker
-
-DEFAULT_MAX_NUM_SEQS = EngineConfig.model_fields["max_num_seqs"].default  # for a worker that reports none
 
 
 class DecodeCapacity:
@@ -42,7 +39,7 @@ class DecodeCapacity:
         feasible = False
         for worker in workers:
             idle = not (worker.running or worker.in_flight)
-            held = worker.max_num_seqs or DEFAULT_MAX_NUM_SEQS
+            held = worker.max_num_seqs
             if worker.total_blocks:  # the streams it runs and those its free blocks hold, within its whole cache
                 held = min(held, worker.total_blocks // blocks, worker.running + worker.free_blocks // blocks)
             cost = worker.step_cost

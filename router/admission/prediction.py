@@ -2,13 +2,8 @@
 
 from __future__ import annotations
 
-from tandem.config import EngineConfig
 from tandem.router.pool import Worker
 from tandem.step_cost import attention_pairs
-
-# The engine's defaults, for a worker that reports none.
-DEFAULT_BUDGET = EngineConfig.model_fields["max_num_batched_tokens"].default
-DEFAULT_MAX_NUM_SEQS = EngineConfig.model_fields["max_num_seqs"].default
 
 
 def prefill_s(workers: list[Worker], uncached: int, prompt_tokens: int, colocated: bool) -> float | None:
@@ -19,10 +14,9 @@ def prefill_s(workers: list[Worker], uncached: int, prompt_tokens: int, colocate
     for worker in workers:
         if worker.step_cost is None:
             continue
-        decodes = min(worker.running, worker.max_num_seqs or DEFAULT_MAX_NUM_SEQS) if colocated else 0
-        times.append(worker.step_cost.prefill_s(uncached, prompt_tokens - uncached,
-                                                worker.max_num_batched_tokens or DEFAULT_BUDGET, decodes,
-                                                worker.context_tokens if colocated else 0))
+        decodes = min(worker.running, worker.max_num_seqs) if colocated else 0
+        times.append(worker.step_cost.prefill_s(uncached, prompt_tokens - uncached, worker.max_num_batched_tokens,
+                                                decodes, worker.context_tokens if colocated else 0))
     return max(times) if times else None
 
 
@@ -34,8 +28,8 @@ def colocated_stall_s(workers: list[Worker], uncached: int, prompt_tokens: int) 
         cost = worker.step_cost
         if cost is None:
             continue
-        decodes = min(worker.running, worker.max_num_seqs or DEFAULT_MAX_NUM_SEQS)
-        chunk = max(1, min(uncached, (worker.max_num_batched_tokens or DEFAULT_BUDGET) - decodes))
+        decodes = min(worker.running, worker.max_num_seqs)
+        chunk = max(1, min(uncached, worker.max_num_batched_tokens - decodes))
         step = cost.step_s(decodes + chunk, decodes + 1,
                            worker.context_tokens + attention_pairs(prompt_tokens - uncached, chunk))
         stalls.append(step * (worker.step_tail if decodes else 1.0))

@@ -9,7 +9,7 @@ worker is the better of two sampled by free KV blocks per sequence (p2c.py).
 
 from __future__ import annotations
 
-from tandem.config import EngineConfig, RouterConfig
+from tandem.config import RouterConfig
 from tandem.metrics import RouterMetrics
 from tandem.router.policies.base import Placement
 from tandem.router.policies.key_table import KeyAssignments
@@ -17,10 +17,8 @@ from tandem.router.policies.p2c import PowerOfTwoChoices
 from tandem.router.pool import Worker, WorkerPool
 from tandem.router.prefix_predictor import PrefixPredictor
 
-# The sequence valve's floor, unless given: an eighth of a decode worker's max_num_seqs (the engine's default when
-# it reports none).
+# The sequence valve's floor, unless given: an eighth of a decode worker's max_num_seqs.
 SEQUENCE_FLOOR_SHARE = 8
-DEFAULT_MAX_NUM_SEQS = EngineConfig.model_fields["max_num_seqs"].default
 
 
 class CacheAware:
@@ -93,7 +91,7 @@ class CacheAware:
         quick to decode as one sequence)."""
         if self.config.decode_overload_min_seqs is not None:
             return self.config.decode_overload_min_seqs
-        return max(1, (worker.max_num_seqs or DEFAULT_MAX_NUM_SEQS) // SEQUENCE_FLOOR_SHARE)
+        return max(1, worker.max_num_seqs // SEQUENCE_FLOOR_SHARE)
 
     def _key_table(self, pool: WorkerPool) -> KeyAssignments:
         table = self._key_tables.get(pool)

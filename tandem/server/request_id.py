@@ -8,6 +8,8 @@ import re
 import uuid
 from contextvars import ContextVar
 
+from tandem.server.headers import header_value
+
 HEADER = "x-request-id"
 HEADER_RAW = HEADER.encode()
 # What a client's ID may be: printable, no spaces, at most 128 characters. Anything else is replaced (a log line
@@ -19,13 +21,8 @@ _current: ContextVar[str | None] = ContextVar("tandem_request_id", default=None)
 
 def from_headers(headers: list[tuple[bytes, bytes]]) -> str:
     """The client's ID from an ASGI scope's headers when it is usable, else a new one."""
-    for name, value in headers:
-        if name == HEADER_RAW:
-            text = value.decode("latin-1")
-            if VALID.fullmatch(text):
-                return text
-            break
-    return uuid.uuid4().hex
+    text = header_value(headers, HEADER_RAW)
+    return text if text is not None and VALID.fullmatch(text) else uuid.uuid4().hex
 
 
 def current() -> str | None:
