@@ -87,7 +87,7 @@ class KeyAssignments:
             self._drop(key)  # its worker left the ring or is excluded: place it again
         now = self.clock()
         bound = self.bound(candidates)
-        # Some candidate always has room (see the module docstring); next() raising would be a bug.
+        # Some candidate always has room (docs/design/routing.md, "Guarantee"); next() raising would be a bug.
         worker = next(w for w in candidates if self._counts.get(w, 0) + 1 <= bound)
         self._table[key] = (worker, now)
         self._counts[worker] = self._counts.get(worker, 0) + 1

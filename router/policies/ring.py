@@ -136,5 +136,5 @@ class HashRing:
             if loads.get(worker, 0.0) + weight <= capacity:
                 return worker
             passed_over.append(worker)
-        # Only a weighted request can get here (see the module docstring); min() keeps the first in walk order.
+        # Only a weighted request can get here (docs/design/routing.md); min() keeps the first in walk order.
         return min(passed_over, key=lambda w: loads.get(w, 0.0))
