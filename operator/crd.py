@@ -35,7 +35,7 @@ def _cel(rule: str, message: str) -> dict:
 RATIO_PATTERN = r"^[1-9][0-9]{0,3}:[1-9][0-9]{0,3}$"
 # Kubernetes resource.Quantity, as the API server's own OpenAPI schema spells it.
 QUANTITY_PATTERN = r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"
-SERVED_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._/-]*$"
+SERVED_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._/-]*$"  # a model name clients send; no '=' (an adapter's NAME=PATH)
 DNS_SUBDOMAIN_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
 # The pod labels the operator's selectors match, and its own key domain (roll-triggering hashes): a user's
 # podLabels or podAnnotations must leave them to the operator, or a Deployment would lose its pods.
@@ -256,7 +256,6 @@ class PoolSpec(PodSettings):
                                                                                  "gets to finish its requests")
 
 
-ADAPTER_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._/-]*$"  # a model name clients send; no '=' (NAME=PATH)
 MAX_LORA_ADAPTERS = 64
 
 
@@ -295,7 +294,7 @@ class AdapterSource(_CamelModel):
 class LoraAdapter(_CamelModel):
     """A PEFT LoRA adapter every worker loads at start, served under its own model name (docs/lora.md)."""
 
-    name: str = Field(..., min_length=1, max_length=128, pattern=ADAPTER_NAME_PATTERN,
+    name: str = Field(..., min_length=1, max_length=128, pattern=SERVED_NAME_PATTERN,
                       description="the model name clients send to use the adapter")
     source: AdapterSource
 

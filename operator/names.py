@@ -53,9 +53,10 @@ def labels(name: str, component: str) -> dict[str, str]:
 
 
 def workers_selector(name: str) -> str:
-    """Both pools' worker pods, as a label selector string (status.selector: the scale subresource's)."""
-    return (f"app.kubernetes.io/name=tandem,app.kubernetes.io/instance={name},"
-            f"app.kubernetes.io/component in ({','.join(POOLS)})")
+    """Both pools' worker pods, as a label selector string (status.selector: the scale subresource's): the pools'
+    selector_labels, their component as a set."""
+    shared = [f"{k}={v}" for k, v in selector_labels(name, "").items() if k != "app.kubernetes.io/component"]
+    return ",".join([*shared, f"app.kubernetes.io/component in ({','.join(POOLS)})"])
 
 
 def pool_selector(name: str, pool: str) -> str:

@@ -169,6 +169,12 @@ class EngineConfig(BaseModel):
         return self
 
 
+# The HTTP server's options the router and a worker take alike.
+MaxBodyBytesOption = Annotated[int, Field(ge=1, description="larger request bodies get 413")]
+EnableLogRequestsOption = Annotated[bool, Field(description="a log line at INFO per request (vLLM's "
+                                                            "--enable-log-requests), with its x-request-id")]
+
+
 API_KEY_ENV = "TANDEM_API_KEY"  # the router's key kept off its command line (and out of `ps`), as VLLM_API_KEY
 
 
@@ -208,9 +214,8 @@ class RouterConfig(BaseModel):
     max_routing_keys: int = Field(100_000, ge=1, description="key table size per pool; least recently used go first")
     max_input_tokens: int | None = Field(None, ge=1, description="longer prompts get 400")
     max_output_tokens: int | None = Field(None, ge=1, description="larger max_tokens get 400")
-    max_body_bytes: int = Field(1 << 20, ge=1, description="larger request bodies get 413")
-    enable_log_requests: bool = Field(False, description="a log line at INFO per request (vLLM's "
-                                                         "--enable-log-requests), with its x-request-id")
+    max_body_bytes: MaxBodyBytesOption = 1 << 20
+    enable_log_requests: EnableLogRequestsOption = False
     api_key: list[str] = Field(default_factory=list, description="/v1/* requests must send one of these as "
                                "`Authorization: Bearer <key>` (401 otherwise), or $TANDEM_API_KEY, or a key of the "
                                "tenants file; with none of these nor its requireApiKey, the API is open")
@@ -259,9 +264,8 @@ class WorkerConfig(BaseModel):
     role: Role = "both"
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
-    max_body_bytes: int = Field(1 << 20, ge=1, description="larger request bodies get 413")
-    enable_log_requests: bool = Field(False, description="a log line at INFO per request (vLLM's "
-                                                         "--enable-log-requests), with its x-request-id")
+    max_body_bytes: MaxBodyBytesOption = 1 << 20
+    enable_log_requests: EnableLogRequestsOption = False
     advertise_url: str | None = Field(None, description="URL peers use to reach this worker (default http://host:port)")
     stall_timeout_s: float = Field(300.0, gt=0, description="/health and /ready answer 503 while one engine step "
                                    "has run longer than this (a hung GPU call or a deadlock leaves the engine thread "

@@ -7,13 +7,7 @@ from collections.abc import Callable
 
 from fastapi import FastAPI
 
-from tandem.errors import APIError
-from tandem.openai.protocol import ModelCard, ModelList
-
-
-def model_not_found(served_name: str, model: str) -> APIError:
-    return APIError(404, f"The model '{model}' does not exist; this server serves '{served_name}'",
-                    param="model", code="model_not_found")
+from tandem.openai.protocol import ModelCard, ModelList, model_not_found
 
 
 def add_model_routes(app: FastAPI, served_name: str, max_model_len: Callable[[], int],

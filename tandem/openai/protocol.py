@@ -78,10 +78,14 @@ class CompletionRequest(CommonParams):
 # -- checks against the served model, the same on the router and on a worker ----------------------------------
 
 
+def model_not_found(served_name: str, model: str) -> APIError:
+    return APIError(404, f"The model '{model}' does not exist; this server serves '{served_name}'",
+                    param="model", code="model_not_found")
+
+
 def check_model(served_name: str, model: str | None) -> None:
     if model is not None and model != served_name:
-        raise APIError(404, f"The model '{model}' does not exist; this server serves '{served_name}'",
-                       param="model", code="model_not_found")
+        raise model_not_found(served_name, model)
 
 
 def check_token_ids(vocab_size: int, ids: list[int], param: str = "prompt") -> list[int]:

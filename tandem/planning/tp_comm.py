@@ -33,8 +33,8 @@ class ModelShape:
     activation_bytes: float = 2.0
 
 
-# Nominal datasheet figures: NVLink 4 moves 450 GB/s each way per GPU. The latency is an assumption (a small NCCL
-# all-reduce within one NVLink node, CUDA graphs on), not a measurement.
+# Nominal datasheet figures: HBM bandwidth, and NVLink 4's bandwidth each way per GPU. The latency is an assumption
+# (a small NCCL all-reduce within one NVLink node, CUDA graphs on), not a measurement.
 GPUS = {
     "h100": GPUSpec("H100", 3.35e12, 450e9, 8e-6),
     "h200": GPUSpec("H200", 4.8e12, 450e9, 8e-6),
