@@ -7,12 +7,12 @@ collective rank 0 runs is counted: all-reduces (one after each row-parallel GEMM
 and the vocabulary-parallel embedding), all-gathers (the vocabulary-parallel LM head) and the broadcast of each
 step's inputs. Printed per step: the count, the bytes and the time spent in them, beside the step's time. The model
 is a random Llama made here with 12 heads and 6 KV heads (so 2 and 3 both divide them), SmolLM2-135M's other
-shapes; correctness is the tests' (tests/test_tensor_parallel.py), overhead is what this shows. No speed target
+shapes; correctness is the tests' (tests/workers/test_tensor_parallel.py), overhead is what this shows. No speed target
 on CPU.
 
 Modelled: the same count and bytes for a model and TP degree on a GPU fleet, against the link's bandwidth (a ring
 all-reduce moves 2 (N-1)/N of the tensor per rank) and against the step's weight read at the HBM bandwidth
-(tandem.planning.tp_comm, which `tandem plan` uses).
+(tandem.planning.tp_comm; `tandem plan` does not use it yet).
 
     PYTHONSAFEPATH=1 .venv/bin/python benchmarks/tp.py [--quick]
 """
