@@ -166,16 +166,13 @@ def measure(engine) -> list[list[float]]:
                 for n in prefills:
                     engine.generate([prompt(n)], _greedy(1))
             recorder.samples.clear()  # are not the steps' own
-            for n in prefills:
-                # The longest prompt also decodes a few steps: a batch of one at a long context, without which the
-                # decode model's attention-pair term is not told apart from its per-sequence term (every other decode
-                # step sees about DECODE_PROMPT_TOKENS of context) and a long stream's steps were predicted far
-                # too slow.
-                if n == prefills[-1]:
-                    long = max(1, min(n, engine.max_model_len - DECODE_STEPS - 1))
-                    engine.generate([prompt(long)], _greedy(DECODE_STEPS + 1))
-                else:
-                    engine.generate([prompt(n)], _greedy(1))
+            for n in prefills[:-1]:
+                engine.generate([prompt(n)], _greedy(1))
+            # The longest prompt also decodes a few steps: a batch of one at a long context, without which the decode
+            # model's attention-pair term is not told apart from its per-sequence term (every other decode step sees
+            # about DECODE_PROMPT_TOKENS of context) and a long stream's steps were predicted far too slow.
+            longest = max(1, min(prefills[-1], limit - DECODE_STEPS))
+            engine.generate([prompt(longest)], _greedy(DECODE_STEPS + 1))
             decode_len = min(DECODE_PROMPT_TOKENS, max(1, limit - DECODE_STEPS - 1))
             for batch in batches:
                 engine.generate([prompt(decode_len) for _ in range(batch)], _greedy(DECODE_STEPS + 1))
