@@ -434,8 +434,7 @@ class LLMEngine:
         allowed = None
         if any(s.params.structured is not None for s in groups):  # (such sequences are never drafted for)
             allowed = self.grammars.allowed([requests[s.request_id].matcher for s in row_seqs], logits.device)
-        generators = [g for s, n in groups.items() for g in (s.token_generators(n) if n > 1 else
-                                                             [s.next_token_generator()])]
+        generators = [g for s, n in groups.items() for g in s.token_generators(n)]
         sampled = self.sampler(logits, [s.params for s in row_seqs], generators, histories, allowed)
         now = time.monotonic()
         outputs, row, emitted = [], 0, 0
