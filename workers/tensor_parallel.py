@@ -38,10 +38,6 @@ class TPGroup:
         self.rank = rank
         self.size = size
 
-    @property
-    def is_leader(self) -> bool:
-        return self.rank == 0
-
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sums `tensor` over the ranks, in place; returns it."""
         dist.all_reduce(tensor)
