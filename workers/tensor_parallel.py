@@ -6,7 +6,7 @@ broadcasts the step's inputs (StepInputs). The model's collectives (an all-reduc
 vocabulary-parallel embedding and LM head) run over torch.distributed: NCCL on CUDA, gloo on the CPU. docs/
 tensor-parallel.md has the layout.
 
-A follower that dies takes its worker with it: rank 0 exits as soon as it sees one gone (TPGroup.watch), so that
+A follower that dies takes its worker with it: rank 0 exits as soon as it sees one gone (watch, exit_on_loss), so that
 the worker fails its health checks and is restarted whole, never left half alive.
 """
 
