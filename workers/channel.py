@@ -22,13 +22,11 @@ log = logging.getLogger(__name__)
 # path -> (body model, handler); a handler answers a dict, or an async iterator of (event, last) for a stream.
 ChannelRoutes = dict[str, tuple[type[BaseModel], Callable[[BaseModel], Awaitable]]]
 
-def add_channel_route(app: FastAPI, routes: ChannelRoutes, connections: set[WebSocket] | None = None
-                      ) -> set[asyncio.Task]:
+def add_channel_route(app: FastAPI, routes: ChannelRoutes, connections: set[WebSocket]) -> set[asyncio.Task]:
     """Returns the tasks answering a message, over every connection: each leaves the set once its answer is sent
     (a worker's drain waits for them: workers/main.py). `connections`: kept up to date with the open channels (for
     notify_all)."""
     answering: set[asyncio.Task] = set()
-    connections = set() if connections is None else connections
 
     @app.websocket("/internal/ws")
     async def channel(ws: WebSocket):

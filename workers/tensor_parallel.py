@@ -6,7 +6,7 @@ broadcasts the step's inputs (StepInputs). The model's collectives (an all-reduc
 vocabulary-parallel embedding and LM head) run over torch.distributed: NCCL on CUDA, gloo on the CPU. docs/
 tensor-parallel.md has the layout.
 
-A follower that dies takes its worker with it: rank 0 exits as soon as it sees one gone (TPGroup.watch), so that
+A follower that dies takes its worker with it: rank 0 exits as soon as it sees one gone (watch, exit_on_loss), so that
 the worker fails its health checks and is restarted whole, never left half alive.
 """
 
@@ -37,10 +37,6 @@ class TPGroup:
     def __init__(self, rank: int, size: int):
         self.rank = rank
         self.size = size
-
-    @property
-    def is_leader(self) -> bool:
-        return self.rank == 0
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sums `tensor` over the ranks, in place; returns it."""

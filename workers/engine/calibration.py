@@ -31,13 +31,12 @@ log = logging.getLogger(__name__)
 CACHE_ENV = "TANDEM_CACHE_DIR"
 DECODE_STEPS = 4  # decode steps timed per batch size
 DECODE_PROMPT_TOKENS = 32
-# spread() at most this: a quiet host (1.0-2.1 measured on a 2-core host running tests beside it; 7.8 and 10.6
-# where other processes took the cores). Beyond it the workload is measured again, MAX_PASSES times at most.
+# spread() at most this: a quiet host's is near 1, one whose cores other processes took is several times that.
+# Beyond it the workload is measured again, MAX_PASSES times at most.
 STEADY_SPREAD = 2.5
 MAX_PASSES = 2
-# A CPU worker's calibration that got under this share of its threads' time ran beside other work: 0.99 measured
-# on a quiet 2-core host, 0.42 while another process installed packages (every step 2-10x slower, all alike, so that
-# spread() did not show it).
+# A CPU worker's calibration that got under this share of its threads' time ran beside other work: a quiet host
+# gives it nearly all of it, while another process on the cores slows every step alike, which spread() does not show.
 MIN_CPU_SHARE = 0.5
 SPIKE_LIMIT = 2.0  # a decode step counts at most this many times the median of its run's steps
 
@@ -84,8 +83,8 @@ def calibrate(engine) -> StepCost:
 
 def without_spikes(samples: list[list[float]]) -> list[list[float]]:
     """The samples with each decode step held to SPIKE_LIMIT x the median of its run's steps: one step that
-    another process delayed (92 ms among 12-21 ms ones, seen on a 2-core CI host) would otherwise weigh in the fit
-    as if the worker were that slow, and admission refuse streams it can serve."""
+    another process delayed (several times as long as its run's others) would otherwise weigh in the fit as if the
+    worker were that slow, and admission refuse streams it can serve."""
     medians = {run: statistics.median(t) for run, t in _decode_times(samples).items()}
     return [[tokens, sequences, pairs, min(seconds, SPIKE_LIMIT * medians[_run(sequences, pairs)])
              if tokens == sequences else seconds] for tokens, sequences, pairs, seconds in samples]
@@ -167,16 +166,13 @@ def measure(engine) -> list[list[float]]:
                 for n in prefills:
                     engine.generate([prompt(n)], _greedy(1))
             recorder.samples.clear()  # are not the steps' own
-            for n in prefills:
-                # The longest prompt also decodes a few steps: a batch of one at a long context, without which the
-                # decode model's attention-pair term is not told apart from its per-sequence term (every other decode
-                # step sees about DECODE_PROMPT_TOKENS of context) and a long stream's steps were predicted 10-100x
-                # too slow.
-                if n == prefills[-1]:
-                    long = max(1, min(n, engine.max_model_len - DECODE_STEPS - 1))
-                    engine.generate([prompt(long)], _greedy(DECODE_STEPS + 1))
-                else:
-                    engine.generate([prompt(n)], _greedy(1))
+            for n in prefills[:-1]:
+                engine.generate([prompt(n)], _greedy(1))
+            # The longest prompt also decodes a few steps: a batch of one at a long context, without which the decode
+            # model's attention-pair term is not told apart from its per-sequence term (every other decode step sees
+            # about DECODE_PROMPT_TOKENS of context) and a long stream's steps were predicted far too slow.
+            longest = max(1, min(prefills[-1], limit - DECODE_STEPS))
+            engine.generate([prompt(longest)], _greedy(DECODE_STEPS + 1))
             decode_len = min(DECODE_PROMPT_TOKENS, max(1, limit - DECODE_STEPS - 1))
             for batch in batches:
                 engine.generate([prompt(decode_len) for _ in range(batch)], _greedy(DECODE_STEPS + 1))

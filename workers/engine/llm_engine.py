@@ -31,9 +31,9 @@ from tandem.workers.engine.sampler import History, Sampler, TokenLogprobs
 from tandem.workers.engine.scheduler import Scheduler
 from tandem.workers.engine.sequence import Sequence
 from tandem.workers.engine.spec_decode import make_proposer
-from tandem.workers.engine.spec_decode.adaptive import AcceptanceHistory, plan_drafts, worth_alone
+from tandem.workers.engine.spec_decode.adaptive import draft
 from tandem.workers.engine.spec_decode.stats import SpecDecodeStats
-from tandem.workers.engine.spec_decode.verify import draft_limit, num_accepted
+from tandem.workers.engine.spec_decode.verify import num_accepted
 from tandem.workers.kv_transfer import KVTransfer, KVTransferError
 from tandem.workers.layers.ops import resolve_backend
 from tandem.workers.lora.manager import LoRAManager, parse_lora_modules
@@ -414,40 +414,10 @@ class LLMEngine:
         return outputs
 
     def _propose(self) -> None:
-        """Draft tokens for the running sequences that decode next (speculative decoding), as many of each as its
-        acceptance history and the step cost model make worth verifying (spec_decode.adaptive); the scheduler
-        fits them into the step or drops them."""
-        decodes = [seq for seq in self.scheduler.running if seq.num_uncomputed_tokens == 1]
-        seqs, limits = [], []
-        for seq in decodes:
-            limit = draft_limit(seq, self.num_speculative_tokens, self.max_model_len)
-            if limit:
-                if seq.spec_history is None:
-                    seq.spec_history = AcceptanceHistory()
-                limit = seq.spec_history.limit(limit)
-                if limit:
-                    seqs.append(seq)
-                    limits.append(limit)
-        if not seqs:
-            self.spec_stats.planned(len(decodes), 0, False)
-            return
-        for seq, drafts in zip(seqs, self.proposer.propose([s.token_ids for s in seqs], limits), strict=True):
-            seq.spec_token_ids = drafts
-        cost = self.step_costs.cost()
-        contexts = [seq.num_tokens for seq in decodes]
-        rates = [seq.spec_history.plan_rate if seq.spec_token_ids else 0.0 for seq in decodes]
-        planned = plan_drafts(cost, contexts, rates, [len(seq.spec_token_ids) for seq in decodes])
-        drafted = False
-        for seq, k, context in zip(decodes, planned, contexts, strict=True):
-            history = seq.spec_history
-            if history is not None:
-                history.shadow = seq.spec_token_ids[0] if seq.spec_token_ids and not k else None
-            if seq.spec_token_ids:
-                drafted = True
-                if not k and not worth_alone(cost, context, history.rate):
-                    history.pause()  # its drafts keep failing: it retries later
-                del seq.spec_token_ids[k:]
-        self.spec_stats.planned(len(decodes), sum(planned), drafted and not any(planned))
+        """Draft tokens for the running sequences that decode next (spec_decode.adaptive.draft); the scheduler fits
+        them into the step or drops them."""
+        draft([seq for seq in self.scheduler.running if seq.num_uncomputed_tokens == 1], self.proposer,
+              self.num_speculative_tokens, self.max_model_len, self.step_costs, self.spec_stats)
 
     def _sample_and_append(self, logits: torch.Tensor, row_seqs: list[Sequence]) -> list[RequestOutput]:
         """Sample every logits row (a sequence's last known token, then each of its drafts), keep each
@@ -464,8 +434,7 @@ class LLMEngine:
         allowed = None
         if any(s.params.structured is not None for s in groups):  # (such sequences are never drafted for)
             allowed = self.grammars.allowed([requests[s.request_id].matcher for s in row_seqs], logits.device)
-        generators = [g for s, n in groups.items() for g in (s.token_generators(n) if n > 1 else
-                                                             [s.next_token_generator()])]
+        generators = [g for s, n in groups.items() for g in s.token_generators(n)]
         sampled = self.sampler(logits, [s.params for s in row_seqs], generators, histories, allowed)
         now = time.monotonic()
         outputs, row, emitted = [], 0, 0

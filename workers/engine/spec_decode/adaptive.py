@@ -10,9 +10,14 @@ many tokens per second, and its drafts stop paying: the plan then verifies none 
 
 from __future__ import annotations
 
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
-from tandem.step_cost import StepCost
+from tandem.step_cost import StepCost, StepCostFit
+from tandem.workers.engine.sequence import Sequence
+from tandem.workers.engine.spec_decode.proposer import Proposer
+from tandem.workers.engine.spec_decode.stats import SpecDecodeStats
+from tandem.workers.engine.spec_decode.verify import draft_limit
 
 DECAY = 0.8  # the weight a verification's outcome keeps for every later one of the same sequence
 PRIOR_ACCEPTED, PRIOR_TRIED = 1.0, 2.0  # a new sequence's estimate: 1/2
@@ -95,3 +100,39 @@ def plan_drafts(cost: StepCost | None, contexts: list[int], rates: list[float], 
 def worth_alone(cost: StepCost | None, context: int, rate: float) -> bool:
     """Whether a first draft at `rate` would be verified in a step of its sequence alone."""
     return plan_drafts(cost, [context], [rate], [1])[0] == 1
+
+
+def draft(decodes: Seq[Sequence], proposer: Proposer, max_drafts: int, max_model_len: int, fit: StepCostFit,
+          stats: SpecDecodeStats) -> None:
+    """Set each of a step's `decodes`' spec_token_ids: as many drafts as its acceptance history and the step cost
+    model (`fit`'s) make worth verifying, at most `max_drafts`; a sequence paused from drafting counts a step off."""
+    seqs, limits = [], []
+    for seq in decodes:
+        limit = draft_limit(seq, max_drafts, max_model_len)
+        if limit:
+            if seq.spec_history is None:
+                seq.spec_history = AcceptanceHistory()
+            limit = seq.spec_history.limit(limit)
+            if limit:
+                seqs.append(seq)
+                limits.append(limit)
+    if not seqs:
+        stats.planned(len(decodes), 0, False)
+        return
+    for seq, drafts in zip(seqs, proposer.propose([s.token_ids for s in seqs], limits), strict=True):
+        seq.spec_token_ids = drafts
+    cost = fit.cost()
+    contexts = [seq.num_tokens for seq in decodes]
+    rates = [seq.spec_history.plan_rate if seq.spec_token_ids else 0.0 for seq in decodes]
+    planned = plan_drafts(cost, contexts, rates, [len(seq.spec_token_ids) for seq in decodes])
+    drafted = False
+    for seq, k, context in zip(decodes, planned, contexts, strict=True):
+        history = seq.spec_history
+        if history is not None:
+            history.shadow = seq.spec_token_ids[0] if seq.spec_token_ids and not k else None
+        if seq.spec_token_ids:
+            drafted = True
+            if not k and not worth_alone(cost, context, history.rate):
+                history.pause()  # its drafts keep failing: it retries later
+            del seq.spec_token_ids[k:]
+    stats.planned(len(decodes), sum(planned), drafted and not any(planned))
