@@ -70,6 +70,20 @@ def teacher_forced_logits(attention_metadata):
     return logits
 
 
+def text_quality(reference: torch.Tensor, logits: torch.Tensor, ids: list[int], label: str) -> tuple[float, ...]:
+    """Teacher-forced `logits` against the float `reference` on `ids`: (perplexity of each, mean KL in nats, share
+    of positions whose top-1 token is kept), printed under `label`."""
+    targets = torch.tensor(ids[1:])
+    ppl = torch.exp(F.cross_entropy(reference[:-1], targets)).item()
+    ppl_q = torch.exp(F.cross_entropy(logits[:-1], targets)).item()
+    log_p, log_q = reference.log_softmax(-1), logits.log_softmax(-1)
+    kl = (log_p.exp() * (log_p - log_q)).sum(-1).mean().item()
+    kept = (reference.argmax(-1) == logits.argmax(-1)).float().mean().item()
+    print(f"{label}: ppl {ppl:.3f} -> {ppl_q:.3f} ({100 * (ppl_q / ppl - 1):+.2f}%), top-1 kept {100 * kept:.1f}%, "
+          f"KL {kl:.4f}")
+    return ppl, ppl_q, kl, kept
+
+
 def test_smollm2_in_fp8_stays_within_the_stated_bounds(smollm2_gguf_path, smollm2, teacher_forced_logits):
     ids = smollm2.tokenizer.encode(PROSE, False)
     assert len(ids) > 300
@@ -77,14 +91,7 @@ def test_smollm2_in_fp8_stays_within_the_stated_bounds(smollm2_gguf_path, smollm
     quantized = load_model(smollm2_gguf_path, dtype="float32", backend="torch", quantized_gemv="off")
     quantized.model.quantize_fp8()  # the loader refuses --quantization on a GGUF file: done by hand here
     logits = teacher_forced_logits(quantized.model, ids)
-    targets = torch.tensor(ids[1:])
-    ppl = torch.exp(F.cross_entropy(reference[:-1], targets)).item()
-    ppl_fp8 = torch.exp(F.cross_entropy(logits[:-1], targets)).item()
-    log_p, log_q = reference.log_softmax(-1), logits.log_softmax(-1)
-    kl = (log_p.exp() * (log_p - log_q)).sum(-1).mean().item()
-    kept = (reference.argmax(-1) == logits.argmax(-1)).float().mean().item()
-    print(f"SmolLM2 prose, FP8 weights: ppl {ppl:.3f} -> {ppl_fp8:.3f} ({100 * (ppl_fp8 / ppl - 1):+.2f}%), top-1 kept "
-          f"{100 * kept:.1f}%, KL {kl:.4f}")
+    ppl, ppl_fp8, kl, kept = text_quality(reference, logits, ids, "SmolLM2 prose, FP8 weights")
     assert ppl_fp8 <= 1.03 * ppl, (ppl, ppl_fp8)
     assert kept >= 0.85 and kl <= 0.05, (kept, kl)
 
